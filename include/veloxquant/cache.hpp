@@ -1,0 +1,12 @@
+// veloxquant — umbrella header of the KV-cache eviction module (like Eigen/Core).
+#pragma once
+
+#include "cache/h2o_cache.hpp"
+#include "cache/kv_cache.hpp"
+#include "cache/kv_cache_builder.hpp"
+#include "cache/kv_cache_config.hpp"
+#include "cache/kv_cache_factory.hpp"
+#include "cache/pyramidkv_cache.hpp"
+#include "cache/squeeze_cache.hpp"
+#include "cache/squeeze_coordinator.hpp"
+#include "cache/tensor.hpp"

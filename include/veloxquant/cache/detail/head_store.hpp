@@ -1,0 +1,215 @@
+// veloxquant — per-head row storage shared by every cache policy.
+//
+// A head keeps its rows in "slots": key rows [cap, Dk] and value rows [cap, Dv] of T, one
+// position (int64), one score (float32) and one alive flag per slot. `order` lists the live slots
+// in ascending position. Evicting a row only clears its alive flag and removes it from `order`
+// (O(n) scalar work, no data movement); the hole is refilled at the start of the next call by
+// moving one row from the tail (O(D) movement), so the returned window of the current call stays
+// addressable until then (SPEC 2.3, SPEC 7).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "assert.hpp"
+
+namespace veloxquant::cache::detail {
+
+using Index = Eigen::Index;
+/// Slot index; 32 bits keep the per-row bookkeeping small next to the K/V rows.
+using Slot = std::int32_t;
+
+/// Rows, positions and scores of one (batch, head).
+template <class T>
+class HeadStore {
+ public:
+  HeadStore() = default;
+  HeadStore(Index dk, Index dv) : dk_(dk), dv_(dv) {}
+
+  Index key_dim() const { return dk_; }
+  Index value_dim() const { return dv_; }
+  /// Live (retained) rows.
+  Index live() const { return static_cast<Index>(order_.size()); }
+  /// Slots in use, live or dead (dead ones are refilled by compact()).
+  Index physical() const { return n_phys_; }
+  Index capacity() const { return cap_; }
+
+  /// Makes room for `rows` slots; exact capacity; strong exception guarantee.
+  void reserve(Index rows) {
+    if (rows <= cap_) return;
+    reallocate(rows);
+  }
+
+  /// Releases capacity beyond `rows` when more than half of it is unused (hysteresis against
+  /// grow/shrink cycles). Call only after compact(). Strong exception guarantee.
+  void shrink_if_oversized(Index rows) {
+    VELOXQUANT_ASSERT(n_phys_ == live(), "shrink before compaction");
+    if (cap_ > 2 * rows && cap_ > 16) reallocate(std::max(rows, n_phys_));
+  }
+
+  /// Refills the holes left by evictions with rows from the tail. After it, slots [0, live())
+  /// hold exactly the live rows. Never allocates; the logical state is unchanged.
+  void compact() noexcept {
+    const Index n_live = live();
+    if (n_phys_ == n_live) return;
+    Index tail = n_phys_ - 1;
+    for (Index h = 0; h < n_live; ++h) {
+      if (alive_[static_cast<std::size_t>(h)]) continue;
+      while (!alive_[static_cast<std::size_t>(tail)]) --tail;
+      move_slot(tail, h);
+      // Leave a forwarding address in the vacated slot for the pass over `order` below.
+      pos_[static_cast<std::size_t>(tail)] = h;
+      alive_[static_cast<std::size_t>(tail)] = kMoved;
+      --tail;
+    }
+    for (Slot& s : order_) {
+      if (s >= n_live) s = static_cast<Slot>(pos_[static_cast<std::size_t>(s)]);
+    }
+    n_phys_ = n_live;
+  }
+
+  /// Appends one row in a new slot (capacity must be reserved) and returns its slot.
+  /// The row is alive but not yet in `order` (the policy decides when it joins).
+  Slot append(const T* key, const T* value, std::int64_t position) noexcept {
+    VELOXQUANT_ASSERT(n_phys_ < cap_, "append beyond reserved capacity");
+    const Index s = n_phys_++;
+    std::memcpy(key_ptr(s), key, sizeof(T) * static_cast<std::size_t>(dk_));
+    std::memcpy(value_ptr(s), value, sizeof(T) * static_cast<std::size_t>(dv_));
+    pos_[static_cast<std::size_t>(s)] = position;
+    score_[static_cast<std::size_t>(s)] = 0.0f;
+    alive_[static_cast<std::size_t>(s)] = kAlive;
+    return static_cast<Slot>(s);
+  }
+
+  /// Makes slot `s` join the live set at the end of `order` (its position must be the largest).
+  void push_live(Slot s) noexcept {
+    VELOXQUANT_ASSERT(order_.size() < order_.capacity(), "order capacity");
+    order_.push_back(s);
+  }
+
+  /// Evicts the live row at index `i` of `order`. O(n) scalar work, no row movement.
+  void evict_at(Index i) noexcept {
+    const Slot s = order_[static_cast<std::size_t>(i)];
+    alive_[static_cast<std::size_t>(s)] = kDead;
+    order_.erase(order_.begin() + i);
+  }
+
+  /// Marks slot `s` dead without touching `order` (the caller rebuilds it with drop_dead()).
+  void mark_dead(Slot s) noexcept { alive_[static_cast<std::size_t>(s)] = kDead; }
+
+  /// Removes dead slots from `order`, keeping the order of the rest.
+  void drop_dead() noexcept {
+    order_.erase(std::remove_if(order_.begin(), order_.end(),
+                                [this](Slot s) { return alive_[static_cast<std::size_t>(s)] != kAlive; }),
+                 order_.end());
+  }
+
+  /// Drops the newest `n` live rows (standard cache trim; valid only with no holes).
+  void drop_newest(Index n) noexcept {
+    VELOXQUANT_ASSERT(n_phys_ == live(), "drop_newest with holes");
+    for (Index i = 0; i < n; ++i) {
+      alive_[static_cast<std::size_t>(order_.back())] = kDead;
+      order_.pop_back();
+    }
+    compact();
+  }
+
+  /// Forgets every row; keeps the capacity.
+  void clear() noexcept {
+    order_.clear();
+    window_.clear();
+    n_phys_ = 0;
+  }
+
+  /// Records the current live order as the start of the call's returned window.
+  void begin_window() noexcept { window_.assign(order_.begin(), order_.end()); }
+  /// Adds a slot of the current call to the returned window.
+  void extend_window(Slot s) noexcept { window_.push_back(s); }
+
+  /// Live slots in ascending position.
+  const std::vector<Slot>& order() const { return order_; }
+  /// The slots the last call returned, in ascending position.
+  const std::vector<Slot>& window() const { return window_; }
+
+  T* key_ptr(Index s) { return k_.data() + s * dk_; }
+  const T* key_ptr(Index s) const { return k_.data() + s * dk_; }
+  T* value_ptr(Index s) { return v_.data() + s * dv_; }
+  const T* value_ptr(Index s) const { return v_.data() + s * dv_; }
+  const T* keys_data() const { return k_.data(); }
+  const T* values_data() const { return v_.data(); }
+  const std::int64_t* positions_data() const { return pos_.data(); }
+
+  std::int64_t position(Index s) const { return pos_[static_cast<std::size_t>(s)]; }
+  float score(Index s) const { return score_[static_cast<std::size_t>(s)]; }
+  float& score(Index s) { return score_[static_cast<std::size_t>(s)]; }
+  bool alive(Index s) const { return alive_[static_cast<std::size_t>(s)] == kAlive; }
+
+  /// Heap bytes held by this head (all buffers, by capacity).
+  std::size_t heap_bytes() const {
+    return k_.capacity() * sizeof(T) + v_.capacity() * sizeof(T) +
+           pos_.capacity() * sizeof(std::int64_t) + score_.capacity() * sizeof(float) +
+           alive_.capacity() + order_.capacity() * sizeof(Slot) + window_.capacity() * sizeof(Slot);
+  }
+
+ private:
+  static constexpr std::uint8_t kDead = 0;
+  static constexpr std::uint8_t kAlive = 1;
+  static constexpr std::uint8_t kMoved = 2;
+
+  void move_slot(Index from, Index to) noexcept {
+    std::memcpy(key_ptr(to), key_ptr(from), sizeof(T) * static_cast<std::size_t>(dk_));
+    std::memcpy(value_ptr(to), value_ptr(from), sizeof(T) * static_cast<std::size_t>(dv_));
+    pos_[static_cast<std::size_t>(to)] = pos_[static_cast<std::size_t>(from)];
+    score_[static_cast<std::size_t>(to)] = score_[static_cast<std::size_t>(from)];
+    alive_[static_cast<std::size_t>(to)] = kAlive;
+  }
+
+  // Allocates every buffer at exactly `rows` slots, copies the slots in use, then swaps.
+  void reallocate(Index rows) {
+    const auto r = static_cast<std::size_t>(rows);
+    const auto used = static_cast<std::size_t>(n_phys_);
+    std::vector<T> k(r * static_cast<std::size_t>(dk_));
+    std::vector<T> v(r * static_cast<std::size_t>(dv_));
+    std::vector<std::int64_t> pos(r);
+    std::vector<float> score(r);
+    std::vector<std::uint8_t> alive(r, kDead);
+    std::vector<Slot> order;
+    order.reserve(r);
+    std::vector<Slot> window;
+    window.reserve(r);
+    // No-throw from here on.
+    std::copy_n(k_.begin(), used * static_cast<std::size_t>(dk_), k.begin());
+    std::copy_n(v_.begin(), used * static_cast<std::size_t>(dv_), v.begin());
+    std::copy_n(pos_.begin(), used, pos.begin());
+    std::copy_n(score_.begin(), used, score.begin());
+    std::copy_n(alive_.begin(), used, alive.begin());
+    order.assign(order_.begin(), order_.end());
+    window.assign(window_.begin(), window_.end());
+    k_.swap(k);
+    v_.swap(v);
+    pos_.swap(pos);
+    score_.swap(score);
+    alive_.swap(alive);
+    order_.swap(order);
+    window_.swap(window);
+    cap_ = rows;
+  }
+
+  Index dk_ = 0;
+  Index dv_ = 0;
+  Index n_phys_ = 0;
+  Index cap_ = 0;
+  std::vector<T> k_;                  // [cap, Dk]
+  std::vector<T> v_;                  // [cap, Dv]
+  std::vector<std::int64_t> pos_;     // [cap]
+  std::vector<float> score_;          // [cap]
+  std::vector<std::uint8_t> alive_;   // [cap]
+  std::vector<Slot> order_;           // live slots, ascending position
+  std::vector<Slot> window_;          // last call's returned window, ascending position
+};
+
+}  // namespace veloxquant::cache::detail

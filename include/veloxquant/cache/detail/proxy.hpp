@@ -1,0 +1,52 @@
+// veloxquant — attention-proxy kernels (SPEC 3): float32 logits of one proxy query against rows
+// stored in T, and a max-subtracted softmax.
+#pragma once
+
+#include <cmath>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "head_store.hpp"
+
+namespace veloxquant::cache::detail {
+
+/// Converts one stored row to float32. out: [D]
+template <class T>
+inline void load_row(const T* row, Index d, float* out) {
+  for (Index j = 0; j < d; ++j) out[j] = static_cast<float>(row[j]);
+}
+
+/// Dot product of a stored row (T) with a float32 vector, accumulated in float32. row, q: [D]
+template <class T>
+inline float dot_row(const T* row, const float* q, Index d) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Eigen::Map<const Eigen::VectorXf>(row, d).dot(Eigen::Map<const Eigen::VectorXf>(q, d));
+  } else {
+    float acc = 0.0f;
+    for (Index j = 0; j < d; ++j) acc += static_cast<float>(row[j]) * q[j];
+    return acc;
+  }
+}
+
+/// In-place max-subtracted softmax of x[0..n).
+inline void softmax_inplace(float* x, Index n) {
+  if (n <= 0) return;
+  Eigen::Map<Eigen::ArrayXf> a(x, n);
+  const float m = a.maxCoeff();
+  a = (a - m).exp();
+  a /= a.sum();
+}
+
+/// Proxy attention weights of query `q` over the slots `slots` of `head`:
+/// out[i] = softmax_i(dot(K[slots[i]], q) / sqrt(Dk)). q: [Dk], out: [slots.size()]
+template <class T>
+inline void proxy_attention(const HeadStore<T>& head, const Slot* slots, Index n, const float* q,
+                            float* out) {
+  const Index d = head.key_dim();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  for (Index i = 0; i < n; ++i) out[i] = dot_row(head.key_ptr(slots[i]), q, d) * scale;
+  softmax_inplace(out, n);
+}
+
+}  // namespace veloxquant::cache::detail

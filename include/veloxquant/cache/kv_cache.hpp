@@ -1,0 +1,327 @@
+// veloxquant — KVCache<T>: the standard append-only cache and the base of every eviction cache
+// (mirrors mlx_lm's KVCache), plus KVView<T>, the zero-copy window of one call (SPEC 2.2, 2.3).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "detail/checks.hpp"
+#include "detail/head_store.hpp"
+#include "kv_cache_config.hpp"
+#include "tensor.hpp"
+
+namespace veloxquant::cache {
+
+/// Zero-copy view of the rows a call hands back: one block of `rows()` rows per (b, h), living in
+/// the cache's own storage. Valid until the next non-const call on the cache. Rows retained before
+/// the call may come in any order (positions() says which is which); the rows of the call come
+/// last, in arrival order.
+template <class T>
+class KVView {
+ public:
+  using RowsMap = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+  using PositionsMap = Eigen::Map<const Eigen::Matrix<std::int64_t, Eigen::Dynamic, 1>>;
+
+  KVView(const std::vector<detail::HeadStore<T>>* heads, Eigen::Index batch, Eigen::Index n_heads,
+         Eigen::Index key_dim, Eigen::Index value_dim, Eigen::Index rows, Eigen::Index new_rows)
+      : heads_(heads), batch_(batch), n_heads_(n_heads), key_dim_(key_dim), value_dim_(value_dim),
+        rows_(rows), new_rows_(new_rows) {}
+
+  /// Rows per head in this window (the same for every head).
+  Eigen::Index rows() const { return rows_; }
+  /// Rows of the current call among them (the last new_rows() rows).
+  Eigen::Index new_rows() const { return new_rows_; }
+  Eigen::Index batch() const { return batch_; }
+  Eigen::Index heads() const { return n_heads_; }
+  Eigen::Index key_dim() const { return key_dim_; }
+  Eigen::Index value_dim() const { return value_dim_; }
+
+  /// Keys of head (b, h): [rows(), Dk].
+  RowsMap keys(Eigen::Index b, Eigen::Index h) const {
+    return RowsMap(rows_ ? head(b, h).keys_data() : nullptr, rows_, key_dim_);
+  }
+  /// Values of head (b, h): [rows(), Dv].
+  RowsMap values(Eigen::Index b, Eigen::Index h) const {
+    return RowsMap(rows_ ? head(b, h).values_data() : nullptr, rows_, value_dim_);
+  }
+  /// Position of each row of head (b, h): [rows()].
+  PositionsMap positions(Eigen::Index b, Eigen::Index h) const {
+    return PositionsMap(rows_ ? head(b, h).positions_data() : nullptr, rows_);
+  }
+
+ private:
+  const detail::HeadStore<T>& head(Eigen::Index b, Eigen::Index h) const {
+    if (b < 0 || b >= batch_ || h < 0 || h >= n_heads_) {
+      throw std::out_of_range("KVView: head (" + std::to_string(b) + ", " + std::to_string(h) +
+                              ") out of range");
+    }
+    return (*heads_)[static_cast<std::size_t>(b * n_heads_ + h)];
+  }
+
+  const std::vector<detail::HeadStore<T>>* heads_;
+  Eigen::Index batch_, n_heads_, key_dim_, value_dim_, rows_, new_rows_;
+};
+
+/// The standard append-only KV cache (method "standard") and the common base of every eviction
+/// cache. One instance serves one layer; it holds B·H heads of rows.
+template <class T = Eigen::half>
+class KVCache {
+  static_assert(is_storage_type_v<T>,
+                "veloxquant: the storage type T must be Eigen::half, Eigen::bfloat16 or float");
+
+ public:
+  using Scalar = T;
+  using Index = Eigen::Index;
+
+  /// An empty standard cache.
+  KVCache() = default;
+  /// An empty standard cache; validates `config`.
+  explicit KVCache(const KVCacheConfig& config) { config.validate(); }
+  virtual ~KVCache() = default;
+  KVCache(const KVCache&) = default;
+  KVCache& operator=(const KVCache&) = default;
+  KVCache(KVCache&&) noexcept = default;
+  KVCache& operator=(KVCache&&) noexcept = default;
+
+  /// Absorbs a call's rows and returns the rows retained before it plus all of its own rows, in
+  /// ascending position. keys: [B, H, S, Dk], values: [B, H, S, Dv]; returns [B, H, n, D].
+  virtual KVPair<T> update_and_fetch(const Tensor4<T>& keys, const Tensor4<T>& values) {
+    const KVView<T> view = update_and_view(keys, values);
+    if (view.new_rows() == 0) {
+      if (dims_.known) return state();
+      // Nothing absorbed yet: an empty window shaped like the input.
+      return {Tensor4<T>(keys.dimension(0), keys.dimension(1), 0, keys.dimension(3)),
+              Tensor4<T>(values.dimension(0), values.dimension(1), 0, values.dimension(3))};
+    }
+    return copy_rows([](const detail::HeadStore<T>& h) -> const std::vector<detail::Slot>& {
+      return h.window();
+    });
+  }
+
+  /// Converting overload: inputs of another element type (half, bfloat16, float, double) are
+  /// converted to T first. keys: [B, H, S, Dk], values: [B, H, S, Dv]
+  template <class U>
+  KVPair<T> update_and_fetch(const Tensor4<U>& keys, const Tensor4<U>& values) {
+    static_assert(is_input_type_v<U>, "veloxquant: inputs must be half, bfloat16, float or double");
+    const Tensor4<T> k = keys.template cast<T>();
+    const Tensor4<T> v = values.template cast<T>();
+    return update_and_fetch(k, v);
+  }
+
+  /// Same work as update_and_fetch, but returns a view into the cache's own storage.
+  /// keys: [B, H, S, Dk], values: [B, H, S, Dv]
+  KVView<T> update_and_view(const Tensor4<T>& keys, const Tensor4<T>& values) {
+    detail::check_update(keys, values, dims_, "update_and_view");
+    const Index S = keys.dimension(2);
+    if (S == 0) {
+      for (auto& h : heads_) h.compact();
+      return make_view(dims_.known ? heads_.front().live() : 0, 0, keys, values);
+    }
+    inspect_call(keys);
+    reserve_for_call(keys, values);
+    prepare_call(keys);
+    absorb_call(keys, values);
+    offset_ += S;
+    tokens_seen_ += dims_.batch * dims_.heads * S;
+    return make_view(heads_.front().physical(), S, keys, values);
+  }
+
+  /// Converting overload of update_and_view.
+  template <class U>
+  KVView<T> update_and_view(const Tensor4<U>& keys, const Tensor4<U>& values) {
+    static_assert(is_input_type_v<U>, "veloxquant: inputs must be half, bfloat16, float or double");
+    const Tensor4<T> k = keys.template cast<T>();
+    const Tensor4<T> v = values.template cast<T>();
+    return update_and_view(k, v);
+  }
+
+  /// Position the next token will take (tokens per sequence absorbed since the last reset).
+  std::int64_t offset() const { return offset_; }
+
+  /// The retained set, rows in ascending position: [B, H, n, D] (keys and values).
+  KVPair<T> state() const {
+    return copy_rows([](const detail::HeadStore<T>& h) -> const std::vector<detail::Slot>& {
+      return h.order();
+    });
+  }
+
+  /// True when trim() can roll back tokens (only the standard cache).
+  virtual bool is_trimmable() const { return true; }
+
+  /// Drops the newest min(n, offset()) tokens and returns how many were dropped. Non-trimmable
+  /// caches return 0 and change nothing. Throws std::invalid_argument for n < 0.
+  virtual std::int64_t trim(std::int64_t n) {
+    if (n < 0) throw std::invalid_argument("trim: n (" + std::to_string(n) + ") must be >= 0");
+    if (!is_trimmable()) return 0;
+    n = std::min(n, offset_);
+    for (auto& h : heads_) {
+      h.compact();
+      h.drop_newest(std::min<Index>(static_cast<Index>(n), h.live()));
+    }
+    offset_ -= n;
+    return n;
+  }
+
+  /// Forgets everything; the next call starts a new sequence at position 0 (B, H, D may change).
+  virtual void reset() {
+    heads_.clear();
+    dims_ = detail::LayerDims{};
+    offset_ = 0;
+    tokens_seen_ = 0;
+  }
+
+  /// Bytes of retained K and V over all heads (sizeof(T) per element).
+  std::size_t kept_bytes() const {
+    std::size_t rows = 0;
+    for (const auto& h : heads_) rows += static_cast<std::size_t>(h.live());
+    return rows * row_bytes();
+  }
+  /// Bytes the cache would hold if every token were kept: B·H·offset()·(Dk + Dv)·sizeof(T).
+  std::size_t full_seq_bytes() const {
+    return static_cast<std::size_t>(dims_.batch * dims_.heads) * static_cast<std::size_t>(offset_) *
+           row_bytes();
+  }
+  /// full_seq_bytes() / kept_bytes(); 1.0 while nothing is kept.
+  double compression_ratio() const {
+    const std::size_t kept = kept_bytes();
+    return kept == 0 ? 1.0 : static_cast<double>(full_seq_bytes()) / static_cast<double>(kept);
+  }
+  /// B·H·S summed over calls since the last reset (as the reference counts).
+  std::int64_t tokens_seen() const { return tokens_seen_; }
+  /// Rows retained in head (b=0, h=0).
+  std::int64_t tokens_kept() const { return heads_.empty() ? 0 : heads_.front().live(); }
+
+  /// Heap bytes the cache holds right now (row storage, bookkeeping and capacity).
+  virtual std::size_t heap_bytes() const {
+    std::size_t total = heads_.capacity() * sizeof(detail::HeadStore<T>);
+    for (const auto& h : heads_) total += h.heap_bytes();
+    return total;
+  }
+
+  /// Batch size, KV heads and head dims fixed by the first call (0 before it).
+  Index batch() const { return dims_.batch; }
+  Index heads() const { return dims_.heads; }
+  Index key_dim() const { return dims_.key_dim; }
+  Index value_dim() const { return dims_.value_dim; }
+
+ protected:
+  /// Before anything is mutated: may inspect the keys and throw. keys: [B, H, S, Dk]
+  virtual void inspect_call(const Tensor4<T>& /*keys*/) {}
+  /// After capacity is reserved, before the rows are appended; must not throw.
+  virtual void prepare_call(const Tensor4<T>& /*keys*/) {}
+  /// Takes the `count` rows just appended at slots [first, first + count) of `head` into the live
+  /// set (and evicts). The standard cache keeps them all. Must not throw.
+  virtual void absorb_rows(detail::HeadStore<T>& head, detail::Slot first, Index count) {
+    for (Index i = 0; i < count; ++i) head.push_live(static_cast<detail::Slot>(first + i));
+  }
+  /// Reserves the policy's scratch for a call holding up to `rows` rows per head; may throw.
+  virtual void reserve_scratch(Index /*rows*/, Index /*key_dim*/) {}
+  /// Rows a head needs in steady state (budget + 1), or max() when unbounded. Sizes growth.
+  virtual Index steady_rows() const { return std::numeric_limits<Index>::max(); }
+
+  std::vector<detail::HeadStore<T>>& head_stores() { return heads_; }
+  const std::vector<detail::HeadStore<T>>& head_stores() const { return heads_; }
+  const detail::LayerDims& dims() const { return dims_; }
+
+ private:
+  std::size_t row_bytes() const {
+    return static_cast<std::size_t>(dims_.key_dim + dims_.value_dim) * sizeof(T);
+  }
+
+  // Compacts every head and reserves room for the call; the logical state is unchanged even if
+  // an allocation throws (strong guarantee).
+  void reserve_for_call(const Tensor4<T>& keys, const Tensor4<T>& values) {
+    const Index S = keys.dimension(2);
+    if (!dims_.known) {
+      const Index n = keys.dimension(0) * keys.dimension(1);
+      std::vector<detail::HeadStore<T>> fresh;
+      fresh.reserve(static_cast<std::size_t>(n));
+      for (Index i = 0; i < n; ++i) {
+        fresh.emplace_back(keys.dimension(3), values.dimension(3));
+        fresh.back().reserve(S);
+      }
+      reserve_scratch(S, keys.dimension(3));
+      heads_.swap(fresh);
+      dims_ = detail::LayerDims{keys.dimension(0), keys.dimension(1), keys.dimension(3),
+                                values.dimension(3), true};
+      return;
+    }
+    Index max_needed = 0;
+    for (auto& h : heads_) {
+      h.compact();
+      const Index needed = h.live() + S;
+      h.shrink_if_oversized(needed);
+      if (h.capacity() < needed) {
+        const Index grown = h.capacity() + h.capacity() / 2;
+        const Index bound = std::max(steady_rows(), needed);
+        h.reserve(std::max(needed, std::min(grown, bound)));
+      }
+      max_needed = std::max(max_needed, needed);
+    }
+    reserve_scratch(max_needed, dims_.key_dim);
+  }
+
+  // Appends the call's rows to every head and lets the policy absorb them.
+  // keys: [B, H, S, Dk], values: [B, H, S, Dv]
+  void absorb_call(const Tensor4<T>& keys, const Tensor4<T>& values) {
+    const Index S = keys.dimension(2);
+    const Index dk = dims_.key_dim, dv = dims_.value_dim;
+    for (Index hi = 0; hi < static_cast<Index>(heads_.size()); ++hi) {
+      auto& head = heads_[static_cast<std::size_t>(hi)];
+      head.begin_window();
+      const auto first = static_cast<detail::Slot>(head.physical());
+      for (Index s = 0; s < S; ++s) {
+        const detail::Slot slot =
+            head.append(keys.data() + (hi * S + s) * dk, values.data() + (hi * S + s) * dv,
+                        offset_ + static_cast<std::int64_t>(s));
+        head.extend_window(slot);
+      }
+      absorb_rows(head, first, S);
+    }
+  }
+
+  KVView<T> make_view(Index rows, Index new_rows, const Tensor4<T>& keys,
+                      const Tensor4<T>& values) const {
+    if (!dims_.known) {
+      return KVView<T>(&heads_, keys.dimension(0), keys.dimension(1), keys.dimension(3),
+                       values.dimension(3), 0, 0);
+    }
+    return KVView<T>(&heads_, dims_.batch, dims_.heads, dims_.key_dim, dims_.value_dim, rows,
+                     new_rows);
+  }
+
+  // Gathers rows of every head in the slot order `pick(head)` gives: [B, H, n, D] twice.
+  template <class Pick>
+  KVPair<T> copy_rows(Pick pick) const {
+    const Index n = heads_.empty() ? 0 : static_cast<Index>(pick(heads_.front()).size());
+    Tensor4<T> k(dims_.batch, dims_.heads, n, dims_.key_dim);
+    Tensor4<T> v(dims_.batch, dims_.heads, n, dims_.value_dim);
+    const auto dk = static_cast<std::size_t>(dims_.key_dim);
+    const auto dv = static_cast<std::size_t>(dims_.value_dim);
+    T* kout = k.data();
+    T* vout = v.data();
+    for (const auto& h : heads_) {
+      for (const detail::Slot s : pick(h)) {
+        std::memcpy(kout, h.key_ptr(s), dk * sizeof(T));
+        std::memcpy(vout, h.value_ptr(s), dv * sizeof(T));
+        kout += dk;
+        vout += dv;
+      }
+    }
+    return {std::move(k), std::move(v)};
+  }
+
+  detail::LayerDims dims_{};
+  std::vector<detail::HeadStore<T>> heads_;
+  std::int64_t offset_ = 0;
+  std::int64_t tokens_seen_ = 0;
+};
+
+}  // namespace veloxquant::cache

@@ -1,0 +1,168 @@
+// veloxquant — KVCacheConfig: every knob of every eviction policy (mirrors the Python KVCacheConfig).
+#pragma once
+
+#include <array>
+#include <cmath>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace veloxquant::cache {
+
+namespace detail {
+
+/// The method names accepted by KVCacheConfig::method, the factory and the builder.
+inline constexpr std::array<const char*, 7> kMethods = {
+    "squeeze", "h2o", "pyramidkv", "tova", "streaming_llm", "snapkv", "standard"};
+
+/// "squeeze, h2o, ..." for error messages.
+inline std::string method_list() {
+  std::string out;
+  for (const char* m : kMethods) {
+    if (!out.empty()) out += ", ";
+    out += m;
+  }
+  return out;
+}
+
+inline bool is_known_method(const std::string& m) {
+  for (const char* k : kMethods) {
+    if (m == k) return true;
+  }
+  return false;
+}
+
+template <class V>
+[[noreturn]] void config_error(const char* field, const V& value, const char* rule) {
+  std::ostringstream os;
+  os << "KVCacheConfig: " << field << " (" << value << ") " << rule;
+  throw std::invalid_argument(os.str());
+}
+
+inline void check_budget(const char* field, long long v) {
+  if (v < 1) config_error(field, v, "must be >= 1");
+}
+inline void check_non_negative(const char* field, long long v) {
+  if (v < 0) config_error(field, v, "must be >= 0");
+}
+inline void check_unit_interval(const char* field, double v) {
+  if (!(v >= 0.0 && v <= 1.0)) config_error(field, v, "must be in [0, 1]");
+}
+inline void check_decay(const char* field, double v) {
+  if (!(v > 0.0 && v <= 1.0)) config_error(field, v, "must be in (0, 1]");
+}
+inline void check_sink_below(const char* sink_field, int n_sink, const char* budget_field,
+                             long long budget) {
+  if (n_sink >= budget) {
+    std::ostringstream os;
+    os << "KVCacheConfig: " << sink_field << " (" << n_sink << ") must be < " << budget_field
+       << " (" << budget << ")";
+    throw std::invalid_argument(os.str());
+  }
+}
+
+}  // namespace detail
+
+/// Configuration of every cache policy; an aggregate with the Python defaults (SPEC 2.1).
+struct KVCacheConfig {
+  std::string method = "squeeze";  ///< squeeze, h2o, pyramidkv, tova, streaming_llm, snapkv, standard
+
+  // SqueezeAttention
+  int squeeze_budget = 512;                        ///< average budget; budget without coordinator
+  int squeeze_n_sink = 4;                          ///< leading positions never evicted
+  double squeeze_strength = 1.0;                   ///< reallocation strength in [0, 1]
+  std::optional<int> squeeze_resolved_budget{};    ///< explicit starting budget
+  double squeeze_recent_ratio = 0.5;               ///< share of evictable budget kept recent
+  double squeeze_decay = 0.98;                     ///< per-token score decay in (0, 1]
+  bool squeeze_defer = false;                      ///< hold rows until the budget is known
+
+  // H2O
+  int h2o_budget = 512;
+  int h2o_n_sink = 4;
+  int h2o_grace = 16;  ///< newest rows never evicted
+  double h2o_decay = 0.98;
+
+  // PyramidKV
+  int pyramid_budget = 512;
+  int pyramid_n_sink = 4;
+  double pyramid_beta = 2.0;
+  std::optional<int> pyramid_resolved_budget{};
+  double pyramid_recent_ratio = 0.5;
+  double pyramid_decay = 0.98;
+
+  // TOVA
+  int tova_budget = 512;
+  int tova_n_sink = 4;
+
+  // StreamingLLM
+  int stream_n_sink = 4;
+  int stream_window_size = 512;
+
+  // SnapKV
+  int snap_budget = 512;
+  int snap_obs_window = 32;
+  int snap_n_sink = 4;
+
+  /// Throws std::invalid_argument naming the first bad field and its value (SPEC 2.1).
+  /// Every field is checked whatever the method; n_sink < budget only for the method in use.
+  void validate() const {
+    using namespace detail;
+    if (!is_known_method(method)) {
+      throw std::invalid_argument("KVCacheConfig: method '" + method +
+                                  "' is unknown; valid methods: " + method_list());
+    }
+    check_budget("squeeze_budget", squeeze_budget);
+    check_non_negative("squeeze_n_sink", squeeze_n_sink);
+    check_unit_interval("squeeze_strength", squeeze_strength);
+    if (squeeze_resolved_budget) check_budget("squeeze_resolved_budget", *squeeze_resolved_budget);
+    check_unit_interval("squeeze_recent_ratio", squeeze_recent_ratio);
+    check_decay("squeeze_decay", squeeze_decay);
+
+    check_budget("h2o_budget", h2o_budget);
+    check_non_negative("h2o_n_sink", h2o_n_sink);
+    check_non_negative("h2o_grace", h2o_grace);
+    check_decay("h2o_decay", h2o_decay);
+
+    check_budget("pyramid_budget", pyramid_budget);
+    check_non_negative("pyramid_n_sink", pyramid_n_sink);
+    if (!(pyramid_beta >= 1.0) || !std::isfinite(pyramid_beta)) {
+      config_error("pyramid_beta", pyramid_beta, "must be a finite value >= 1");
+    }
+    if (pyramid_resolved_budget) check_budget("pyramid_resolved_budget", *pyramid_resolved_budget);
+    check_unit_interval("pyramid_recent_ratio", pyramid_recent_ratio);
+    check_decay("pyramid_decay", pyramid_decay);
+
+    check_budget("tova_budget", tova_budget);
+    check_non_negative("tova_n_sink", tova_n_sink);
+
+    check_non_negative("stream_n_sink", stream_n_sink);
+    if (stream_window_size < 1) config_error("stream_window_size", stream_window_size, "must be >= 1");
+
+    check_budget("snap_budget", snap_budget);
+    if (snap_obs_window < 1) config_error("snap_obs_window", snap_obs_window, "must be >= 1");
+    check_non_negative("snap_n_sink", snap_n_sink);
+
+    if (method == "squeeze") {
+      check_sink_below("squeeze_n_sink", squeeze_n_sink, "squeeze_budget", squeeze_budget);
+      if (squeeze_resolved_budget) {
+        check_sink_below("squeeze_n_sink", squeeze_n_sink, "squeeze_resolved_budget",
+                         *squeeze_resolved_budget);
+      }
+    } else if (method == "h2o") {
+      check_sink_below("h2o_n_sink", h2o_n_sink, "h2o_budget", h2o_budget);
+    } else if (method == "pyramidkv") {
+      check_sink_below("pyramid_n_sink", pyramid_n_sink, "pyramid_budget", pyramid_budget);
+      if (pyramid_resolved_budget) {
+        check_sink_below("pyramid_n_sink", pyramid_n_sink, "pyramid_resolved_budget",
+                         *pyramid_resolved_budget);
+      }
+    } else if (method == "tova") {
+      check_sink_below("tova_n_sink", tova_n_sink, "tova_budget", tova_budget);
+    } else if (method == "snapkv") {
+      check_sink_below("snap_n_sink", snap_n_sink, "snap_budget", snap_budget);
+    }
+  }
+};
+
+}  // namespace veloxquant::cache

@@ -1,0 +1,160 @@
+// veloxquant — SqueezeAttentionCache<T>: H2O cumulative attention-mass eviction with a data-driven
+// per-layer budget decided once at the prefill boundary by a shared SqueezeCoordinator.
+//
+// After "SqueezeAttention: 2D Management of KV-Cache in LLM Inference via Layer-wise Optimal
+// Budget" (Wang et al., 2024, arXiv:2404.04793), as adapted by veloxquant_mlx. Adaptation limits,
+// stated once here:
+//   * Eviction scores use the key-as-query proxy (the cache never sees queries; SPEC 3).
+//   * A layer's concentration is the mean pairwise cosine similarity of its prefill keys, a proxy
+//     for the attention entropy the paper measures on real attention maps.
+//   * The per-layer budget is decided once, at the prefill boundary, and frozen for decoding.
+//   * No RoPE position re-mapping after eviction; the engine rotates with offset().
+//   * One budget for all heads of a layer.
+// Deliberate differences from the Python reference are listed in the README (SPEC 9).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include <Eigen/Core>
+
+#include "detail/concentration.hpp"
+#include "detail/h2o_core.hpp"
+#include "kv_cache_config.hpp"
+#include "squeeze_coordinator.hpp"
+#include "tensor.hpp"
+
+namespace veloxquant::cache {
+
+/// Mean pairwise cosine similarity of the rows (diagonal excluded), in O(n D), accumulated in
+/// double; 0.0 when n < 2. rows: [n, D], any scalar type.
+template <class Derived>
+double concentration_score(const Eigen::MatrixBase<Derived>& rows) {
+  return detail::concentration_score(rows);
+}
+
+/// One layer of SqueezeAttention-adapted eviction (SPEC 5).
+template <class T = Eigen::half>
+class SqueezeAttentionCache : public detail::H2OCore<T> {
+  using Core = detail::H2OCore<T>;
+
+ public:
+  using Index = Eigen::Index;
+
+  /// Validates `config` (as method "squeeze") and a negative layer id; throws
+  /// std::invalid_argument. Without a coordinator or a layer id the cache is a uniform-budget H2O
+  /// layer at squeeze_resolved_budget (or squeeze_budget).
+  explicit SqueezeAttentionCache(const KVCacheConfig& config,
+                                 std::optional<int> layer_id = std::nullopt,
+                                 std::shared_ptr<SqueezeCoordinator> coordinator = nullptr)
+      : Core(checked(config, layer_id).squeeze_n_sink, config.squeeze_decay,
+             detail::GracePolicy{true, config.squeeze_recent_ratio, 0},
+             initial_budget(config, layer_id, coordinator)),
+        config_(config),
+        layer_id_(layer_id),
+        coordinator_(std::move(coordinator)) {}
+
+  /// This layer's budget: the resolved one once adopted, else the fallback
+  /// (squeeze_resolved_budget or squeeze_budget).
+  int layer_budget() const {
+    const std::optional<int> b = this->budget();
+    return b ? *b : fallback_budget();
+  }
+  /// True once the coordinator's budget has been adopted.
+  bool budget_adopted() const { return adopted_; }
+  /// Mean concentration_score over all heads of the first call (0.0 before it).
+  double concentration() const { return concentration_; }
+  /// Same as kept_bytes() (the reference's name).
+  std::size_t squeeze_kept_bytes() const { return this->kept_bytes(); }
+  /// The shared coordinator, or nullptr.
+  std::shared_ptr<SqueezeCoordinator> coordinator() const { return coordinator_; }
+  /// The layer id reported to the coordinator, if any.
+  std::optional<int> layer_id() const { return layer_id_; }
+
+  void reset() override {
+    Core::reset();
+    concentration_ = 0.0;
+    pending_concentration_ = 0.0;
+    calls_ = 0;
+    reported_ = false;
+    adopted_ = false;
+    report_generation_ = 0;
+    if (coordinated() && config_.squeeze_defer) {
+      this->clear_budget();
+    } else {
+      this->set_budget(fallback_budget());
+    }
+  }
+
+ protected:
+  void inspect_call(const Tensor4<T>& keys) override {
+    if (calls_ != 0) return;
+    // Mean concentration over every (b, h) of the first call (the reference sampled head (0,0)).
+    const Index B = keys.dimension(0), H = keys.dimension(1), S = keys.dimension(2);
+    const Index D = keys.dimension(3);
+    double sum = 0.0;
+    for (Index i = 0; i < B * H; ++i) {
+      using RowsMap =
+          Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+      sum += detail::concentration_score(RowsMap(keys.data() + i * S * D, S, D));
+    }
+    pending_concentration_ = sum / static_cast<double>(B * H);
+    if (!std::isfinite(pending_concentration_)) {
+      throw std::invalid_argument("SqueezeAttentionCache: concentration of the first call is "
+                                  "not finite");
+    }
+  }
+
+  void prepare_call(const Tensor4<T>& /*keys*/) override {
+    if (calls_ == 0) {
+      concentration_ = pending_concentration_;
+      if (coordinated()) {
+        report_generation_ = coordinator_->report(*layer_id_, concentration_);
+        reported_ = true;
+      }
+    }
+    if (coordinated() && !adopted_ && reported_) {
+      if (const std::optional<int> b = coordinator_->resolved_budget(*layer_id_, report_generation_)) {
+        this->set_budget(*b);
+        adopted_ = true;
+      }
+    }
+    // A deferring cache that still has no budget on its second call falls back (SPEC 5.4.4).
+    if (!this->budget() && calls_ >= 1) this->set_budget(fallback_budget());
+    ++calls_;
+  }
+
+ private:
+  static const KVCacheConfig& checked(const KVCacheConfig& config, std::optional<int> layer_id) {
+    detail::validate_as(config, "squeeze");
+    if (layer_id && *layer_id < 0) {
+      throw std::invalid_argument("SqueezeAttentionCache: layer_id (" + std::to_string(*layer_id) +
+                                  ") must be >= 0");
+    }
+    return config;
+  }
+  static std::optional<int> initial_budget(const KVCacheConfig& config, std::optional<int> layer_id,
+                                           const std::shared_ptr<SqueezeCoordinator>& coordinator) {
+    if (layer_id && coordinator && config.squeeze_defer) return std::nullopt;
+    return config.squeeze_resolved_budget.value_or(config.squeeze_budget);
+  }
+  bool coordinated() const { return coordinator_ && layer_id_; }
+  int fallback_budget() const {
+    return config_.squeeze_resolved_budget.value_or(config_.squeeze_budget);
+  }
+
+  KVCacheConfig config_;
+  std::optional<int> layer_id_;
+  std::shared_ptr<SqueezeCoordinator> coordinator_;
+  double concentration_ = 0.0;
+  double pending_concentration_ = 0.0;
+  std::int64_t calls_ = 0;
+  bool reported_ = false;
+  bool adopted_ = false;
+  std::uint64_t report_generation_ = 0;
+};
+
+}  // namespace veloxquant::cache

@@ -1,0 +1,147 @@
+// veloxquant — SqueezeCoordinator: collects every attention layer's concentration at the prefill
+// boundary and publishes the per-layer budgets once (SPEC 5.3, 5.4). Thread-safe.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "detail/budgets.hpp"
+
+namespace veloxquant::cache {
+
+/// Per-layer budgets from concentrations (SPEC 5.3): broad (low-concentration) layers get more,
+/// the mean stays at `avg_budget` (each budget at least n_sink + 1). Throws for strength outside
+/// [0, 1] or NaN.
+inline std::vector<int> squeeze_budgets(const std::vector<double>& concentrations, int avg_budget,
+                                        int n_sink, double strength = 1.0) {
+  return detail::squeeze_budgets(concentrations, avg_budget, n_sink, strength);
+}
+
+/// Shared by all attention layers of one model: the first report per layer wins; when n_layers
+/// distinct layers have reported, squeeze_budgets over them (ascending layer id) is published.
+/// Every method is thread-safe.
+class SqueezeCoordinator {
+ public:
+  /// Throws std::invalid_argument unless n_layers >= 1, n_sink >= 0, avg_budget >= n_sink + 1 and
+  /// strength is in [0, 1].
+  SqueezeCoordinator(int n_layers, int avg_budget, int n_sink, double strength)
+      : n_layers_(n_layers), avg_budget_(avg_budget), n_sink_(n_sink), strength_(strength) {
+    std::ostringstream os;
+    if (n_layers < 1) {
+      os << "SqueezeCoordinator: n_layers (" << n_layers << ") must be >= 1";
+    } else if (n_sink < 0) {
+      os << "SqueezeCoordinator: n_sink (" << n_sink << ") must be >= 0";
+    } else if (avg_budget < n_sink + 1) {
+      os << "SqueezeCoordinator: avg_budget (" << avg_budget << ") must be >= n_sink + 1 ("
+         << n_sink + 1 << ")";
+    } else if (!(strength >= 0.0 && strength <= 1.0)) {
+      os << "SqueezeCoordinator: strength (" << strength << ") must be in [0, 1]";
+    }
+    if (!os.str().empty()) throw std::invalid_argument(os.str());
+  }
+
+  SqueezeCoordinator(const SqueezeCoordinator&) = delete;
+  SqueezeCoordinator& operator=(const SqueezeCoordinator&) = delete;
+
+  /// Records layer `layer_id`'s concentration (first report per layer wins; reports after
+  /// finalisation are ignored). Throws std::invalid_argument for a negative layer id or a
+  /// non-finite concentration, recording nothing.
+  void report_concentration(int layer_id, double c) { (void)report(layer_id, c); }
+
+  /// report_concentration that also returns the generation the report was made in.
+  std::uint64_t report(int layer_id, double c) {
+    if (layer_id < 0) {
+      throw std::invalid_argument("SqueezeCoordinator: layer_id (" + std::to_string(layer_id) +
+                                  ") must be >= 0");
+    }
+    if (!std::isfinite(c)) {
+      std::ostringstream os;
+      os << "SqueezeCoordinator: concentration (" << c << ") of layer " << layer_id
+         << " must be finite";
+      throw std::invalid_argument(os.str());
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!finalized_ && reports_.emplace(layer_id, c).second &&
+        static_cast<int>(reports_.size()) == n_layers_) {
+      std::vector<double> cs;
+      cs.reserve(reports_.size());
+      for (const auto& kv : reports_) cs.push_back(kv.second);  // ascending layer id
+      const std::vector<int> b = detail::squeeze_budgets(cs, avg_budget_, n_sink_, strength_);
+      std::size_t i = 0;
+      for (const auto& kv : reports_) budgets_[kv.first] = b[i++];
+      finalized_ = true;
+    }
+    return generation_;
+  }
+
+  /// The published budget of `layer_id`, or empty before finalisation / for an unknown layer.
+  std::optional<int> resolved_budget(int layer_id) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return lookup(layer_id);
+  }
+
+  /// resolved_budget, but only if the coordinator is still in `generation`.
+  std::optional<int> resolved_budget(int layer_id, std::uint64_t generation) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (generation != generation_) return std::nullopt;
+    return lookup(layer_id);
+  }
+
+  /// True once every layer has reported and the budgets are published.
+  bool is_finalized() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return finalized_;
+  }
+
+  /// Forgets every report and budget and starts a new generation.
+  void reset() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    reports_.clear();
+    budgets_.clear();
+    finalized_ = false;
+    ++generation_;
+  }
+
+  /// Concentrations reported so far, by ascending layer id.
+  std::map<int, double> reports() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return reports_;
+  }
+
+  int n_layers() const { return n_layers_; }
+  int avg_budget() const { return avg_budget_; }
+  int n_sink() const { return n_sink_; }
+  double strength() const { return strength_; }
+  /// Incremented by every reset().
+  std::uint64_t generation() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return generation_;
+  }
+
+ private:
+  std::optional<int> lookup(int layer_id) const {
+    if (!finalized_) return std::nullopt;
+    const auto it = budgets_.find(layer_id);
+    if (it == budgets_.end()) return std::nullopt;
+    return it->second;
+  }
+
+  const int n_layers_;
+  const int avg_budget_;
+  const int n_sink_;
+  const double strength_;
+  mutable std::mutex mutex_;
+  std::map<int, double> reports_;
+  std::map<int, int> budgets_;
+  bool finalized_ = false;
+  std::uint64_t generation_ = 0;
+};
+
+}  // namespace veloxquant::cache
