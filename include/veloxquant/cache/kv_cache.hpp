@@ -214,7 +214,8 @@ class KVCache {
  protected:
   /// Before anything is mutated: may inspect the keys and throw. keys: [B, H, S, Dk]
   virtual void inspect_call(const Tensor4<T>& /*keys*/) {}
-  /// After capacity is reserved, before the rows are appended; must not throw.
+  /// After capacity is reserved, before the rows are appended. May throw only before it changes
+  /// the cache's logical state (strong guarantee).
   virtual void prepare_call(const Tensor4<T>& /*keys*/) {}
   /// Takes the `count` rows just appended at slots [first, first + count) of `head` into the live
   /// set (and evicts). The standard cache keeps them all. Must not throw.

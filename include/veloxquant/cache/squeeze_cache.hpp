@@ -110,11 +110,13 @@ class SqueezeAttentionCache : public detail::H2OCore<T> {
 
   void prepare_call(const Tensor4<T>& /*keys*/) override {
     if (calls_ == 0) {
-      concentration_ = pending_concentration_;
+      // The report is the only step here that can throw (bad_alloc, a mutex error); it comes
+      // before any change to this cache, so a throw leaves the cache as it was.
       if (coordinated()) {
-        report_generation_ = coordinator_->report(*layer_id_, concentration_);
+        report_generation_ = coordinator_->report(*layer_id_, pending_concentration_);
         reported_ = true;
       }
+      concentration_ = pending_concentration_;
     }
     if (coordinated() && !adopted_ && reported_) {
       if (const std::optional<int> b = coordinator_->resolved_budget(*layer_id_, report_generation_)) {
