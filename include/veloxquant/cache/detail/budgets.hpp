@@ -38,6 +38,14 @@ inline std::vector<int> squeeze_budgets(const std::vector<double>& concentration
   }
   const std::size_t n = concentrations.size();
   if (n == 0) return {};
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(concentrations[i])) {
+      std::ostringstream os;
+      os << "squeeze_budgets: concentration " << i << " (" << concentrations[i]
+         << ") must be finite";
+      throw std::invalid_argument(os.str());
+    }
+  }
   const int floor_budget = n_sink + 1;
   if (n == 1) return {std::max(avg_budget, floor_budget)};
   std::vector<double> raw(n);

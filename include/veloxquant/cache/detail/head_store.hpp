@@ -188,7 +188,8 @@ class HeadStore {
     std::copy_n(score_.begin(), used, score.begin());
     std::copy_n(alive_.begin(), used, alive.begin());
     order.assign(order_.begin(), order_.end());
-    window.assign(window_.begin(), window_.end());
+    // The previous call's window is dead once a new call reallocates: it is not carried over
+    // (a long prompt's window would otherwise pin its capacity).
     k_.swap(k);
     v_.swap(v);
     pos_.swap(pos);
