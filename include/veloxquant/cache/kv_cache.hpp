@@ -93,7 +93,7 @@ class KVCache {
   /// Absorbs a call's rows and returns the rows retained before it plus all of its own rows, in
   /// ascending position. keys: [B, H, S, Dk], values: [B, H, S, Dv]; returns [B, H, n, D].
   virtual KVPair<T> update_and_fetch(const Tensor4<T>& keys, const Tensor4<T>& values) {
-    const KVView<T> view = update_and_view(keys, values);
+    const KVView<T> view = update(keys, values, "update_and_fetch");
     if (view.new_rows() == 0) {
       if (dims_.known) return state();
       // Nothing absorbed yet: an empty window shaped like the input.
@@ -118,7 +118,13 @@ class KVCache {
   /// Same work as update_and_fetch, but returns a view into the cache's own storage.
   /// keys: [B, H, S, Dk], values: [B, H, S, Dv]
   KVView<T> update_and_view(const Tensor4<T>& keys, const Tensor4<T>& values) {
-    detail::check_update(keys, values, dims_, "update_and_view");
+    return update(keys, values, "update_and_view");
+  }
+
+ private:
+  // The shared body of update_and_fetch and update_and_view; `api` names the caller in errors.
+  KVView<T> update(const Tensor4<T>& keys, const Tensor4<T>& values, const char* api) {
+    detail::check_update(keys, values, dims_, api);
     const Index S = keys.dimension(2);
     if (S == 0) {
       for (auto& h : heads_) h.compact();
@@ -133,6 +139,7 @@ class KVCache {
     return make_view(heads_.front().physical(), S, keys, values);
   }
 
+ public:
   /// Converting overload of update_and_view.
   template <class U>
   KVView<T> update_and_view(const Tensor4<U>& keys, const Tensor4<U>& values) {

@@ -39,8 +39,9 @@ class H2OCore : public KVCache<T> {
   /// Per-token decay of cumulative scores.
   float decay() const { return decay_; }
 
-  /// Scores of head (b, h)'s retained rows, ascending position: [n].
+  /// Scores of head (b, h)'s retained rows, ascending position: [n] (empty before the first call).
   std::vector<float> scores(Index b, Index h) const {
+    if (this->head_stores().empty()) return {};
     const auto& head = this->head_stores().at(static_cast<std::size_t>(b * this->heads() + h));
     std::vector<float> out;
     out.reserve(head.order().size());
@@ -49,6 +50,7 @@ class H2OCore : public KVCache<T> {
   }
   /// Positions of head (b, h)'s retained rows, ascending: [n].
   std::vector<std::int64_t> positions(Index b, Index h) const {
+    if (this->head_stores().empty()) return {};
     const auto& head = this->head_stores().at(static_cast<std::size_t>(b * this->heads() + h));
     std::vector<std::int64_t> out;
     out.reserve(head.order().size());
