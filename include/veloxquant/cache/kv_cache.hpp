@@ -11,6 +11,9 @@
 #include <vector>
 
 #include <Eigen/Core>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "detail/checks.hpp"
 #include "detail/head_store.hpp"
@@ -212,6 +215,11 @@ class KVCache {
     return total;
   }
 
+  /// Lets calls spread the B·H heads over OpenMP threads (when built with OpenMP; default on).
+  /// Results are identical either way.
+  void set_parallel_heads(bool on) { parallel_heads_ = on; }
+  bool parallel_heads() const { return parallel_heads_; }
+
   /// Batch size, KV heads and head dims fixed by the first call (0 before it).
   Index batch() const { return dims_.batch; }
   Index heads() const { return dims_.heads; }
@@ -226,11 +234,24 @@ class KVCache {
   virtual void prepare_call(const Tensor4<T>& /*keys*/) {}
   /// Takes the `count` rows just appended at slots [first, first + count) of `head` into the live
   /// set (and evicts). The standard cache keeps them all. Must not throw.
-  virtual void absorb_rows(detail::HeadStore<T>& head, detail::Slot first, Index count) {
+  /// `worker` (0 <= worker < workers()) names the scratch to use; heads may run in parallel.
+  virtual void absorb_rows(detail::HeadStore<T>& head, detail::Slot first, Index count,
+                           int /*worker*/) {
     for (Index i = 0; i < count; ++i) head.push_live(static_cast<detail::Slot>(first + i));
   }
-  /// Reserves the policy's scratch for a call holding up to `rows` rows per head; may throw.
-  virtual void reserve_scratch(Index /*rows*/, Index /*key_dim*/) {}
+  /// Reserves the policy's scratch of `workers` workers for a call holding up to `rows` rows per
+  /// head, `new_rows` of them new; may throw.
+  virtual void reserve_scratch(Index /*rows*/, Index /*key_dim*/, Index /*new_rows*/,
+                               int /*workers*/) {}
+  /// Workers the next call may use: the OpenMP thread count when built with OpenMP and
+  /// parallel heads are enabled, else 1.
+  int workers() const {
+#ifdef _OPENMP
+    return parallel_heads_ ? std::max(1, omp_get_max_threads()) : 1;
+#else
+    return 1;
+#endif
+  }
   /// Rows a head needs in steady state (budget + 1), or max() when unbounded. Sizes growth.
   virtual Index steady_rows() const { return std::numeric_limits<Index>::max(); }
 
@@ -255,7 +276,7 @@ class KVCache {
         fresh.emplace_back(keys.dimension(3), values.dimension(3));
         fresh.back().reserve(S);
       }
-      reserve_scratch(S, keys.dimension(3));
+      reserve_scratch(S, keys.dimension(3), S, workers());
       heads_.swap(fresh);
       dims_ = detail::LayerDims{keys.dimension(0), keys.dimension(1), keys.dimension(3),
                                 values.dimension(3), true};
@@ -273,7 +294,7 @@ class KVCache {
       }
       max_needed = std::max(max_needed, needed);
     }
-    reserve_scratch(max_needed, dims_.key_dim);
+    reserve_scratch(max_needed, dims_.key_dim, S, workers());
   }
 
   // Appends the call's rows to every head and lets the policy absorb them.
@@ -281,7 +302,17 @@ class KVCache {
   void absorb_call(const Tensor4<T>& keys, const Tensor4<T>& values) {
     const Index S = keys.dimension(2);
     const Index dk = dims_.key_dim, dv = dims_.value_dim;
-    for (Index hi = 0; hi < static_cast<Index>(heads_.size()); ++hi) {
+    const auto n_heads = static_cast<Index>(heads_.size());
+    const int n_workers = workers();
+    // Heads are independent and each runs the same serial code, so results are bit-identical
+    // whatever the number of threads. Small calls stay serial (a fork costs more than they do).
+    const bool parallel = n_workers > 1 && n_heads > 1 &&
+                          (heads_.front().live() + S) * S * dk * n_heads >= kParallelWork;
+    (void)parallel;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(n_workers) if (parallel)
+#endif
+    for (Index hi = 0; hi < n_heads; ++hi) {
       auto& head = heads_[static_cast<std::size_t>(hi)];
       head.begin_window();
       const auto first = static_cast<detail::Slot>(head.physical());
@@ -291,7 +322,12 @@ class KVCache {
                         offset_ + static_cast<std::int64_t>(s));
         head.extend_window(slot);
       }
-      absorb_rows(head, first, S);
+#ifdef _OPENMP
+      const int worker = parallel ? omp_get_thread_num() : 0;
+#else
+      const int worker = 0;
+#endif
+      absorb_rows(head, first, S, worker);
     }
   }
 
@@ -326,7 +362,11 @@ class KVCache {
     return {std::move(k), std::move(v)};
   }
 
+  // Multiply-adds per call below which heads run serially.
+  static constexpr Index kParallelWork = Index{1} << 16;
+
   detail::LayerDims dims_{};
+  bool parallel_heads_ = true;
   std::vector<detail::HeadStore<T>> heads_;
   std::int64_t offset_ = 0;
   std::int64_t tokens_seen_ = 0;

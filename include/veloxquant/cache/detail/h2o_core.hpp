@@ -58,6 +58,13 @@ class H2OCore : public KVCache<T> {
     return out;
   }
 
+  /// Heap bytes held, including the per-worker scratch.
+  std::size_t heap_bytes() const override {
+    std::size_t total = KVCache<T>::heap_bytes() + scratch_.capacity() * sizeof(H2OScratch);
+    for (const auto& s : scratch_) total += s.heap_bytes();
+    return total;
+  }
+
  protected:
   H2OCore(int n_sink, double decay, GracePolicy grace, std::optional<int> budget)
       : n_sink_(n_sink), decay_(static_cast<float>(decay)), grace_(grace), budget_(budget) {}
@@ -67,18 +74,31 @@ class H2OCore : public KVCache<T> {
   void set_budget(int budget) noexcept {
     budget_ = budget;
     const int g = grace_.protected_recent(budget, n_sink_);
-    for (auto& head : this->head_stores()) rebudget(head, budget, n_sink_, g, scratch_);
+    if (scratch_.empty()) return;  // no call yet: no rows to re-budget
+    for (auto& head : this->head_stores()) rebudget(head, budget, n_sink_, g, scratch_.front());
   }
   /// Forgets the budget (back to "unknown"), e.g. on reset of a deferring cache.
   void clear_budget() noexcept { budget_.reset(); }
 
-  void absorb_rows(HeadStore<T>& head, Slot first, Index count) override {
+  void absorb_rows(HeadStore<T>& head, Slot first, Index count, int worker) override {
     const int g = protected_recent();
-    for (Index i = 0; i < count; ++i) {
-      absorb_token(head, static_cast<Slot>(first + i), budget_, n_sink_, g, decay_, scratch_);
+    H2OScratch& scratch = scratch_[static_cast<std::size_t>(worker)];
+    if (count == 1 &&
+        absorb_decode(head, first, budget_, n_sink_, g, decay_, scratch, kDecodeChunk)) {
+      return;
     }
+    if (count == 1) {
+      absorb_token(head, first, budget_, n_sink_, g, decay_, scratch);
+      return;
+    }
+    absorb_blocked(head, first, count, budget_, n_sink_, g, decay_, scratch, kBlock);
   }
-  void reserve_scratch(Index rows, Index key_dim) override { scratch_.reserve(rows, key_dim); }
+  void reserve_scratch(Index rows, Index key_dim, Index new_rows, int workers) override {
+    if (scratch_.size() < static_cast<std::size_t>(workers)) {
+      scratch_.resize(static_cast<std::size_t>(workers));
+    }
+    for (auto& s : scratch_) s.reserve(rows, key_dim, new_rows, kBlock, kDecodeChunk);
+  }
   Index steady_rows() const override {
     return budget_ ? static_cast<Index>(*budget_) + 1 : std::numeric_limits<Index>::max();
   }
@@ -88,7 +108,11 @@ class H2OCore : public KVCache<T> {
   float decay_;
   GracePolicy grace_;
   std::optional<int> budget_;
-  H2OScratch scratch_;
+  // New tokens per matrix product in blocked absorption, and rows per half->float chunk in decode.
+  static constexpr Index kBlock = 64;
+  static constexpr Index kDecodeChunk = 64;
+
+  std::vector<H2OScratch> scratch_;  // one per worker
 };
 
 }  // namespace veloxquant::cache::detail

@@ -3,6 +3,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
 #include <optional>
 #include <vector>
 
@@ -28,16 +32,53 @@ struct GracePolicy {
   }
 };
 
-/// Scratch buffers of the H2O kernels, reserved before a call mutates anything.
-struct H2OScratch {
-  std::vector<float> weights;  // [n] proxy attention of one token
-  std::vector<float> query;    // [Dk] the proxy query in float32
-  std::vector<Slot> picks;     // [n] candidates of a re-budget
+/// Keeps a scratch vector's capacity at `n` elements: grows exactly, and releases memory when
+/// more than twice what is needed is held (so a long prompt's scratch does not outlive it).
+template <class V>
+inline void fit_capacity(V& v, std::size_t n) {
+  if (v.capacity() < n) {
+    V fresh;
+    fresh.reserve(n);
+    v.swap(fresh);
+  } else if (v.capacity() > 2 * n + 64) {
+    V fresh;
+    fresh.reserve(n);
+    v.swap(fresh);
+  }
+}
 
-  void reserve(Index rows, Index dk) {
-    weights.reserve(static_cast<std::size_t>(rows));
-    query.reserve(static_cast<std::size_t>(dk));
-    picks.reserve(static_cast<std::size_t>(rows));
+/// Scratch buffers of the H2O kernels of one worker, sized before a call mutates anything.
+struct H2OScratch {
+  std::vector<float> weights;         // [n] proxy attention of one token over the live rows
+  std::vector<float> query;           // [Dk] the proxy query in float32
+  std::vector<Slot> picks;            // [n] candidates of a re-budget
+  std::vector<float> keys;            // [rows, Dk] keys converted to float32 (block or chunk)
+  std::vector<float> logits;          // [block, rows] logits of a block of new tokens
+  std::vector<std::int32_t> column;   // [slots] slot -> column of `logits`
+
+  /// Room for a call that holds up to `rows` rows per head with `new_rows` new ones.
+  void reserve(Index rows, Index dk, Index new_rows, Index block, Index chunk) {
+    const auto r = static_cast<std::size_t>(rows);
+    const auto d = static_cast<std::size_t>(dk);
+    fit_capacity(weights, r);
+    fit_capacity(query, d);
+    fit_capacity(picks, r);
+    if (new_rows > 1) {
+      const auto b = static_cast<std::size_t>(std::min(block, new_rows));
+      fit_capacity(keys, r * d);
+      fit_capacity(logits, b * r);
+      fit_capacity(column, r);
+    } else {
+      fit_capacity(keys, static_cast<std::size_t>(std::min(chunk, rows)) * d);
+      fit_capacity(logits, 0);
+      fit_capacity(column, 0);
+    }
+  }
+
+  std::size_t heap_bytes() const {
+    return weights.capacity() * sizeof(float) + query.capacity() * sizeof(float) +
+           picks.capacity() * sizeof(Slot) + keys.capacity() * sizeof(float) +
+           logits.capacity() * sizeof(float) + column.capacity() * sizeof(std::int32_t);
   }
 };
 
@@ -120,6 +161,135 @@ inline void absorb_token(HeadStore<T>& head, Slot s, std::optional<int> budget, 
   head.score(s) = 0.0f;
   head.push_live(s);
   if (budget && head.live() > *budget) evict_lowest(head, n_sink, g);
+}
+
+/// Converts `n` stored rows starting at `rows` (contiguous, [n, D] of T) to float32 `out` [n, D].
+template <class T>
+inline void convert_rows(const T* rows, Index n, Index d, float* out) {
+  using In = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>;
+  using Out = Eigen::Map<Eigen::VectorXf>;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(out, rows, sizeof(float) * static_cast<std::size_t>(n * d));
+  } else {
+    Out(out, n * d) = In(rows, n * d).template cast<float>();
+  }
+}
+
+/// Decode fast path of SPEC 4.2 for one new row at slot `s` == live() when the live rows fill
+/// slots [0, live()) (no holes): one pass of dot products over contiguous storage (converted in
+/// chunks of `chunk` rows), a vectorised softmax and score update, and a protected argmin in slot
+/// order (ties to the earliest position). Returns false (nothing done) when the layout does not
+/// allow it; the caller then takes the general path.
+template <class T>
+inline bool absorb_decode(HeadStore<T>& head, Slot s, std::optional<int> budget, int n_sink, int g,
+                          float decay, H2OScratch& scratch, Index chunk) {
+  const Index n = head.live();
+  if (n == 0 || head.physical() != n + 1 || s != n) return false;
+  const Index d = head.key_dim();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  scratch.query.resize(static_cast<std::size_t>(d));
+  scratch.weights.resize(static_cast<std::size_t>(n));
+  convert_rows(head.key_ptr(s), 1, d, scratch.query.data());
+  const Eigen::Map<const Eigen::VectorXf> q(scratch.query.data(), d);
+  Eigen::Map<Eigen::VectorXf> logits(scratch.weights.data(), n);
+  using RowsF = Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+  if constexpr (std::is_same_v<T, float>) {
+    logits.noalias() = RowsF(head.key_ptr(0), n, d) * q;
+  } else {
+    scratch.keys.resize(static_cast<std::size_t>(std::min(chunk, n) * d));
+    for (Index r0 = 0; r0 < n; r0 += chunk) {
+      const Index m = std::min(chunk, n - r0);
+      convert_rows(head.key_ptr(r0), m, d, scratch.keys.data());
+      logits.segment(r0, m).noalias() = RowsF(scratch.keys.data(), m, d) * q;
+    }
+  }
+  logits *= scale;
+  softmax_inplace(logits.data(), n);
+  Eigen::Map<Eigen::VectorXf> scores(&head.score(0), n);
+  scores = scores * decay + logits;
+  head.score(s) = 0.0f;
+  head.push_live(s);
+  if (!budget || head.live() <= *budget) return true;
+  // Protected: sinks (position < n_sink) and the newest g rows (position >= that of the g-th newest).
+  const auto& ord = head.order();
+  const std::int64_t newest_protected =
+      g > 0 ? head.position(ord[static_cast<std::size_t>(head.live() - g)])
+            : std::numeric_limits<std::int64_t>::max();
+  const std::int64_t* pos = head.positions_data();
+  Index best = -1;
+  float best_score = 0.0f;
+  for (Index i = 0; i <= n; ++i) {
+    if (pos[i] < n_sink || pos[i] >= newest_protected) continue;
+    const float sc = head.score(i);
+    if (best < 0 || sc < best_score || (sc == best_score && pos[i] < pos[best])) {
+      best = i;
+      best_score = sc;
+    }
+  }
+  if (best < 0) return true;
+  const auto it = std::find(ord.begin(), ord.end(), static_cast<Slot>(best));
+  head.evict_at(it - ord.begin());
+  return true;
+}
+
+/// Blocked absorption of the `count` rows at slots [first, first + count) (SPEC 7): per block of
+/// `block` new tokens, the logits against the live rows and the block's own rows come from one
+/// float32 matrix product; the per-token bookkeeping of SPEC 4.2 then runs over those logits,
+/// skipping rows evicted meanwhile. Same retained sets as the one-token loop.
+template <class T>
+inline void absorb_blocked(HeadStore<T>& head, Slot first, Index count, std::optional<int> budget,
+                           int n_sink, int g, float decay, H2OScratch& scratch, Index block) {
+  const Index d = head.key_dim();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  using RowsF = Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+  scratch.column.resize(static_cast<std::size_t>(first + count));
+  scratch.query.resize(static_cast<std::size_t>(d));
+  for (Index i0 = 0; i0 < count; i0 += block) {
+    const Index nb = std::min(block, count - i0);
+    const Index nc = head.live();
+    const Index cols = nc + nb;
+    // Candidate keys: the live rows now, then the block's rows, converted to float32.
+    scratch.keys.resize(static_cast<std::size_t>(cols * d));
+    const auto& ord = head.order();
+    for (Index j = 0; j < nc; ++j) {
+      const Slot sl = ord[static_cast<std::size_t>(j)];
+      scratch.column[static_cast<std::size_t>(sl)] = static_cast<std::int32_t>(j);
+      convert_rows(head.key_ptr(sl), 1, d, scratch.keys.data() + j * d);
+    }
+    convert_rows(head.key_ptr(first + i0), nb, d, scratch.keys.data() + nc * d);
+    for (Index j = 0; j < nb; ++j) {
+      scratch.column[static_cast<std::size_t>(first + i0 + j)] = static_cast<std::int32_t>(nc + j);
+    }
+    const RowsF all(scratch.keys.data(), cols, d);
+    scratch.logits.resize(static_cast<std::size_t>(nb * cols));
+    RowsF logits(scratch.logits.data(), nb, cols);
+    logits.noalias() = all.bottomRows(nb) * all.transpose();
+    logits *= scale;
+    for (Index t = 0; t < nb; ++t) {
+      const auto s = static_cast<Slot>(first + i0 + t);
+      const Index n = head.live();
+      if (n == 0) {
+        head.score(s) = 1.0f;
+        head.push_live(s);
+        continue;
+      }
+      scratch.weights.resize(static_cast<std::size_t>(n));
+      const float* row = scratch.logits.data() + t * cols;
+      const Slot* live = head.order().data();
+      for (Index k = 0; k < n; ++k) {
+        scratch.weights[static_cast<std::size_t>(k)] =
+            row[scratch.column[static_cast<std::size_t>(live[k])]];
+      }
+      softmax_inplace(scratch.weights.data(), n);
+      for (Index k = 0; k < n; ++k) {
+        float& sc = head.score(live[k]);
+        sc = sc * decay + scratch.weights[static_cast<std::size_t>(k)];
+      }
+      head.score(s) = 0.0f;
+      head.push_live(s);
+      if (budget && head.live() > *budget) evict_lowest(head, n_sink, g);
+    }
+  }
 }
 
 }  // namespace veloxquant::cache::detail

@@ -1,0 +1,239 @@
+// veloxquant — Google Benchmark suite for the eviction core. Every group runs its comparison point
+// in the same binary, so each figure reads as a ratio (see BENCHMARKS.md).
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include <veloxquant/cache.hpp>
+
+#include "reference/oracle.hpp"
+
+namespace vc = veloxquant::cache;
+using Eigen::Index;
+
+namespace {
+
+constexpr Index kHeadDim = 128;
+
+template <class T>
+vc::Tensor4<T> random_tokens(Index heads, Index s, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  vc::Tensor4<T> t(1, heads, s, kHeadDim);
+  for (Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<T>(nd(rng));
+  return t;
+}
+
+vc::KVCacheConfig h2o_config(int budget) {
+  vc::KVCacheConfig cfg;
+  cfg.method = "h2o";
+  cfg.h2o_budget = budget;
+  return cfg;
+}
+
+// A pool of decode tokens so the timed loop does no random generation. keys: [1, H, 1, D]
+template <class T>
+std::vector<vc::Tensor4<T>> token_pool(Index heads, int n) {
+  std::vector<vc::Tensor4<T>> pool;
+  for (int i = 0; i < n; ++i) pool.push_back(random_tokens<T>(heads, 1, 1000u + static_cast<unsigned>(i)));
+  return pool;
+}
+
+// ---- 1. decode step: update_and_view vs dense single-query attention over the same rows ----
+
+template <class T>
+void BM_DecodeView(benchmark::State& state) {
+  const int budget = static_cast<int>(state.range(0));
+  const Index heads = state.range(1);
+  vc::H2OCache<T> cache(h2o_config(budget));
+  const auto prompt = random_tokens<T>(heads, budget, 1);
+  cache.update_and_fetch(prompt, prompt);
+  const auto pool = token_pool<T>(heads, 64);
+  std::size_t i = 0;
+  for (auto _ : state) {
+    const auto& k = pool[i++ % pool.size()];
+    auto view = cache.update_and_view(k, k);
+    benchmark::DoNotOptimize(view.rows());
+  }
+  state.SetItemsProcessed(state.iterations());
+  state.counters["rows"] = static_cast<double>(budget + 1);
+}
+
+template <class T>
+void BM_DecodeFetch(benchmark::State& state) {
+  const int budget = static_cast<int>(state.range(0));
+  const Index heads = state.range(1);
+  vc::H2OCache<T> cache(h2o_config(budget));
+  const auto prompt = random_tokens<T>(heads, budget, 1);
+  cache.update_and_fetch(prompt, prompt);
+  const auto pool = token_pool<T>(heads, 64);
+  std::size_t i = 0;
+  for (auto _ : state) {
+    const auto& k = pool[i++ % pool.size()];
+    auto kv = cache.update_and_fetch(k, k);
+    benchmark::DoNotOptimize(kv.first.data());
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+
+// Dense attention of one query per head over n rows: softmax(q K^T / sqrt(D)) V, with half rows
+// converted to float32 in chunks (a lazy cast inside the product is ~25x slower).
+template <class T>
+void BM_DenseAttention(benchmark::State& state) {
+  const Index n = state.range(0) + 1;
+  const Index heads = state.range(1);
+  const auto k = random_tokens<T>(heads, n, 2);
+  const auto v = random_tokens<T>(heads, n, 3);
+  const auto q = random_tokens<float>(heads, 1, 4);
+  using RowsF = Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+  constexpr Index kChunk = 64;
+  std::vector<float> buf(static_cast<std::size_t>(kChunk * kHeadDim));
+  Eigen::VectorXf logits(n), out(kHeadDim);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  for (auto _ : state) {
+    for (Index h = 0; h < heads; ++h) {
+      const T* kh = k.data() + h * n * kHeadDim;
+      const T* vh = v.data() + h * n * kHeadDim;
+      const Eigen::Map<const Eigen::VectorXf> qh(q.data() + h * kHeadDim, kHeadDim);
+      for (Index r0 = 0; r0 < n; r0 += kChunk) {
+        const Index m = std::min(kChunk, n - r0);
+        vc::detail::convert_rows(kh + r0 * kHeadDim, m, kHeadDim, buf.data());
+        logits.segment(r0, m).noalias() = RowsF(buf.data(), m, kHeadDim) * qh;
+      }
+      logits *= scale;
+      vc::detail::softmax_inplace(logits.data(), n);
+      out.setZero();
+      for (Index r0 = 0; r0 < n; r0 += kChunk) {
+        const Index m = std::min(kChunk, n - r0);
+        vc::detail::convert_rows(vh + r0 * kHeadDim, m, kHeadDim, buf.data());
+        out.noalias() += RowsF(buf.data(), m, kHeadDim).transpose() * logits.segment(r0, m);
+      }
+      benchmark::DoNotOptimize(out.data());
+    }
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+
+void DecodeArgs(benchmark::internal::Benchmark* b) {
+  for (int budget : {256, 512, 1024, 2048}) b->Args({budget, 32});
+  for (int heads : {8, 16, 64}) b->Args({512, heads});
+}
+
+BENCHMARK_TEMPLATE(BM_DecodeView, Eigen::half)->Apply(DecodeArgs);
+BENCHMARK_TEMPLATE(BM_DecodeView, float)->Apply(DecodeArgs);
+BENCHMARK_TEMPLATE(BM_DenseAttention, Eigen::half)->Apply(DecodeArgs);
+BENCHMARK_TEMPLATE(BM_DenseAttention, float)->Apply(DecodeArgs);
+BENCHMARK_TEMPLATE(BM_DecodeFetch, Eigen::half)->Args({512, 32})->Args({2048, 32});
+BENCHMARK_TEMPLATE(BM_DecodeFetch, float)->Args({512, 32})->Args({2048, 32});
+
+// ---- 3. prefill into budget 512 vs causal attention logits + softmax over the same tokens ----
+
+template <class T>
+void BM_PrefillSqueeze(benchmark::State& state) {
+  const Index S = state.range(0);
+  const bool defer = state.range(1) != 0;
+  constexpr Index kHeads = 32;
+  const auto prompt = random_tokens<T>(kHeads, S, 5);
+  vc::KVCacheConfig cfg;
+  cfg.squeeze_budget = 512;
+  cfg.squeeze_defer = defer;
+  for (auto _ : state) {
+    // One attention layer with its own coordinator: the call completes the set and adopts.
+    auto caches = vc::KVCacheBuilder::for_model<T>(1, cfg);
+    auto view = caches[0]->update_and_view(prompt, prompt);
+    benchmark::DoNotOptimize(view.rows());
+  }
+  state.SetItemsProcessed(state.iterations() * S);
+}
+
+template <class T>
+void BM_CausalAttentionScores(benchmark::State& state) {
+  const Index S = state.range(0);
+  constexpr Index kHeads = 32;
+  const auto k = random_tokens<T>(kHeads, S, 5);
+  const auto q = random_tokens<float>(kHeads, S, 6);
+  using RowsF = Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+  std::vector<float> kf(static_cast<std::size_t>(S * kHeadDim));
+  Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> logits(64, S);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  for (auto _ : state) {
+    for (Index h = 0; h < kHeads; ++h) {
+      vc::detail::convert_rows(k.data() + h * S * kHeadDim, S, kHeadDim, kf.data());
+      const RowsF kh(kf.data(), S, kHeadDim);
+      for (Index i0 = 0; i0 < S; i0 += 64) {
+        const Index nb = std::min<Index>(64, S - i0);
+        const Index cols = i0 + nb;  // causal: rows up to the block's last token
+        const RowsF qb(q.data() + (h * S + i0) * kHeadDim, nb, kHeadDim);
+        logits.topLeftCorner(nb, cols).noalias() = qb * kh.topRows(cols).transpose();
+        for (Index t = 0; t < nb; ++t) {
+          vc::detail::softmax_inplace(logits.row(t).data(), i0 + t + 1);
+        }
+      }
+      benchmark::DoNotOptimize(logits.data());
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * S);
+}
+
+void BM_PrefillReferenceOracle(benchmark::State& state) {
+  const Index S = state.range(0);
+  constexpr Index kHeads = 32;
+  const auto k = random_tokens<float>(kHeads, S, 5);
+  for (auto _ : state) {
+    for (Index h = 0; h < kHeads; ++h) {
+      veloxquant::reference::ReferenceAlgorithmHeadOracle oracle(4, 512);
+      for (Index s = 0; s < S; ++s) {
+        const float* row = k.data() + (h * S + s) * kHeadDim;
+        std::vector<double> key(row, row + kHeadDim);
+        oracle.absorb(key, key);
+      }
+      benchmark::DoNotOptimize(oracle.rows().data());
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * S);
+}
+
+BENCHMARK_TEMPLATE(BM_PrefillSqueeze, Eigen::half)
+    ->ArgsProduct({{512, 2048, 8192}, {0, 1}})->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_PrefillSqueeze, float)
+    ->ArgsProduct({{512, 2048, 8192}, {0, 1}})->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_CausalAttentionScores, Eigen::half)
+    ->Arg(512)->Arg(2048)->Arg(8192)->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_CausalAttentionScores, float)
+    ->Arg(512)->Arg(2048)->Arg(8192)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PrefillReferenceOracle)->Arg(2048)->Unit(benchmark::kMillisecond)->Iterations(1);
+
+// ---- 4. memory: heap held vs kept_bytes() after prefill and after many decode steps ----
+
+template <class T>
+void BM_MemoryAfterDecode(benchmark::State& state) {
+  const Index S = state.range(0);
+  const Index steps = state.range(1);
+  constexpr Index kHeads = 32;
+  const auto prompt = random_tokens<T>(kHeads, S, 7);
+  const auto pool = token_pool<T>(kHeads, 64);
+  double heap = 0, kept = 0, heap_prefill = 0, kept_prefill = 0;
+  for (auto _ : state) {
+    vc::H2OCache<T> cache(h2o_config(512));
+    cache.update_and_view(prompt, prompt);
+    heap_prefill = static_cast<double>(cache.heap_bytes());
+    kept_prefill = static_cast<double>(cache.kept_bytes());
+    for (Index i = 0; i < steps; ++i) cache.update_and_view(pool[static_cast<std::size_t>(i) % 64], pool[static_cast<std::size_t>(i) % 64]);
+    heap = static_cast<double>(cache.heap_bytes());
+    kept = static_cast<double>(cache.kept_bytes());
+  }
+  state.counters["heap_prefill_MiB"] = heap_prefill / (1 << 20);
+  state.counters["kept_prefill_MiB"] = kept_prefill / (1 << 20);
+  state.counters["heap_MiB"] = heap / (1 << 20);
+  state.counters["kept_MiB"] = kept / (1 << 20);
+  state.counters["heap_over_kept"] = heap / kept;
+}
+BENCHMARK_TEMPLATE(BM_MemoryAfterDecode, Eigen::half)
+    ->Args({8192, 100000})->Iterations(1)->Unit(benchmark::kSecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();
