@@ -3,6 +3,7 @@
 #include <benchmark/benchmark.h>
 
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <vector>
@@ -141,8 +142,9 @@ void BM_PrefillSqueeze(benchmark::State& state) {
   cfg.squeeze_budget = 512;
   cfg.squeeze_defer = defer;
   for (auto _ : state) {
-    // One attention layer with its own coordinator: the call completes the set and adopts.
-    auto caches = vc::KVCacheBuilder::for_model<T>(1, cfg);
+    // Layer 0 of a two-layer model: its prefill does not complete the coordinator, so without
+    // deferral it evicts against squeeze_budget meanwhile and with deferral it keeps every row.
+    auto caches = vc::KVCacheBuilder::for_model<T>(2, cfg);
     auto view = caches[0]->update_and_view(prompt, prompt);
     benchmark::DoNotOptimize(view.rows());
   }
@@ -233,6 +235,38 @@ void BM_MemoryAfterDecode(benchmark::State& state) {
 }
 BENCHMARK_TEMPLATE(BM_MemoryAfterDecode, Eigen::half)
     ->Args({8192, 100000})->Iterations(1)->Unit(benchmark::kSecond);
+
+// ---- machine yardsticks for a roofline reading: float32 GEMM throughput and copy bandwidth ----
+
+// The prefill's block product: [64, 128] x [128, 576] float32 (a budget-512 head plus a block).
+void BM_GemmBlock(benchmark::State& state) {
+  const Index m = 64, k = kHeadDim, n = state.range(0);
+  Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> a(m, k), b(n, k), c(m, n);
+  a.setRandom();
+  b.setRandom();
+  for (auto _ : state) {
+    c.noalias() = a * b.transpose();
+    benchmark::DoNotOptimize(c.data());
+  }
+  state.counters["GFLOPs"] = benchmark::Counter(static_cast<double>(2 * m * k * n),
+                                                benchmark::Counter::kIsIterationInvariantRate,
+                                                benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_GemmBlock)->Arg(576)->Arg(2048);
+
+// Copy bandwidth into a reused destination (what update_and_fetch's gather is bounded by).
+void BM_CopyBandwidth(benchmark::State& state) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  std::vector<char> src(bytes, 1), dst(bytes, 0);
+  for (auto _ : state) {
+    std::memcpy(dst.data(), src.data(), bytes);
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
+                          static_cast<std::int64_t>(bytes));
+}
+BENCHMARK(BM_CopyBandwidth)->Arg(8 << 20)->Arg(64 << 20);
 
 }  // namespace
 

@@ -54,7 +54,9 @@ struct H2OScratch {
   std::vector<Slot> picks;            // [n] candidates of a re-budget
   std::vector<float> keys;            // [rows, Dk] keys converted to float32 (block or chunk)
   std::vector<float> logits;          // [block, rows] logits of a block of new tokens
-  std::vector<std::int32_t> column;   // [slots] slot -> column of `logits`
+  std::vector<std::int32_t> column;   // [rows] live row (ascending position) -> column of `logits`
+  std::vector<Slot> slots;            // [rows] live row (ascending position) -> slot
+  std::vector<float> scores;          // [rows] live row (ascending position) -> score
 
   /// Room for a call that holds up to `rows` rows per head with `new_rows` new ones.
   void reserve(Index rows, Index dk, Index new_rows, Index block, Index chunk) {
@@ -68,17 +70,22 @@ struct H2OScratch {
       fit_capacity(keys, r * d);
       fit_capacity(logits, b * r);
       fit_capacity(column, r);
+      fit_capacity(slots, r);
+      fit_capacity(scores, r);
     } else {
       fit_capacity(keys, static_cast<std::size_t>(std::min(chunk, rows)) * d);
       fit_capacity(logits, 0);
       fit_capacity(column, 0);
+      fit_capacity(slots, 0);
+      fit_capacity(scores, 0);
     }
   }
 
   std::size_t heap_bytes() const {
     return weights.capacity() * sizeof(float) + query.capacity() * sizeof(float) +
            picks.capacity() * sizeof(Slot) + keys.capacity() * sizeof(float) +
-           logits.capacity() * sizeof(float) + column.capacity() * sizeof(std::int32_t);
+           logits.capacity() * sizeof(float) + column.capacity() * sizeof(std::int32_t) +
+           slots.capacity() * sizeof(Slot) + scores.capacity() * sizeof(float);
   }
 };
 
@@ -234,61 +241,75 @@ inline bool absorb_decode(HeadStore<T>& head, Slot s, std::optional<int> budget,
 
 /// Blocked absorption of the `count` rows at slots [first, first + count) (SPEC 7): per block of
 /// `block` new tokens, the logits against the live rows and the block's own rows come from one
-/// float32 matrix product; the per-token bookkeeping of SPEC 4.2 then runs over those logits,
-/// skipping rows evicted meanwhile. Same retained sets as the one-token loop.
+/// float32 matrix product; the per-token bookkeeping of SPEC 4.2 then runs over those logits on
+/// dense arrays in ascending position (slot, logit column, score), so every O(n) pass is
+/// contiguous; evicted rows leave the arrays. Same retained sets as the one-token loop.
 template <class T>
 inline void absorb_blocked(HeadStore<T>& head, Slot first, Index count, std::optional<int> budget,
                            int n_sink, int g, float decay, H2OScratch& scratch, Index block) {
   const Index d = head.key_dim();
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   using RowsF = Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
-  scratch.column.resize(static_cast<std::size_t>(first + count));
-  scratch.query.resize(static_cast<std::size_t>(d));
+  auto& slots = scratch.slots;
+  auto& column = scratch.column;
+  auto& scores = scratch.scores;
   for (Index i0 = 0; i0 < count; i0 += block) {
     const Index nb = std::min(block, count - i0);
     const Index nc = head.live();
     const Index cols = nc + nb;
-    // Candidate keys: the live rows now, then the block's rows, converted to float32.
+    // Dense state of the live rows, then their keys and the block's keys in float32.
+    slots.assign(head.order().begin(), head.order().end());
+    column.resize(static_cast<std::size_t>(nc));
+    scores.resize(static_cast<std::size_t>(nc));
     scratch.keys.resize(static_cast<std::size_t>(cols * d));
-    const auto& ord = head.order();
     for (Index j = 0; j < nc; ++j) {
-      const Slot sl = ord[static_cast<std::size_t>(j)];
-      scratch.column[static_cast<std::size_t>(sl)] = static_cast<std::int32_t>(j);
+      const Slot sl = slots[static_cast<std::size_t>(j)];
+      column[static_cast<std::size_t>(j)] = static_cast<std::int32_t>(j);
+      scores[static_cast<std::size_t>(j)] = head.score(sl);
       convert_rows(head.key_ptr(sl), 1, d, scratch.keys.data() + j * d);
     }
     convert_rows(head.key_ptr(first + i0), nb, d, scratch.keys.data() + nc * d);
-    for (Index j = 0; j < nb; ++j) {
-      scratch.column[static_cast<std::size_t>(first + i0 + j)] = static_cast<std::int32_t>(nc + j);
-    }
     const RowsF all(scratch.keys.data(), cols, d);
     scratch.logits.resize(static_cast<std::size_t>(nb * cols));
     RowsF logits(scratch.logits.data(), nb, cols);
     logits.noalias() = all.bottomRows(nb) * all.transpose();
     logits *= scale;
+    // Sinks are the leading rows (ascending position) and are never evicted.
+    Index sinks = 0;
+    while (sinks < nc && head.position(slots[static_cast<std::size_t>(sinks)]) < n_sink) ++sinks;
     for (Index t = 0; t < nb; ++t) {
       const auto s = static_cast<Slot>(first + i0 + t);
-      const Index n = head.live();
-      if (n == 0) {
-        head.score(s) = 1.0f;
-        head.push_live(s);
-        continue;
+      const Index n = static_cast<Index>(slots.size());
+      float entry = 1.0f;  // an empty head keeps its first row with score 1
+      if (n > 0) {
+        scratch.weights.resize(static_cast<std::size_t>(n));
+        float* w = scratch.weights.data();
+        const float* row = scratch.logits.data() + t * cols;
+        const std::int32_t* col = column.data();
+        for (Index k = 0; k < n; ++k) w[k] = row[col[k]];
+        softmax_inplace(w, n);
+        Eigen::Map<Eigen::ArrayXf> sc(scores.data(), n);
+        sc = sc * decay + Eigen::Map<const Eigen::ArrayXf>(w, n);
+        entry = 0.0f;
       }
-      scratch.weights.resize(static_cast<std::size_t>(n));
-      const float* row = scratch.logits.data() + t * cols;
-      const Slot* live = head.order().data();
-      for (Index k = 0; k < n; ++k) {
-        scratch.weights[static_cast<std::size_t>(k)] =
-            row[scratch.column[static_cast<std::size_t>(live[k])]];
+      slots.push_back(s);
+      column.push_back(static_cast<std::int32_t>(nc + t));
+      scores.push_back(entry);
+      if (head.position(s) < n_sink) ++sinks;
+      if (!budget || static_cast<Index>(slots.size()) <= *budget) continue;
+      const Index hi = static_cast<Index>(slots.size()) - g;
+      if (sinks >= hi) continue;
+      Index best = sinks;
+      for (Index k = sinks + 1; k < hi; ++k) {
+        if (scores[static_cast<std::size_t>(k)] < scores[static_cast<std::size_t>(best)]) best = k;
       }
-      softmax_inplace(scratch.weights.data(), n);
-      for (Index k = 0; k < n; ++k) {
-        float& sc = head.score(live[k]);
-        sc = sc * decay + scratch.weights[static_cast<std::size_t>(k)];
-      }
-      head.score(s) = 0.0f;
-      head.push_live(s);
-      if (budget && head.live() > *budget) evict_lowest(head, n_sink, g);
+      head.mark_dead(slots[static_cast<std::size_t>(best)]);
+      slots.erase(slots.begin() + best);
+      column.erase(column.begin() + best);
+      scores.erase(scores.begin() + best);
     }
+    for (std::size_t k = 0; k < slots.size(); ++k) head.score(slots[k]) = scores[k];
+    head.replace_order(slots);
   }
 }
 

@@ -101,6 +101,13 @@ class HeadStore {
   /// Marks slot `s` dead without touching `order` (the caller rebuilds it with drop_dead()).
   void mark_dead(Slot s) noexcept { alive_[static_cast<std::size_t>(s)] = kDead; }
 
+  /// Replaces the live order (the caller marked every dropped slot dead). o: live slots, ascending
+  /// position; must fit the reserved capacity.
+  void replace_order(const std::vector<Slot>& o) noexcept {
+    VELOXQUANT_ASSERT(o.size() <= order_.capacity(), "order capacity");
+    order_.assign(o.begin(), o.end());
+  }
+
   /// Removes dead slots from `order`, keeping the order of the rest.
   void drop_dead() noexcept {
     order_.erase(std::remove_if(order_.begin(), order_.end(),

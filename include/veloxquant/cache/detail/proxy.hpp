@@ -29,18 +29,19 @@ inline float dot_row(const T* row, const float* q, Index d) {
   }
 }
 
-/// Below this (x - max), exp underflows float32's normal range; the weight is taken as exactly 0.
-/// Eigen's vectorised exp clamps there to ~1.2e-38 instead, which would give rows that receive no
-/// attention a tiny, age-dependent score and turn the exact-tie rules of SPEC 4.2/4.5 around.
-inline constexpr float kSoftmaxUnderflow = -87.0f;
+/// Weights below exp(-87) (the bottom of float32's normal range, where Eigen's vectorised exp
+/// clamps to ~1.2e-38 instead of underflowing) are taken as exactly 0. Otherwise rows that receive
+/// no attention would collect a tiny, age-dependent score and turn the exact-tie rules of SPEC
+/// 4.2/4.5 around.
+inline constexpr float kSoftmaxMinWeight = 1.6458115e-38f;  // exp(-87)
 
-/// In-place max-subtracted softmax of x[0..n); weights below exp(kSoftmaxUnderflow) are exactly 0.
+/// In-place max-subtracted softmax of x[0..n); weights that underflow are exactly 0.
 inline void softmax_inplace(float* x, Index n) {
   if (n <= 0) return;
   Eigen::Map<Eigen::ArrayXf> a(x, n);
   const float m = a.maxCoeff();
-  a -= m;
-  a = (a < kSoftmaxUnderflow).select(Eigen::ArrayXf::Zero(n), a.exp());
+  a = (a - m).exp();  // vectorised
+  for (Index i = 0; i < n; ++i) x[i] = x[i] < kSoftmaxMinWeight ? 0.0f : x[i];
   a /= a.sum();
 }
 
