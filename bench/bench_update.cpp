@@ -91,10 +91,14 @@ void BM_DenseAttention(benchmark::State& state) {
   const auto q = random_tokens<float>(heads, 1, 4);
   using RowsF = Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
   constexpr Index kChunk = 64;
-  std::vector<float> buf(static_cast<std::size_t>(kChunk * kHeadDim));
-  Eigen::VectorXf logits(n), out(kHeadDim);
   const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
   for (auto _ : state) {
+    // Heads on all cores, as an engine would (and as the cache does).
+#pragma omp parallel
+    {
+    std::vector<float> buf(static_cast<std::size_t>(kChunk * kHeadDim));
+    Eigen::VectorXf logits(n), out(kHeadDim);
+#pragma omp for schedule(static)
     for (Index h = 0; h < heads; ++h) {
       const T* kh = k.data() + h * n * kHeadDim;
       const T* vh = v.data() + h * n * kHeadDim;
@@ -114,6 +118,7 @@ void BM_DenseAttention(benchmark::State& state) {
       }
       benchmark::DoNotOptimize(out.data());
     }
+    }
   }
   state.SetItemsProcessed(state.iterations());
 }
@@ -127,6 +132,26 @@ BENCHMARK_TEMPLATE(BM_DecodeView, Eigen::half)->Apply(DecodeArgs);
 BENCHMARK_TEMPLATE(BM_DecodeView, float)->Apply(DecodeArgs);
 BENCHMARK_TEMPLATE(BM_DenseAttention, Eigen::half)->Apply(DecodeArgs);
 BENCHMARK_TEMPLATE(BM_DenseAttention, float)->Apply(DecodeArgs);
+template <class T>
+void BM_DecodeFetchInto(benchmark::State& state) {
+  const int budget = static_cast<int>(state.range(0));
+  const Index heads = state.range(1);
+  vc::H2OCache<T> cache(h2o_config(budget));
+  const auto prompt = random_tokens<T>(heads, budget, 1);
+  cache.update_and_fetch(prompt, prompt);
+  const auto pool = token_pool<T>(heads, 64);
+  vc::KVPair<T> out;
+  std::size_t i = 0;
+  for (auto _ : state) {
+    const auto& k = pool[i++ % pool.size()];
+    cache.update_and_fetch_into(k, k, out);
+    benchmark::DoNotOptimize(out.first.data());
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+
+BENCHMARK_TEMPLATE(BM_DecodeFetchInto, Eigen::half)->Args({512, 32})->Args({2048, 32});
+BENCHMARK_TEMPLATE(BM_DecodeFetchInto, float)->Args({512, 32})->Args({2048, 32});
 BENCHMARK_TEMPLATE(BM_DecodeFetch, Eigen::half)->Args({512, 32})->Args({2048, 32});
 BENCHMARK_TEMPLATE(BM_DecodeFetch, float)->Args({512, 32})->Args({2048, 32});
 
@@ -158,10 +183,13 @@ void BM_CausalAttentionScores(benchmark::State& state) {
   const auto k = random_tokens<T>(kHeads, S, 5);
   const auto q = random_tokens<float>(kHeads, S, 6);
   using RowsF = Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
-  std::vector<float> kf(static_cast<std::size_t>(S * kHeadDim));
-  Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> logits(64, S);
   const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
   for (auto _ : state) {
+#pragma omp parallel
+    {
+    std::vector<float> kf(static_cast<std::size_t>(S * kHeadDim));
+    Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> logits(64, S);
+#pragma omp for schedule(static)
     for (Index h = 0; h < kHeads; ++h) {
       vc::detail::convert_rows(k.data() + h * S * kHeadDim, S, kHeadDim, kf.data());
       const RowsF kh(kf.data(), S, kHeadDim);
@@ -169,12 +197,13 @@ void BM_CausalAttentionScores(benchmark::State& state) {
         const Index nb = std::min<Index>(64, S - i0);
         const Index cols = i0 + nb;  // causal: rows up to the block's last token
         const RowsF qb(q.data() + (h * S + i0) * kHeadDim, nb, kHeadDim);
-        logits.topLeftCorner(nb, cols).noalias() = qb * kh.topRows(cols).transpose();
+        logits.topLeftCorner(nb, cols).noalias() = qb * kh.topRows(cols).transpose() * scale;
         for (Index t = 0; t < nb; ++t) {
           vc::detail::softmax_inplace(logits.row(t).data(), i0 + t + 1);
         }
       }
       benchmark::DoNotOptimize(logits.data());
+    }
     }
   }
   state.SetItemsProcessed(state.iterations() * S);

@@ -108,6 +108,25 @@ class KVCache {
     });
   }
 
+  /// update_and_fetch into caller-owned tensors: `out` is resized only when its shape changes, so
+  /// a decode loop that passes the same `out` every step copies without allocating (fresh output
+  /// tensors cost page faults that can exceed the copy itself). Same result as update_and_fetch.
+  /// keys: [B, H, S, Dk], values: [B, H, S, Dv]; out: [B, H, n, Dk] and [B, H, n, Dv]
+  void update_and_fetch_into(const Tensor4<T>& keys, const Tensor4<T>& values, KVPair<T>& out) {
+    const KVView<T> view = update(keys, values, "update_and_fetch_into");
+    if (view.new_rows() == 0 && !dims_.known) {
+      out.first.resize(keys.dimension(0), keys.dimension(1), 0, keys.dimension(3));
+      out.second.resize(values.dimension(0), values.dimension(1), 0, values.dimension(3));
+      return;
+    }
+    const bool whole_window = view.new_rows() != 0;
+    copy_rows_into(
+        [whole_window](const detail::HeadStore<T>& h) -> const std::vector<detail::Slot>& {
+          return whole_window ? h.window() : h.order();
+        },
+        out);
+  }
+
   /// Converting overload: inputs of another element type (half, bfloat16, float, double) are
   /// converted to T first. keys: [B, H, S, Dk], values: [B, H, S, Dv]
   template <class U>
@@ -344,9 +363,21 @@ class KVCache {
   // Gathers rows of every head in the slot order `pick(head)` gives: [B, H, n, D] twice.
   template <class Pick>
   KVPair<T> copy_rows(Pick pick) const {
+    KVPair<T> out;
+    copy_rows_into(pick, out);
+    return out;
+  }
+
+  // Gathers into `out`, resizing its tensors only when their shape differs.
+  template <class Pick>
+  void copy_rows_into(Pick pick, KVPair<T>& out) const {
     const Index n = heads_.empty() ? 0 : static_cast<Index>(pick(heads_.front()).size());
-    Tensor4<T> k(dims_.batch, dims_.heads, n, dims_.key_dim);
-    Tensor4<T> v(dims_.batch, dims_.heads, n, dims_.value_dim);
+    Tensor4<T>& k = out.first;
+    Tensor4<T>& v = out.second;
+    const Eigen::array<Index, 4> kshape{dims_.batch, dims_.heads, n, dims_.key_dim};
+    const Eigen::array<Index, 4> vshape{dims_.batch, dims_.heads, n, dims_.value_dim};
+    if (k.dimensions() != kshape) k.resize(kshape);
+    if (v.dimensions() != vshape) v.resize(vshape);
     const auto dk = static_cast<std::size_t>(dims_.key_dim);
     const auto dv = static_cast<std::size_t>(dims_.value_dim);
     T* kout = k.data();
@@ -359,7 +390,6 @@ class KVCache {
         vout += dv;
       }
     }
-    return {std::move(k), std::move(v)};
   }
 
   // Multiply-adds per call below which heads run serially.

@@ -1,0 +1,73 @@
+// update_and_fetch_into gives exactly update_and_fetch's result and reuses the caller's tensors.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include <veloxquant/cache.hpp>
+
+namespace vc = veloxquant::cache;
+using Eigen::Index;
+
+namespace {
+
+vc::Tensor4<float> random_tensor(Index b, Index h, Index s, Index d, std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  vc::Tensor4<float> t(b, h, s, d);
+  for (Index i = 0; i < t.size(); ++i) t.data()[i] = nd(rng);
+  return t;
+}
+
+template <class T>
+void expect_same(const vc::Tensor4<T>& a, const vc::Tensor4<T>& b) {
+  ASSERT_EQ(a.dimensions(), b.dimensions());
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), sizeof(T) * static_cast<std::size_t>(a.size())));
+}
+
+TEST(FetchIntoTest, MatchesFetchAndReusesStorageInSteadyState) {
+  vc::KVCacheConfig cfg;
+  cfg.method = "h2o";
+  cfg.h2o_budget = 16;
+  vc::H2OCache<Eigen::half> fetched(cfg);
+  vc::H2OCache<Eigen::half> into(cfg);
+  std::mt19937 rng(3);
+  vc::KVPair<Eigen::half> out;
+  const Eigen::half* steady_data = nullptr;
+  for (int call = 0; call < 60; ++call) {
+    const Index s = call == 0 ? 40 : (call == 7 ? 5 : 1);
+    const vc::Tensor4<Eigen::half> k = random_tensor(2, 3, s, 8, rng).cast<Eigen::half>();
+    const vc::Tensor4<Eigen::half> v = random_tensor(2, 3, s, 6, rng).cast<Eigen::half>();
+    const auto expected = fetched.update_and_fetch(k, v);
+    into.update_and_fetch_into(k, v, out);
+    expect_same(expected.first, out.first);
+    expect_same(expected.second, out.second);
+    if (call == 20) steady_data = out.first.data();
+    // Every decode step returns budget + 1 rows: the tensors keep their storage.
+    if (call > 20) {
+      EXPECT_EQ(steady_data, out.first.data()) << "call " << call;
+    }
+  }
+  // An empty call returns the retained set, like update_and_fetch.
+  const vc::Tensor4<Eigen::half> k0(2, 3, 0, 8), v0(2, 3, 0, 6);
+  into.update_and_fetch_into(k0, v0, out);
+  expect_same(into.state().first, out.first);
+  EXPECT_EQ(out.first.dimension(2), 16);
+}
+
+TEST(FetchIntoTest, BadInputThrowsNamingTheApiAndLeavesOutputAlone) {
+  vc::KVCache<float> cache;
+  std::mt19937 rng(4);
+  vc::KVPair<float> out;
+  cache.update_and_fetch_into(random_tensor(1, 2, 3, 4, rng), random_tensor(1, 2, 3, 4, rng), out);
+  const vc::Tensor4<float> before = out.first;
+  try {
+    cache.update_and_fetch_into(random_tensor(1, 2, 3, 4, rng), random_tensor(1, 2, 2, 4, rng), out);
+    FAIL() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("update_and_fetch_into"), std::string::npos) << e.what();
+  }
+  expect_same(before, out.first);
+  EXPECT_EQ(cache.offset(), 3);
+}
+
+}  // namespace
