@@ -572,13 +572,31 @@ TEST(KVCacheFactoryTest, UnknownMethodThrowsListingValidMethods) {
   }
 }
 
-TEST(KVCacheFactoryTest, NotYetImplementedMethodsThrowInvalidArgument) {
-  for (const std::string m : {"tova", "streaming_llm", "snapkv"}) {
-    SCOPED_TRACE(m);
-    const KVCacheConfig c = WithMethod(m);
-    ASSERT_NO_THROW(c.validate());
-    ExpectInvalid([&] { (void)vc::KVCacheFactory::create<float>(c); }, m, "");
-  }
+TEST(KVCacheFactoryTest, TovaStreamingAndSnapKVGiveTheirClasses) {
+  KVCacheConfig t = WithMethod("tova");
+  t.tova_budget = 9;
+  auto tova = vc::KVCacheFactory::create<float>(t);
+  auto* tc = dynamic_cast<vc::TOVACache<float>*>(tova.get());
+  ASSERT_NE(tc, nullptr);
+  EXPECT_EQ(tc->layer_budget(), 9);
+  EXPECT_FALSE(tova->is_trimmable());
+
+  KVCacheConfig st = WithMethod("streaming_llm");
+  st.stream_n_sink = 2;
+  st.stream_window_size = 7;
+  auto stream = vc::KVCacheFactory::create<float>(st);
+  auto* sc = dynamic_cast<vc::StreamingLLMCache<float>*>(stream.get());
+  ASSERT_NE(sc, nullptr);
+  EXPECT_EQ(sc->layer_budget(), 9);
+  EXPECT_FALSE(stream->is_trimmable());
+
+  KVCacheConfig sn = WithMethod("snapkv");
+  sn.snap_budget = 11;
+  auto snap = vc::KVCacheFactory::create<float>(sn);
+  auto* nc = dynamic_cast<vc::SnapKVCache<float>*>(snap.get());
+  ASSERT_NE(nc, nullptr);
+  EXPECT_EQ(nc->layer_budget(), 11);
+  EXPECT_FALSE(snap->is_trimmable());
 }
 
 TEST(KVCacheFactoryTest, BadConfigThrowsBeforeDispatch) {

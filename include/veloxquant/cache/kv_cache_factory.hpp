@@ -11,7 +11,10 @@
 #include "kv_cache.hpp"
 #include "kv_cache_config.hpp"
 #include "pyramidkv_cache.hpp"
+#include "snapkv_cache.hpp"
 #include "squeeze_cache.hpp"
+#include "streaming_llm_cache.hpp"
+#include "tova_cache.hpp"
 
 namespace veloxquant::cache {
 
@@ -27,10 +30,13 @@ class KVCacheFactory {
     if (m == "squeeze") return std::make_unique<SqueezeAttentionCache<T>>(config);
     if (m == "h2o") return std::make_unique<H2OCache<T>>(config);
     if (m == "pyramidkv") return std::make_unique<PyramidKVCache<T>>(config);
+    if (m == "tova") return std::make_unique<TOVACache<T>>(config);
+    if (m == "streaming_llm") return std::make_unique<StreamingLLMCache<T>>(config);
+    if (m == "snapkv") return std::make_unique<SnapKVCache<T>>(config);
     if (m == "standard") return std::make_unique<KVCache<T>>(config);
-    throw std::invalid_argument("KVCacheFactory: method '" + m +
-                                "' is not implemented yet; implemented: squeeze, h2o, pyramidkv, "
-                                "standard");
+    // validate() accepts only the methods above; this guards a future method without a class.
+    throw std::invalid_argument("KVCacheFactory: method '" + m + "' has no cache class; valid: " +
+                                detail::method_list());
   }
 };
 

@@ -98,6 +98,12 @@ class HeadStore {
     order_.erase(order_.begin() + i);
   }
 
+  /// Evicts the live rows at indices [i, j) of `order`. O(n) scalar work, no row movement.
+  void evict_range(Index i, Index j) noexcept {
+    for (Index k = i; k < j; ++k) alive_[static_cast<std::size_t>(order_[static_cast<std::size_t>(k)])] = kDead;
+    order_.erase(order_.begin() + i, order_.begin() + j);
+  }
+
   /// Marks slot `s` dead without touching `order` (the caller rebuilds it with drop_dead()).
   void mark_dead(Slot s) noexcept { alive_[static_cast<std::size_t>(s)] = kDead; }
 

@@ -1,0 +1,146 @@
+// veloxquant — the kernels of the TOVA, StreamingLLM and SnapKV policies (SPEC 6), on the shared
+// storage and scoring building blocks.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "head_store.hpp"
+#include "proxy.hpp"
+#include "scoring.hpp"
+#include "scratch.hpp"
+
+namespace veloxquant::cache::detail {
+
+// ---------------------------------------------------------------------------------------------
+// TOVA: memoryless. Append token i; when over budget, the proxy attention of k_i over every row
+// including itself decides: the lowest non-sink row goes (ties: earliest). The weights of that
+// step are kept as the rows' scores (diagnostic only; nothing carries over).
+
+/// One TOVA token at slot `s` (appended, not yet live). General path over the live order.
+template <class T>
+inline void tova_absorb_token(HeadStore<T>& head, Slot s, int budget, int n_sink,
+                              KernelScratch& scratch) {
+  head.score(s) = 0.0f;
+  head.push_live(s);
+  const Index n = head.live();
+  if (n <= budget) return;
+  const Index d = head.key_dim();
+  scratch.query.resize(static_cast<std::size_t>(d));
+  scratch.weights.resize(static_cast<std::size_t>(n));
+  load_row(head.key_ptr(s), d, scratch.query.data());
+  const Slot* live = head.order().data();
+  proxy_attention(head, live, n, scratch.query.data(), scratch.weights.data());
+  Index lo = count_sinks_of(head, n_sink);
+  if (lo >= n) return;
+  Index best = lo;
+  for (Index i = 0; i < n; ++i) head.score(live[i]) = scratch.weights[static_cast<std::size_t>(i)];
+  for (Index i = lo + 1; i < n; ++i) {
+    if (scratch.weights[static_cast<std::size_t>(i)] < scratch.weights[static_cast<std::size_t>(best)]) {
+      best = i;
+    }
+  }
+  head.evict_at(best);
+}
+
+/// One TOVA decode token at slot `s` == live() with no holes: a single pass over contiguous
+/// slots. Returns false when the layout does not allow it.
+template <class T>
+inline bool tova_decode(HeadStore<T>& head, Slot s, int budget, int n_sink, KernelScratch& scratch,
+                        Index chunk) {
+  const Index n = head.live();
+  if (head.physical() != n + 1 || s != n) return false;
+  head.score(s) = 0.0f;
+  head.push_live(s);
+  if (n + 1 <= budget) return true;
+  const float* w = decode_weights(head, s, n + 1, scratch, chunk);
+  std::copy_n(w, n + 1, &head.score(0));
+  const Index best = protected_argmin(head, w, n + 1, n_sink, std::numeric_limits<std::int64_t>::max());
+  if (best >= 0) evict_slot(head, best);
+  return true;
+}
+
+/// TOVA over a block of tokens with the blocked driver (same retained sets as tova_absorb_token).
+template <class T>
+inline void tova_blocked(HeadStore<T>& head, Slot first, Index count, int budget, int n_sink,
+                         KernelScratch& scratch, Index block) {
+  for_each_token_blocked(
+      head, first, count, n_sink, scratch, block,
+      [&](BlockRows& rows, Slot s, const float* logit_row, std::int32_t col) {
+        rows.push(s, col, 0.0f);
+        if (head.position(s) < n_sink) ++rows.sinks;
+        const Index n = rows.size();
+        if (n <= budget || rows.sinks >= n) return;
+        rows.weights(logit_row, n, rows.scores.data());
+        const Index k = rows.argmin(rows.sinks, n);
+        head.mark_dead(rows.slots[static_cast<std::size_t>(k)]);
+        rows.erase(k);
+      });
+}
+
+// ---------------------------------------------------------------------------------------------
+// StreamingLLM: the first n_sink positions and the newest `window` others, FIFO. No scoring.
+
+/// Takes the `count` appended rows at [first, first + count) live, then drops the oldest non-sink
+/// rows beyond `window` in one range (the per-token FIFO has the same result).
+template <class T>
+inline void streaming_absorb(HeadStore<T>& head, Slot first, Index count, int n_sink, int window) {
+  for (Index i = 0; i < count; ++i) head.push_live(static_cast<Slot>(first + i));
+  const Index sinks = count_sinks_of(head, n_sink);
+  const Index excess = head.live() - sinks - window;
+  if (excess > 0) head.evict_range(sinks, sinks + excess);
+}
+
+// ---------------------------------------------------------------------------------------------
+// SnapKV: the first call with S > budget is compressed once; later calls append.
+
+/// Scores the `count` rows of the call at [first, first + count) by the mean, over the call's last
+/// w = min(obs_window, count) keys as proxy queries, of their softmax attention over all of the
+/// call's rows (no causal mask); keeps the call's first min(n_sink, budget) rows and the
+/// top (budget - sinks) others (ties: earliest). Rows from earlier calls stay as they are.
+template <class T>
+inline void snapkv_compress(HeadStore<T>& head, Slot first, Index count, int budget, int n_sink,
+                            int obs_window, KernelScratch& scratch) {
+  const Index d = head.key_dim();
+  const Index w = std::min<Index>(obs_window, count);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  using RowsF = Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+  scratch.keys.resize(static_cast<std::size_t>(count * d));
+  convert_rows(head.key_ptr(first), count, d, scratch.keys.data());
+  const RowsF keys(scratch.keys.data(), count, d);
+  scratch.logits.resize(static_cast<std::size_t>(w * count));
+  RowsF logits(scratch.logits.data(), w, count);
+  logits.noalias() = keys.bottomRows(w) * keys.transpose();
+  logits *= scale;
+  for (Index r = 0; r < w; ++r) softmax_inplace(scratch.logits.data() + r * count, count);
+  scratch.weights.resize(static_cast<std::size_t>(count));
+  Eigen::Map<Eigen::RowVectorXf> mean(scratch.weights.data(), count);
+  mean = logits.colwise().sum() / static_cast<float>(w);
+  for (Index i = 0; i < count; ++i) {
+    const auto s = static_cast<Slot>(first + i);
+    head.score(s) = mean[i];
+    head.push_live(s);
+  }
+  const Index sinks = std::min<Index>(n_sink, budget);
+  const Index keep = budget - sinks;
+  auto& picks = scratch.picks;
+  picks.clear();
+  for (Index i = sinks; i < count; ++i) picks.push_back(static_cast<Slot>(first + i));
+  if (static_cast<Index>(picks.size()) <= keep) return;
+  // Best first: higher score, then earlier position.
+  auto better = [&head](Slot a, Slot b) {
+    const float sa = head.score(a), sb = head.score(b);
+    if (sa != sb) return sa > sb;
+    return head.position(a) < head.position(b);
+  };
+  std::nth_element(picks.begin(), picks.begin() + keep, picks.end(), better);
+  for (auto it = picks.begin() + keep; it != picks.end(); ++it) head.mark_dead(*it);
+  head.drop_dead();
+}
+
+}  // namespace veloxquant::cache::detail

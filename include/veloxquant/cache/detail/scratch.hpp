@@ -1,0 +1,70 @@
+// veloxquant — per-worker scratch buffers of the scoring kernels, sized before a call mutates
+// anything (so a bad_alloc leaves the cache unchanged) and released after a long prompt.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "head_store.hpp"
+
+namespace veloxquant::cache::detail {
+
+/// Keeps a scratch vector's capacity at `n` elements: grows exactly, and releases memory when
+/// more than twice what is needed is held (so a long prompt's scratch does not outlive it).
+template <class V>
+inline void fit_capacity(V& v, std::size_t n) {
+  if (v.capacity() < n) {
+    V fresh;
+    fresh.reserve(n);
+    v.swap(fresh);
+  } else if (v.capacity() > 2 * n + 64) {
+    V fresh;
+    fresh.reserve(n);
+    v.swap(fresh);
+  }
+}
+
+/// Scratch buffers of the scoring kernels of one worker, sized before a call mutates anything.
+struct KernelScratch {
+  std::vector<float> weights;         // [n] proxy attention of one token over the live rows
+  std::vector<float> query;           // [Dk] the proxy query in float32
+  std::vector<Slot> picks;            // [n] candidates of a re-budget
+  std::vector<float> keys;            // [rows, Dk] keys converted to float32 (block or chunk)
+  std::vector<float> logits;          // [block, rows] logits of a block of new tokens
+  std::vector<std::int32_t> column;   // [rows] live row (ascending position) -> column of `logits`
+  std::vector<Slot> slots;            // [rows] live row (ascending position) -> slot
+  std::vector<float> scores;          // [rows] live row (ascending position) -> score
+
+  /// Room for a call that holds up to `rows` rows per head with `new_rows` new ones.
+  void reserve(Index rows, Index dk, Index new_rows, Index block, Index chunk) {
+    const auto r = static_cast<std::size_t>(rows);
+    const auto d = static_cast<std::size_t>(dk);
+    fit_capacity(weights, r);
+    fit_capacity(query, d);
+    fit_capacity(picks, r);
+    if (new_rows > 1) {
+      const auto b = static_cast<std::size_t>(std::min(block, new_rows));
+      fit_capacity(keys, r * d);
+      fit_capacity(logits, b * r);
+      fit_capacity(column, r);
+      fit_capacity(slots, r);
+      fit_capacity(scores, r);
+    } else {
+      fit_capacity(keys, static_cast<std::size_t>(std::min(chunk, rows)) * d);
+      fit_capacity(logits, 0);
+      fit_capacity(column, 0);
+      fit_capacity(slots, 0);
+      fit_capacity(scores, 0);
+    }
+  }
+
+  std::size_t heap_bytes() const {
+    return weights.capacity() * sizeof(float) + query.capacity() * sizeof(float) +
+           picks.capacity() * sizeof(Slot) + keys.capacity() * sizeof(float) +
+           logits.capacity() * sizeof(float) + column.capacity() * sizeof(std::int32_t) +
+           slots.capacity() * sizeof(Slot) + scores.capacity() * sizeof(float);
+  }
+};
+
+}  // namespace veloxquant::cache::detail
