@@ -265,6 +265,61 @@ void BM_MemoryAfterDecode(benchmark::State& state) {
 BENCHMARK_TEMPLATE(BM_MemoryAfterDecode, Eigen::half)
     ->Args({8192, 100000})->Iterations(1)->Unit(benchmark::kSecond);
 
+// ---- policies side by side: decode step and prefill of TOVA, StreamingLLM, SnapKV vs H2O ----
+
+const char* const kPolicies[] = {"h2o", "tova", "streaming_llm", "snapkv", "pyramidkv"};
+
+template <class T>
+std::unique_ptr<vc::KVCache<T>> make_policy(Index which, int budget) {
+  vc::KVCacheConfig cfg;
+  cfg.method = kPolicies[which];
+  cfg.h2o_budget = cfg.tova_budget = cfg.snap_budget = cfg.pyramid_budget = budget;
+  cfg.stream_window_size = budget - cfg.stream_n_sink;
+  return vc::KVCacheFactory::create<T>(cfg);
+}
+
+// Decode steps after a prompt of `budget` tokens. SnapKV never evicts after the prompt, so its
+// rows grow by one per step; it runs a fixed 2000 steps (budget + 1 .. budget + 2000 rows).
+template <class T>
+void BM_PolicyDecode(benchmark::State& state) {
+  const Index which = state.range(0);
+  const int budget = static_cast<int>(state.range(1));
+  constexpr Index kHeads = 32;
+  auto cache = make_policy<T>(which, budget);
+  const auto prompt = random_tokens<T>(kHeads, budget + 1, 1);
+  cache->update_and_view(prompt, prompt);
+  const auto pool = token_pool<T>(kHeads, 64);
+  std::size_t i = 0;
+  for (auto _ : state) {
+    const auto& k = pool[i++ % pool.size()];
+    auto view = cache->update_and_view(k, k);
+    benchmark::DoNotOptimize(view.rows());
+  }
+  state.SetLabel(kPolicies[which]);
+  state.SetItemsProcessed(state.iterations());
+  state.counters["rows_end"] = static_cast<double>(cache->tokens_kept());
+}
+BENCHMARK_TEMPLATE(BM_PolicyDecode, Eigen::half)->Args({0, 512})->Args({1, 512})->Args({2, 512})
+    ->Args({4, 512})->Args({0, 2048})->Args({1, 2048})->Args({2, 2048});
+BENCHMARK_TEMPLATE(BM_PolicyDecode, Eigen::half)->Args({3, 512})->Iterations(2000);
+
+template <class T>
+void BM_PolicyPrefill(benchmark::State& state) {
+  const Index which = state.range(0);
+  const Index S = state.range(1);
+  constexpr Index kHeads = 32;
+  const auto prompt = random_tokens<T>(kHeads, S, 5);
+  for (auto _ : state) {
+    auto cache = make_policy<T>(which, 512);
+    auto view = cache->update_and_view(prompt, prompt);
+    benchmark::DoNotOptimize(view.rows());
+  }
+  state.SetLabel(kPolicies[which]);
+  state.SetItemsProcessed(state.iterations() * S);
+}
+BENCHMARK_TEMPLATE(BM_PolicyPrefill, Eigen::half)
+    ->ArgsProduct({{0, 1, 2, 3}, {2048, 8192}})->Unit(benchmark::kMillisecond);
+
 // ---- machine yardsticks for a roofline reading: float32 GEMM throughput and copy bandwidth ----
 
 // The prefill's block product: [64, 128] x [128, 576] float32 (a budget-512 head plus a block).
