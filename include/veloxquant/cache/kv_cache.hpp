@@ -131,10 +131,7 @@ class KVCache {
   /// converted to T first. keys: [B, H, S, Dk], values: [B, H, S, Dv]
   template <class U>
   KVPair<T> update_and_fetch(const Tensor4<U>& keys, const Tensor4<U>& values) {
-    static_assert(is_input_type_v<U>, "veloxquant: inputs must be half, bfloat16, float or double");
-    const Tensor4<T> k = keys.template cast<T>();
-    const Tensor4<T> v = values.template cast<T>();
-    return update_and_fetch(k, v);
+    return update_and_fetch(to_storage(keys), to_storage(values));
   }
 
   /// Same work as update_and_fetch, but returns a view into the cache's own storage.
@@ -165,10 +162,7 @@ class KVCache {
   /// Converting overload of update_and_view.
   template <class U>
   KVView<T> update_and_view(const Tensor4<U>& keys, const Tensor4<U>& values) {
-    static_assert(is_input_type_v<U>, "veloxquant: inputs must be half, bfloat16, float or double");
-    const Tensor4<T> k = keys.template cast<T>();
-    const Tensor4<T> v = values.template cast<T>();
-    return update_and_view(k, v);
+    return update_and_view(to_storage(keys), to_storage(values));
   }
 
   /// Position the next token will take (tokens per sequence absorbed since the last reset).
@@ -273,6 +267,13 @@ class KVCache {
   }
   /// Rows a head needs in steady state (budget + 1), or max() when unbounded. Sizes growth.
   virtual Index steady_rows() const { return std::numeric_limits<Index>::max(); }
+
+  /// Converts an input tensor to the storage type. t: [B, H, S, D]
+  template <class U>
+  static Tensor4<T> to_storage(const Tensor4<U>& t) {
+    static_assert(is_input_type_v<U>, "veloxquant: inputs must be half, bfloat16, float or double");
+    return t.template cast<T>();
+  }
 
   std::vector<detail::HeadStore<T>>& head_stores() { return heads_; }
   const std::vector<detail::HeadStore<T>>& head_stores() const { return heads_; }

@@ -88,15 +88,11 @@ inline void absorb_token(HeadStore<T>& head, Slot s, std::optional<int> budget, 
     head.push_live(s);
     return;
   }
-  const Index d = head.key_dim();
-  scratch.query.resize(static_cast<std::size_t>(d));
-  scratch.weights.resize(static_cast<std::size_t>(n));
-  load_row(head.key_ptr(s), d, scratch.query.data());
+  const float* w = live_weights(head, s, scratch.query, scratch.weights);
   const Slot* live = head.order().data();
-  proxy_attention(head, live, n, scratch.query.data(), scratch.weights.data());
   for (Index i = 0; i < n; ++i) {
     float& sc = head.score(live[i]);
-    sc = sc * decay + scratch.weights[static_cast<std::size_t>(i)];
+    sc = sc * decay + w[i];
   }
   head.score(s) = 0.0f;
   head.push_live(s);

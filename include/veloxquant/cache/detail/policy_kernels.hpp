@@ -30,20 +30,14 @@ inline void tova_absorb_token(HeadStore<T>& head, Slot s, int budget, int n_sink
   head.push_live(s);
   const Index n = head.live();
   if (n <= budget) return;
-  const Index d = head.key_dim();
-  scratch.query.resize(static_cast<std::size_t>(d));
-  scratch.weights.resize(static_cast<std::size_t>(n));
-  load_row(head.key_ptr(s), d, scratch.query.data());
+  const float* w = live_weights(head, s, scratch.query, scratch.weights);
   const Slot* live = head.order().data();
-  proxy_attention(head, live, n, scratch.query.data(), scratch.weights.data());
-  Index lo = count_sinks_of(head, n_sink);
+  for (Index i = 0; i < n; ++i) head.score(live[i]) = w[i];
+  const Index lo = count_sinks_of(head, n_sink);
   if (lo >= n) return;
   Index best = lo;
-  for (Index i = 0; i < n; ++i) head.score(live[i]) = scratch.weights[static_cast<std::size_t>(i)];
   for (Index i = lo + 1; i < n; ++i) {
-    if (scratch.weights[static_cast<std::size_t>(i)] < scratch.weights[static_cast<std::size_t>(best)]) {
-      best = i;
-    }
+    if (w[i] < w[best]) best = i;
   }
   head.evict_at(best);
 }

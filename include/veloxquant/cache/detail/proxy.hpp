@@ -56,4 +56,17 @@ inline void proxy_attention(const HeadStore<T>& head, const Slot* slots, Index n
   softmax_inplace(out, n);
 }
 
+/// Proxy attention of the key in slot `s` over the live rows of `head` (ascending position), into
+/// scratch `weights` (resized to live()); `query` is scratch for the float32 query ([Dk]).
+template <class T>
+inline float* live_weights(const HeadStore<T>& head, Slot s, std::vector<float>& query,
+                           std::vector<float>& weights) {
+  const Index d = head.key_dim();
+  query.resize(static_cast<std::size_t>(d));
+  weights.resize(static_cast<std::size_t>(head.live()));
+  load_row(head.key_ptr(s), d, query.data());
+  proxy_attention(head, head.order().data(), head.live(), query.data(), weights.data());
+  return weights.data();
+}
+
 }  // namespace veloxquant::cache::detail
