@@ -90,10 +90,11 @@ inline void absorb_token(HeadStore<T>& head, Slot s, std::optional<int> budget, 
   }
   const float* w = live_weights(head, s, scratch.query, scratch.weights);
   const Slot* live = head.order().data();
-  for (Index i = 0; i < n; ++i) {
-    float& sc = head.score(live[i]);
-    sc = sc * decay + w[i];
-  }
+  // Gather, accumulate with the shared kernel, scatter back (same rounding as the fast paths).
+  scratch.scores.resize(static_cast<std::size_t>(n));
+  for (Index i = 0; i < n; ++i) scratch.scores[static_cast<std::size_t>(i)] = head.score(live[i]);
+  decay_accumulate(scratch.scores.data(), w, n, decay);
+  for (Index i = 0; i < n; ++i) head.score(live[i]) = scratch.scores[static_cast<std::size_t>(i)];
   head.score(s) = 0.0f;
   head.push_live(s);
   if (budget && head.live() > *budget) evict_lowest(head, n_sink, g);
@@ -109,8 +110,7 @@ inline bool absorb_decode(HeadStore<T>& head, Slot s, std::optional<int> budget,
   const Index n = head.live();
   if (n == 0 || head.physical() != n + 1 || s != n) return false;
   const float* w = decode_weights(head, s, n, scratch, chunk);
-  Eigen::Map<Eigen::ArrayXf> scores(&head.score(0), n);
-  scores = scores * decay + Eigen::Map<const Eigen::ArrayXf>(w, n);
+  decay_accumulate(&head.score(0), w, n, decay);
   head.score(s) = 0.0f;
   head.push_live(s);
   if (!budget || head.live() <= *budget) return true;
@@ -138,8 +138,7 @@ inline void absorb_blocked(HeadStore<T>& head, Slot first, Index count, std::opt
         if (n > 0) {
           w = scratch.weights.data();
           rows.weights(logit_row, n, w);
-          Eigen::Map<Eigen::ArrayXf> sc(rows.scores.data(), n);
-          sc = sc * decay + Eigen::Map<const Eigen::ArrayXf>(w, n);
+          decay_accumulate(rows.scores.data(), w, n, decay);
           entry = 0.0f;
         }
         rows.push(s, col, entry);

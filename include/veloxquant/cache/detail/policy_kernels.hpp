@@ -104,17 +104,21 @@ inline void snapkv_compress(HeadStore<T>& head, Slot first, Index count, int bud
   const Index w = std::min<Index>(obs_window, count);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   using RowsF = Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
-  scratch.keys.resize(static_cast<std::size_t>(count * d));
+  const Index cols = padded_columns(count);  // the call's keys, then zero keys
+  scratch.keys.resize(static_cast<std::size_t>(cols * d));
   convert_rows(head.key_ptr(first), count, d, scratch.keys.data());
-  const RowsF keys(scratch.keys.data(), count, d);
-  scratch.logits.resize(static_cast<std::size_t>(w * count));
-  RowsF logits(scratch.logits.data(), w, count);
-  logits.noalias() = keys.bottomRows(w) * keys.transpose();
+  std::fill(scratch.keys.begin() + count * d, scratch.keys.end(), 0.0f);
+  const RowsF keys(scratch.keys.data(), cols, d);
+  scratch.logits.resize(static_cast<std::size_t>(w * cols));
+  RowsF logits(scratch.logits.data(), w, cols);
+  logits.noalias() = keys.middleRows(count - w, w) * keys.transpose();
   logits *= scale;
-  for (Index r = 0; r < w; ++r) softmax_inplace(scratch.logits.data() + r * count, count);
+  for (Index r = 0; r < w; ++r) softmax_inplace(scratch.logits.data() + r * cols, count);
   scratch.weights.resize(static_cast<std::size_t>(count));
   Eigen::Map<Eigen::RowVectorXf> mean(scratch.weights.data(), count);
-  mean = logits.colwise().sum() / static_cast<float>(w);
+  mean.setZero();  // row by row: every column sums the same rows in the same order
+  for (Index r = 0; r < w; ++r) mean += logits.row(r).head(count);
+  mean /= static_cast<float>(w);
   for (Index i = 0; i < count; ++i) {
     const auto s = static_cast<Slot>(first + i);
     head.score(s) = mean[i];

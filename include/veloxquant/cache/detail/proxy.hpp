@@ -35,14 +35,59 @@ inline float dot_row(const T* row, const float* q, Index d) {
 /// 4.2/4.5 around.
 inline constexpr float kSoftmaxMinWeight = 1.6458115e-38f;  // exp(-87)
 
-/// In-place max-subtracted softmax of x[0..n); weights that underflow are exactly 0.
+/// Elements per chunk of the elementwise kernels below: a multiple of every SIMD width, so each
+/// element goes through the same packet code. (Eigen treats the tail of a dynamic-size array with
+/// half packets or scalars, whose exp and fused multiply-add round differently; equal inputs could
+/// then give unequal outputs and break the exact-tie rules.)
+inline constexpr Index kChunk = 16;
+using Chunk = Eigen::Array<float, kChunk, 1>;
+
+/// Applies `op` (Chunk -> Chunk) to x[0..n) in chunks of kChunk; the tail is padded with `pad`.
+template <class Op>
+inline void chunked_apply(float* x, Index n, float pad, Op op) {
+  Index i = 0;
+  for (; i + kChunk <= n; i += kChunk) {
+    Eigen::Map<Chunk> c(x + i);
+    c = op(Chunk(c), i);
+  }
+  if (i < n) {
+    Chunk c = Chunk::Constant(pad);
+    for (Index j = 0; j < n - i; ++j) c[j] = x[i + j];
+    c = op(c, i);
+    for (Index j = 0; j < n - i; ++j) x[i + j] = c[j];
+  }
+}
+
+/// In-place max-subtracted softmax of x[0..n); weights that underflow are exactly 0. Equal inputs
+/// give bit-equal weights wherever they sit.
 inline void softmax_inplace(float* x, Index n) {
   if (n <= 0) return;
   Eigen::Map<Eigen::ArrayXf> a(x, n);
   const float m = a.maxCoeff();
-  a = (a - m).exp();  // vectorised
-  for (Index i = 0; i < n; ++i) x[i] = x[i] < kSoftmaxMinWeight ? 0.0f : x[i];
+  chunked_apply(x, n, m, [m](const Chunk& c, Index) -> Chunk {
+    const Chunk e = (c - m).exp();
+    return (e < kSoftmaxMinWeight).select(Chunk::Zero(), e);
+  });
   a /= a.sum();
+}
+
+/// scores[i] = scores[i] * decay + w[i] for i < n, chunked like softmax_inplace so equal inputs
+/// give bit-equal outputs. scores, w: [n]
+inline void decay_accumulate(float* scores, const float* w, Index n, float decay) {
+  Index i = 0;
+  for (; i + kChunk <= n; i += kChunk) {
+    Eigen::Map<Chunk> c(scores + i);
+    c = c * decay + Eigen::Map<const Chunk>(w + i);
+  }
+  if (i < n) {
+    Chunk c = Chunk::Zero(), a = Chunk::Zero();
+    for (Index j = 0; j < n - i; ++j) {
+      c[j] = scores[i + j];
+      a[j] = w[i + j];
+    }
+    c = c * decay + a;
+    for (Index j = 0; j < n - i; ++j) scores[i + j] = c[j];
+  }
 }
 
 /// Proxy attention weights of query `q` over the slots `slots` of `head`:

@@ -148,7 +148,7 @@ inline void for_each_token_blocked(HeadStore<T>& head, Slot first, Index count, 
   for (Index i0 = 0; i0 < count; i0 += block) {
     const Index nb = std::min(block, count - i0);
     const Index nc = head.live();
-    const Index cols = nc + nb;
+    const Index cols = padded_columns(nc + nb);  // real columns, then zero keys
     rows.slots.assign(head.order().begin(), head.order().end());
     rows.column.resize(static_cast<std::size_t>(nc));
     rows.scores.resize(static_cast<std::size_t>(nc));
@@ -160,10 +160,11 @@ inline void for_each_token_blocked(HeadStore<T>& head, Slot first, Index count, 
       convert_rows(head.key_ptr(sl), 1, d, scratch.keys.data() + j * d);
     }
     convert_rows(head.key_ptr(first + i0), nb, d, scratch.keys.data() + nc * d);
+    std::fill(scratch.keys.begin() + (nc + nb) * d, scratch.keys.end(), 0.0f);
     const RowsF all(scratch.keys.data(), cols, d);
     scratch.logits.resize(static_cast<std::size_t>(nb * cols));
     RowsF logits(scratch.logits.data(), nb, cols);
-    logits.noalias() = all.bottomRows(nb) * all.transpose();
+    logits.noalias() = all.middleRows(nc, nb) * all.transpose();
     logits *= scale;
     rows.sinks = 0;
     while (rows.sinks < nc &&

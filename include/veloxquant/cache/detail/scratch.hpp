@@ -10,6 +10,12 @@
 
 namespace veloxquant::cache::detail {
 
+/// Columns of a scoring product padded to a multiple of 16 (with zero keys). Eigen's GEMM computes
+/// the columns past the last full register block with a different summation order, so without the
+/// padding two identical keys could get logits an ulp apart and exact ties (SPEC 4.2, 4.5, 6: the
+/// earliest position wins) would be decided by where a row falls in the matrix.
+inline Index padded_columns(Index cols) { return (cols + 15) / 16 * 16; }
+
 /// Keeps a scratch vector's capacity at `n` elements: grows exactly, and releases memory when
 /// more than twice what is needed is held (so a long prompt's scratch does not outlive it).
 template <class V>
@@ -45,8 +51,9 @@ struct KernelScratch {
     fit_capacity(picks, r);
     if (new_rows > 1) {
       const auto b = static_cast<std::size_t>(std::min(block, new_rows));
-      fit_capacity(keys, r * d);
-      fit_capacity(logits, b * r);
+      const auto padded = static_cast<std::size_t>(padded_columns(rows));
+      fit_capacity(keys, padded * d);
+      fit_capacity(logits, b * padded);
       fit_capacity(column, r);
       fit_capacity(slots, r);
       fit_capacity(scores, r);
@@ -55,7 +62,7 @@ struct KernelScratch {
       fit_capacity(logits, 0);
       fit_capacity(column, 0);
       fit_capacity(slots, 0);
-      fit_capacity(scores, 0);
+      fit_capacity(scores, r);  // the one-token path gathers scores here
     }
   }
 

@@ -1,0 +1,1064 @@
+// StreamingLLMCache<T> (SPEC 6, with 2.2, 2.3, 4.4 and 8): after every call each head keeps exactly
+// the positions {0 .. n_sink-1} and the newest `window` others, checked against the closed form and
+// against StreamingLLMHeadOracle (tests/reference/policy_oracles.hpp) on random call sequences;
+// what a call returns (update_and_fetch and update_and_view), offset(), stored content,
+// accounting, trim, bad input with the strong guarantee, and bounded memory over long decodes.
+
+// Internal invariants of the library are checked (and abort) even in Release builds.
+#include <cstdio>
+#include <cstdlib>
+[[noreturn]] inline void veloxquant_test_assert_failed(const char* msg) {
+  std::fprintf(stderr, "veloxquant internal assertion failed: %s\n", msg);
+  std::abort();
+}
+#define VELOXQUANT_ASSERT(cond, msg) ((cond) ? (void)0 : veloxquant_test_assert_failed(msg))
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <optional>
+#include <random>
+#include <regex>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+#include <veloxquant/cache.hpp>
+
+#include "reference/policy_oracles.hpp"
+
+namespace {
+
+namespace vc = veloxquant::cache;
+namespace ref = veloxquant::reference;
+using Index = Eigen::Index;
+using Shape = std::array<Index, 4>;
+using Positions = std::vector<std::int64_t>;
+
+using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
+
+template <class T>
+double to_double(T x) {
+  return static_cast<double>(static_cast<float>(x));
+}
+
+/// Random [B, H, S, D] of N(0, 1) entries (double; the cache converts them to T on entry).
+vc::Tensor4<double> random_doubles(std::mt19937& rng, Index B, Index H, Index S, Index D) {
+  std::normal_distribution<double> dist(0.0, 1.0);
+  vc::Tensor4<double> t(B, H, S, D);
+  for (Index i = 0; i < t.size(); ++i) t.data()[i] = dist(rng);
+  return t;
+}
+
+/// Random [B, H, S, D] of N(0, 1) entries rounded to T.
+template <class T>
+vc::Tensor4<T> random_tensor(std::mt19937& rng, Index B, Index H, Index S, Index D) {
+  return random_doubles(rng, B, H, S, D).template cast<T>();
+}
+
+/// Row s of head (b, h) of `t`, converted to double. Returns [D].
+template <class T>
+std::vector<double> row_of(const vc::Tensor4<T>& t, Index b, Index h, Index s) {
+  std::vector<double> out(static_cast<std::size_t>(t.dimension(3)));
+  for (Index d = 0; d < t.dimension(3); ++d) {
+    out[static_cast<std::size_t>(d)] = to_double(t(b, h, s, d));
+  }
+  return out;
+}
+
+template <class T>
+std::vector<unsigned char> bytes_of(const vc::Tensor4<T>& t) {
+  std::vector<unsigned char> out(static_cast<std::size_t>(t.size()) * sizeof(T));
+  if (!out.empty()) std::memcpy(out.data(), t.data(), out.size());
+  return out;
+}
+
+template <class T>
+Shape shape_of(const vc::Tensor4<T>& t) {
+  return {t.dimension(0), t.dimension(1), t.dimension(2), t.dimension(3)};
+}
+
+vc::KVCacheConfig stream_config(int n_sink, int window) {
+  vc::KVCacheConfig c;
+  c.method = "streaming_llm";
+  c.stream_n_sink = n_sink;
+  c.stream_window_size = window;
+  return c;
+}
+
+/// The closed form (SPEC 6): positions p < offset with p < n_sink or p >= offset - window.
+Positions closed_form(std::int64_t offset, int n_sink, int window) {
+  Positions out;
+  for (std::int64_t p = 0; p < offset; ++p) {
+    if (p < n_sink || p >= offset - window) out.push_back(p);
+  }
+  return out;
+}
+
+/// `n` consecutive positions starting at `first`.
+Positions range(std::int64_t first, std::int64_t n) {
+  Positions out;
+  for (std::int64_t i = 0; i < n; ++i) out.push_back(first + i);
+  return out;
+}
+
+Positions concat(Positions a, const Positions& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+/// Positions of a view's head (b, h), in view order.
+template <class T>
+Positions view_positions(const vc::KVView<T>& view, Index b, Index h) {
+  Positions out;
+  const auto p = view.positions(b, h);
+  for (Index r = 0; r < p.size(); ++r) out.push_back(p(r));
+  return out;
+}
+
+/// Retained positions of every head, read through an empty update_and_view call (SPEC 8: S = 0
+/// changes nothing and returns the retained set). Each head's positions are sorted.
+template <class T>
+std::vector<Positions> retained_positions(vc::StreamingLLMCache<T>& cache) {
+  const vc::Tensor4<T> k(cache.batch(), cache.heads(), 0, cache.key_dim());
+  const vc::Tensor4<T> v(cache.batch(), cache.heads(), 0, cache.value_dim());
+  const std::int64_t offset = cache.offset();
+  const vc::KVView<T> view = cache.update_and_view(k, v);
+  EXPECT_EQ(view.new_rows(), 0);
+  EXPECT_EQ(cache.offset(), offset);
+  std::vector<Positions> out;
+  for (Index b = 0; b < cache.batch(); ++b) {
+    for (Index h = 0; h < cache.heads(); ++h) {
+      Positions p = view_positions(view, b, h);
+      std::sort(p.begin(), p.end());
+      out.push_back(std::move(p));
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Random runs against the oracle and the closed form
+// ---------------------------------------------------------------------------------------------
+
+struct RunConfig {
+  int n_sink = 4;
+  int window = 8;
+  Index B = 1, H = 1, Dk = 4, Dv = 4;
+  Index prefill = 1;
+  int calls = 30;
+  bool view = false;       // calls through update_and_view
+  bool as_double = false;  // inputs passed as double (converting overload)
+  unsigned seed = 0;
+
+  std::string describe() const {
+    std::ostringstream os;
+    os << "streaming n_sink=" << n_sink << " window=" << window << " B=" << B << " H=" << H
+       << " Dk=" << Dk << " Dv=" << Dv << " prefill=" << prefill << " calls=" << calls
+       << " view=" << view << " double=" << as_double << " seed=" << seed;
+    return os.str();
+  }
+};
+
+/// The retained set after a call: state() against the oracle rows (content converted to T), the
+/// oracle against the closed form, and the accounting. Returns the first mismatch, or "".
+template <class T>
+std::string compare_state(const vc::StreamingLLMCache<T>& cache,
+                          const std::vector<ref::StreamingLLMHeadOracle>& oracle,
+                          const RunConfig& rc, std::int64_t offset) {
+  std::ostringstream err;
+  const Positions want = closed_form(offset, rc.n_sink, rc.window);
+  const auto n = static_cast<Index>(want.size());
+  const vc::KVPair<T> st = cache.state();
+  if (shape_of(st.first) != Shape{rc.B, rc.H, n, rc.Dk} ||
+      shape_of(st.second) != Shape{rc.B, rc.H, n, rc.Dv}) {
+    err << "state() holds " << st.first.dimension(2) << " rows, the closed form " << n;
+    return err.str();
+  }
+  for (Index b = 0; b < rc.B; ++b) {
+    for (Index h = 0; h < rc.H; ++h) {
+      const auto& o = oracle[static_cast<std::size_t>(b * rc.H + h)];
+      if (o.positions() != want) {
+        err << "oracle of head (" << b << ", " << h << ") disagrees with the closed form";
+        return err.str();
+      }
+      const auto& rows = o.rows();
+      for (Index r = 0; r < n; ++r) {
+        const auto& row = rows[static_cast<std::size_t>(r)];
+        for (Index d = 0; d < rc.Dk; ++d) {
+          if (to_double(st.first(b, h, r, d)) != row.key[static_cast<std::size_t>(d)]) {
+            err << "state() key of head (" << b << ", " << h << ") row " << r << " (position "
+                << row.position << ") d " << d << " is not the input's";
+            return err.str();
+          }
+        }
+        for (Index d = 0; d < rc.Dv; ++d) {
+          if (to_double(st.second(b, h, r, d)) != row.value[static_cast<std::size_t>(d)]) {
+            err << "state() value of head (" << b << ", " << h << ") row " << r << " (position "
+                << row.position << ") d " << d << " is not the input's";
+            return err.str();
+          }
+        }
+      }
+    }
+  }
+  const auto row_bytes = static_cast<std::size_t>(rc.Dk + rc.Dv) * sizeof(T);
+  const std::size_t kept = static_cast<std::size_t>(rc.B * rc.H * n) * row_bytes;
+  const std::size_t full = static_cast<std::size_t>(rc.B * rc.H * offset) * row_bytes;
+  if (cache.offset() != offset) err << "offset " << cache.offset() << ", expected " << offset;
+  if (cache.tokens_kept() != n) err << "tokens_kept " << cache.tokens_kept() << ", expected " << n;
+  if (cache.tokens_seen() != rc.B * rc.H * offset) err << "tokens_seen " << cache.tokens_seen();
+  if (cache.kept_bytes() != kept)
+    err << "kept_bytes " << cache.kept_bytes() << ", expected " << kept;
+  if (cache.full_seq_bytes() != full) {
+    err << "full_seq_bytes " << cache.full_seq_bytes() << ", expected " << full;
+  }
+  const double ratio = kept == 0 ? 1.0 : static_cast<double>(full) / static_cast<double>(kept);
+  if (cache.compression_ratio() != ratio) {
+    err << "compression_ratio " << cache.compression_ratio() << ", expected " << ratio;
+  }
+  return err.str();
+}
+
+/// What update_and_fetch returned (SPEC 4.4): the rows retained before the call (`before`,
+/// ascending position) then every row of the call.
+template <class T>
+std::string compare_returned(const vc::KVPair<T>& got,
+                             const std::vector<std::vector<ref::OracleRow>>& before,
+                             const vc::Tensor4<T>& keys, const vc::Tensor4<T>& values,
+                             const RunConfig& rc) {
+  std::ostringstream err;
+  const Index S = keys.dimension(2);
+  const auto n_before = static_cast<Index>(before.front().size());
+  const Index n = n_before + S;
+  if (shape_of(got.first) != Shape{rc.B, rc.H, n, rc.Dk} ||
+      shape_of(got.second) != Shape{rc.B, rc.H, n, rc.Dv}) {
+    err << "returned " << got.first.dimension(2) << " rows, expected " << n_before << " + " << S;
+    return err.str();
+  }
+  for (Index b = 0; b < rc.B; ++b) {
+    for (Index h = 0; h < rc.H; ++h) {
+      const auto& prev = before[static_cast<std::size_t>(b * rc.H + h)];
+      for (Index r = 0; r < n; ++r) {
+        const bool old = r < n_before;
+        const auto pr = static_cast<std::size_t>(r);
+        for (Index d = 0; d < rc.Dk; ++d) {
+          const double want = old ? prev[pr].key[static_cast<std::size_t>(d)]
+                                  : to_double(keys(b, h, r - n_before, d));
+          if (to_double(got.first(b, h, r, d)) != want) {
+            err << "returned key differs at head (" << b << ", " << h << ") row " << r << " d "
+                << d;
+            return err.str();
+          }
+        }
+        for (Index d = 0; d < rc.Dv; ++d) {
+          const double want = old ? prev[pr].value[static_cast<std::size_t>(d)]
+                                  : to_double(values(b, h, r - n_before, d));
+          if (to_double(got.second(b, h, r, d)) != want) {
+            err << "returned value differs at head (" << b << ", " << h << ") row " << r << " d "
+                << d;
+            return err.str();
+          }
+        }
+      }
+    }
+  }
+  return err.str();
+}
+
+/// What update_and_view returned (SPEC 2.3): positions are a permutation of the rows retained
+/// before the call plus the call's rows, the call's rows last in arrival order; contents match.
+template <class T>
+std::string compare_view(const vc::KVView<T>& view,
+                         const std::vector<std::vector<ref::OracleRow>>& before,
+                         const vc::Tensor4<T>& keys, const vc::Tensor4<T>& values,
+                         const RunConfig& rc, std::int64_t offset_before) {
+  std::ostringstream err;
+  const Index S = keys.dimension(2);
+  const auto n_before = static_cast<Index>(before.front().size());
+  if (view.rows() != n_before + S || view.new_rows() != S || view.batch() != rc.B ||
+      view.heads() != rc.H || view.key_dim() != rc.Dk || view.value_dim() != rc.Dv) {
+    err << "view has " << view.rows() << " rows (" << view.new_rows() << " new), expected "
+        << n_before << " + " << S;
+    return err.str();
+  }
+  for (Index b = 0; b < rc.B; ++b) {
+    for (Index h = 0; h < rc.H; ++h) {
+      const auto& prev = before[static_cast<std::size_t>(b * rc.H + h)];
+      std::map<std::int64_t, std::size_t> index_of;
+      for (std::size_t i = 0; i < prev.size(); ++i) index_of[prev[i].position] = i;
+      const auto k = view.keys(b, h);
+      const auto v = view.values(b, h);
+      const auto p = view.positions(b, h);
+      Positions old_positions;
+      for (Index r = 0; r < view.rows(); ++r) {
+        const std::int64_t pos = p(r);
+        std::vector<double> want_k, want_v;
+        if (r < n_before) {
+          old_positions.push_back(pos);
+          const auto it = index_of.find(pos);
+          if (it == index_of.end()) {
+            err << "view row " << r << " of head (" << b << ", " << h << ") has position " << pos
+                << ", not retained before the call";
+            return err.str();
+          }
+          want_k = prev[it->second].key;
+          want_v = prev[it->second].value;
+        } else {
+          if (pos != offset_before + (r - n_before)) {
+            err << "view row " << r << " of head (" << b << ", " << h << ") has position " << pos
+                << ", expected the call's token " << offset_before + (r - n_before);
+            return err.str();
+          }
+          want_k = row_of(keys, b, h, r - n_before);
+          want_v = row_of(values, b, h, r - n_before);
+        }
+        for (Index d = 0; d < rc.Dk; ++d) {
+          if (to_double(k(r, d)) != want_k[static_cast<std::size_t>(d)]) {
+            err << "view key differs at head (" << b << ", " << h << ") row " << r << " d " << d;
+            return err.str();
+          }
+        }
+        for (Index d = 0; d < rc.Dv; ++d) {
+          if (to_double(v(r, d)) != want_v[static_cast<std::size_t>(d)]) {
+            err << "view value differs at head (" << b << ", " << h << ") row " << r << " d " << d;
+            return err.str();
+          }
+        }
+      }
+      std::sort(old_positions.begin(), old_positions.end());
+      if (old_positions != ref::policy_detail::positions_of(prev)) {
+        err << "view of head (" << b << ", " << h
+            << ") is not a permutation of the rows retained before the call";
+        return err.str();
+      }
+    }
+  }
+  return err.str();
+}
+
+struct RunStats {
+  int calls = 0;
+  int evicting_calls = 0;  // calls after which rows had been dropped
+  int big_calls = 0;       // calls of more than 64 tokens
+  int probes = 0;          // retained sets read through an empty view
+};
+
+/// One random run: prefill, then single-token and multi-token calls (a few larger than 64, a few
+/// empty), compared after every call with one oracle per head and with the closed form.
+template <class T>
+void run_against_oracle(const RunConfig& rc, RunStats& stats) {
+  std::mt19937 rng(rc.seed);
+  vc::StreamingLLMCache<T> cache(stream_config(rc.n_sink, rc.window));
+  ASSERT_EQ(cache.layer_budget(), rc.n_sink + rc.window);
+  ASSERT_EQ(cache.n_sink(), rc.n_sink);
+  ASSERT_EQ(cache.window_size(), rc.window);
+  std::vector<ref::StreamingLLMHeadOracle> oracle(
+      static_cast<std::size_t>(rc.B * rc.H), ref::StreamingLLMHeadOracle(rc.n_sink, rc.window));
+  std::uniform_real_distribution<double> u01(0.0, 1.0);
+  const Index full = rc.n_sink + rc.window;
+  std::int64_t offset = 0;
+  for (int call = 0; call <= rc.calls; ++call) {
+    Index S = 1;
+    if (call == 0) {
+      S = rc.prefill;
+    } else {
+      const double r = u01(rng);
+      if (r < 0.05) {
+        S = 0;
+      } else if (r < 0.25) {
+        S = std::uniform_int_distribution<Index>(2, full + 5)(rng);
+      } else if (r < 0.29) {
+        S = std::uniform_int_distribution<Index>(65, 150)(rng);
+      }
+    }
+    const vc::Tensor4<double> kd = random_doubles(rng, rc.B, rc.H, S, rc.Dk);
+    const vc::Tensor4<double> vd = random_doubles(rng, rc.B, rc.H, S, rc.Dv);
+    const vc::Tensor4<T> keys = kd.template cast<T>();
+    const vc::Tensor4<T> values = vd.template cast<T>();
+
+    std::vector<std::vector<ref::OracleRow>> before;
+    for (const auto& o : oracle) before.push_back(o.rows());
+    for (Index hi = 0; hi < rc.B * rc.H; ++hi) {
+      for (Index s = 0; s < S; ++s) {
+        oracle[static_cast<std::size_t>(hi)].absorb(row_of(keys, hi / rc.H, hi % rc.H, s),
+                                                    row_of(values, hi / rc.H, hi % rc.H, s));
+      }
+    }
+    std::string err;
+    if (rc.view) {
+      const vc::KVView<T> view =
+          rc.as_double ? cache.update_and_view(kd, vd) : cache.update_and_view(keys, values);
+      err = compare_view(view, before, keys, values, rc, offset);
+    } else {
+      const vc::KVPair<T> got =
+          rc.as_double ? cache.update_and_fetch(kd, vd) : cache.update_and_fetch(keys, values);
+      err = compare_returned(got, before, keys, values, rc);
+    }
+    offset += S;
+    if (err.empty()) err = compare_state(cache, oracle, rc, offset);
+    ASSERT_TRUE(err.empty()) << rc.describe() << " call " << call << " (S=" << S << "): " << err;
+    if (u01(rng) < 0.25) {  // the retained positions themselves, through an empty call
+      const std::vector<Positions> got = retained_positions(cache);
+      const Positions want = closed_form(offset, rc.n_sink, rc.window);
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        ASSERT_EQ(got[i], want) << rc.describe() << " call " << call << " head " << i;
+      }
+      ++stats.probes;
+    }
+    ++stats.calls;
+    if (offset > full) ++stats.evicting_calls;
+    if (S > 64) ++stats.big_calls;
+  }
+}
+
+template <class T>
+class StreamingLLMOracleTest : public ::testing::Test {};
+TYPED_TEST_SUITE(StreamingLLMOracleTest, StorageTypes);
+
+/// Random runs over n_sink {0, 1, 4} x window {1, 2, 3, 8, 17}, random B, H in 1..3 and D in
+/// {2, 4, 8, 16}; prefills longer, shorter than and equal to n_sink + window.
+TYPED_TEST(StreamingLLMOracleTest, KeepsSinksAndTheLastWindowOnRandomCalls) {
+  using T = TypeParam;
+  const std::vector<Index> dims = {2, 4, 8, 16};
+  std::mt19937 rng(5005u);
+  RunStats stats;
+  int runs = 0, prefill_over = 0, prefill_under = 0;
+  for (const int n_sink : {0, 1, 4}) {
+    for (const int window : {1, 2, 3, 8, 17}) {
+      const int full = n_sink + window;
+      for (int rep = 0; rep < 4; ++rep) {
+        RunConfig rc;
+        rc.n_sink = n_sink;
+        rc.window = window;
+        rc.B = std::uniform_int_distribution<Index>(1, 3)(rng);
+        rc.H = std::uniform_int_distribution<Index>(1, 3)(rng);
+        rc.Dk = dims[std::uniform_int_distribution<std::size_t>(0, 3)(rng)];
+        rc.Dv = dims[std::uniform_int_distribution<std::size_t>(0, 3)(rng)];
+        switch (rep) {
+          case 0:
+            rc.prefill = std::uniform_int_distribution<Index>(full + 1, 2 * full + 8)(rng);
+            break;
+          case 1:
+            rc.prefill = std::uniform_int_distribution<Index>(1, std::max(1, full - 1))(rng);
+            break;
+          case 2:
+            rc.prefill = std::uniform_int_distribution<Index>(65, 200)(rng);
+            break;
+          default:
+            rc.prefill = full;
+            break;
+        }
+        if (rc.prefill > full) {
+          ++prefill_over;
+        } else {
+          ++prefill_under;
+        }
+        rc.view = (rep == 1 || rep == 2);
+        rc.as_double = (rep == 0 || rep == 2);
+        rc.calls = std::uniform_int_distribution<int>(30, 80)(rng);
+        rc.seed = static_cast<unsigned>(rng());
+        run_against_oracle<T>(rc, stats);
+        ++runs;
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+    }
+  }
+  std::printf(
+      "[ stats    ] %d runs, %d calls checked (%d after eviction began, %d of S > 64), "
+      "%d retained sets read through empty views\n",
+      runs, stats.calls, stats.evicting_calls, stats.big_calls, stats.probes);
+  EXPECT_EQ(runs, 60);
+  EXPECT_GT(prefill_over, 20);
+  EXPECT_GT(prefill_under, 20);
+  EXPECT_GT(stats.evicting_calls, stats.calls / 2);
+  EXPECT_GT(stats.big_calls, 20);
+  EXPECT_GT(stats.probes, 200);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Closed-form cases
+// ---------------------------------------------------------------------------------------------
+
+template <class T>
+class StreamingLLMCacheTest : public ::testing::Test {};
+TYPED_TEST_SUITE(StreamingLLMCacheTest, StorageTypes);
+
+/// Head (b, h) of a [B, H, n, D] pair as rows of doubles.
+template <class T>
+std::vector<std::vector<double>> rows_of(const vc::Tensor4<T>& t, Index b, Index h) {
+  std::vector<std::vector<double>> out;
+  for (Index s = 0; s < t.dimension(2); ++s) out.push_back(row_of(t, b, h, s));
+  return out;
+}
+
+/// Rows of the whole input so far, indexed by position, for every head.
+template <class T>
+struct History {
+  std::vector<std::vector<std::vector<double>>> keys, values;  // [head][position][D]
+  void add(const vc::Tensor4<T>& k, const vc::Tensor4<T>& v) {
+    const Index B = k.dimension(0), H = k.dimension(1);
+    keys.resize(static_cast<std::size_t>(B * H));
+    values.resize(static_cast<std::size_t>(B * H));
+    for (Index b = 0; b < B; ++b)
+      for (Index h = 0; h < H; ++h)
+        for (Index s = 0; s < k.dimension(2); ++s) {
+          keys[static_cast<std::size_t>(b * H + h)].push_back(row_of(k, b, h, s));
+          values[static_cast<std::size_t>(b * H + h)].push_back(row_of(v, b, h, s));
+        }
+  }
+  /// The rows at `positions` of head `hi`.
+  std::vector<std::vector<double>> key_rows(std::size_t hi, const Positions& positions) const {
+    std::vector<std::vector<double>> out;
+    for (const auto p : positions) out.push_back(keys[hi][static_cast<std::size_t>(p)]);
+    return out;
+  }
+  std::vector<std::vector<double>> value_rows(std::size_t hi, const Positions& positions) const {
+    std::vector<std::vector<double>> out;
+    for (const auto p : positions) out.push_back(values[hi][static_cast<std::size_t>(p)]);
+    return out;
+  }
+};
+
+/// Checks a fetch result and state() of every head against the history at given positions.
+template <class T>
+void expect_rows(const vc::KVPair<T>& kv, const History<T>& hist, const Positions& positions,
+                 const std::string& ctx) {
+  const Index B = kv.first.dimension(0), H = kv.first.dimension(1);
+  ASSERT_EQ(kv.first.dimension(2), static_cast<Index>(positions.size())) << ctx;
+  ASSERT_EQ(kv.second.dimension(2), static_cast<Index>(positions.size())) << ctx;
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < H; ++h) {
+      const auto hi = static_cast<std::size_t>(b * H + h);
+      EXPECT_EQ(rows_of(kv.first, b, h), hist.key_rows(hi, positions)) << ctx << " head " << hi;
+      EXPECT_EQ(rows_of(kv.second, b, h), hist.value_rows(hi, positions)) << ctx << " head " << hi;
+    }
+}
+
+/// SPEC 4.4 on the worked case: n_sink 4, window 8. A 100-token prefill returns all 100 rows and
+/// retains 12; each decode step returns 13 rows, the current token last.
+TYPED_TEST(StreamingLLMCacheTest, PrefillReturnsEveryRowAndDecodeReturnsBudgetPlusOne) {
+  using T = TypeParam;
+  const Index B = 2, H = 2, Dk = 8, Dv = 4;
+  std::mt19937 rng(21);
+  vc::StreamingLLMCache<T> cache(stream_config(4, 8));
+  EXPECT_EQ(cache.layer_budget(), 12);
+  EXPECT_EQ(cache.n_sink(), 4);
+  EXPECT_EQ(cache.window_size(), 8);
+  EXPECT_FALSE(cache.is_trimmable());
+  History<T> hist;
+  const vc::Tensor4<T> k = random_tensor<T>(rng, B, H, 100, Dk);
+  const vc::Tensor4<T> v = random_tensor<T>(rng, B, H, 100, Dv);
+  hist.add(k, v);
+  const vc::KVPair<T> out = cache.update_and_fetch(k, v);
+  EXPECT_EQ(cache.offset(), 100);
+  expect_rows(out, hist, range(0, 100), "prefill");
+  EXPECT_TRUE(bytes_of(out.first) == bytes_of(k));  // exactly the prompt, in order
+  EXPECT_TRUE(bytes_of(out.second) == bytes_of(v));
+  EXPECT_EQ(cache.tokens_kept(), 12);
+  expect_rows(cache.state(), hist, concat(range(0, 4), range(92, 8)), "after prefill");
+
+  for (int step = 0; step < 20; ++step) {
+    const vc::Tensor4<T> kd = random_tensor<T>(rng, B, H, 1, Dk);
+    const vc::Tensor4<T> vd = random_tensor<T>(rng, B, H, 1, Dv);
+    hist.add(kd, vd);
+    const std::int64_t pos = 100 + step;
+    const vc::KVPair<T> d = cache.update_and_fetch(kd, vd);
+    ASSERT_EQ(d.first.dimension(2), 13);
+    // The rows retained before the step, then the current token last.
+    expect_rows(d, hist, concat(concat(range(0, 4), range(pos - 8, 8)), {pos}),
+                "decode " + std::to_string(step));
+    for (Index b = 0; b < B; ++b)
+      for (Index h = 0; h < H; ++h) {
+        EXPECT_EQ(row_of(d.first, b, h, 12), row_of(kd, b, h, 0));
+        EXPECT_EQ(row_of(d.second, b, h, 12), row_of(vd, b, h, 0));
+      }
+    EXPECT_EQ(cache.offset(), pos + 1);
+    expect_rows(cache.state(), hist, concat(range(0, 4), range(pos - 7, 8)),
+                "state after decode " + std::to_string(step));
+  }
+}
+
+/// The same case through update_and_view: the prompt's 100 rows in arrival order, then 13-row
+/// windows whose last row is the current token.
+TYPED_TEST(StreamingLLMCacheTest, ViewsOfPrefillAndDecode) {
+  using T = TypeParam;
+  const Index B = 1, H = 3, D = 4;
+  std::mt19937 rng(22);
+  vc::StreamingLLMCache<T> cache(stream_config(4, 8));
+  const vc::Tensor4<T> k = random_tensor<T>(rng, B, H, 100, D);
+  const vc::Tensor4<T> v = random_tensor<T>(rng, B, H, 100, D);
+  {
+    const vc::KVView<T> view = cache.update_and_view(k, v);
+    ASSERT_EQ(view.rows(), 100);
+    ASSERT_EQ(view.new_rows(), 100);
+    for (Index h = 0; h < H; ++h) {
+      EXPECT_EQ(view_positions(view, 0, h), range(0, 100));
+      for (Index r = 0; r < 100; ++r) {
+        for (Index d = 0; d < D; ++d) {
+          ASSERT_EQ(to_double(view.keys(0, h)(r, d)), to_double(k(0, h, r, d)));
+          ASSERT_EQ(to_double(view.values(0, h)(r, d)), to_double(v(0, h, r, d)));
+        }
+      }
+    }
+  }
+  Positions retained = concat(range(0, 4), range(92, 8));
+  for (int step = 0; step < 30; ++step) {
+    const std::int64_t pos = 100 + step;
+    const Index S = step == 10 ? 5 : 1;  // one multi-token call among the decode steps
+    const vc::Tensor4<T> kd = random_tensor<T>(rng, B, H, S, D);
+    const vc::Tensor4<T> vd = random_tensor<T>(rng, B, H, S, D);
+    const vc::KVView<T> view = cache.update_and_view(kd, vd);
+    ASSERT_EQ(view.rows(), 12 + S);
+    ASSERT_EQ(view.new_rows(), S);
+    for (Index h = 0; h < H; ++h) {
+      const Positions p = view_positions(view, 0, h);
+      Positions old(p.begin(), p.end() - S);
+      std::sort(old.begin(), old.end());
+      EXPECT_EQ(old, retained) << "step " << step;
+      for (Index s = 0; s < S; ++s) {
+        EXPECT_EQ(p[static_cast<std::size_t>(12 + s)], pos + s);
+        for (Index d = 0; d < D; ++d) {
+          EXPECT_EQ(to_double(view.keys(0, h)(12 + s, d)), to_double(kd(0, h, s, d)));
+          EXPECT_EQ(to_double(view.values(0, h)(12 + s, d)), to_double(vd(0, h, s, d)));
+        }
+      }
+    }
+    if (S > 1) step += static_cast<int>(S) - 1;
+    retained = closed_form(cache.offset(), 4, 8);
+    EXPECT_EQ(cache.offset(), pos + S);
+  }
+}
+
+/// Runs `calls` (sizes) through update_and_fetch and checks the retained positions, the returned
+/// rows and offset() after each against the closed form.
+template <class T>
+void check_closed_form(int n_sink, int window, const std::vector<Index>& calls, unsigned seed,
+                       const std::string& name) {
+  const Index B = 2, H = 1, D = 4;
+  std::mt19937 rng(seed);
+  vc::StreamingLLMCache<T> cache(stream_config(n_sink, window));
+  History<T> hist;
+  std::int64_t offset = 0;
+  for (std::size_t c = 0; c < calls.size(); ++c) {
+    const Index S = calls[c];
+    const vc::Tensor4<T> k = random_tensor<T>(rng, B, H, S, D);
+    const vc::Tensor4<T> v = random_tensor<T>(rng, B, H, S, D);
+    hist.add(k, v);
+    const Positions before = closed_form(offset, n_sink, window);
+    const vc::KVPair<T> out = cache.update_and_fetch(k, v);
+    const std::string ctx = name + " call " + std::to_string(c) + " (S=" + std::to_string(S) + ")";
+    expect_rows(out, hist, S == 0 ? before : concat(before, range(offset, S)), ctx + " returned");
+    offset += S;
+    EXPECT_EQ(cache.offset(), offset) << ctx;
+    const Positions want = closed_form(offset, n_sink, window);
+    expect_rows(cache.state(), hist, want, ctx + " state");
+    for (const Positions& got : retained_positions(cache)) EXPECT_EQ(got, want) << ctx;
+  }
+}
+
+/// n_sink 0: a pure sliding window of the newest `window` tokens.
+TYPED_TEST(StreamingLLMCacheTest, NoSinksIsASlidingWindow) {
+  using T = TypeParam;
+  check_closed_form<T>(0, 5, {3, 1, 1, 1, 1, 3, 9, 1, 0, 1, 70, 1, 1}, 31, "n_sink 0 window 5");
+  check_closed_form<T>(0, 5, {12, 1, 1}, 32, "n_sink 0 window 5, long prefill");
+  // Spot checks of the closed form itself.
+  EXPECT_EQ(closed_form(12, 0, 5), range(7, 5));
+  EXPECT_EQ(closed_form(3, 0, 5), range(0, 3));
+}
+
+/// Window 1: only the sinks and the newest token stay; a decode step returns [retained...,
+/// current].
+TYPED_TEST(StreamingLLMCacheTest, WindowOfOneKeepsTheSinksAndTheNewestToken) {
+  using T = TypeParam;
+  check_closed_form<T>(0, 1, {1, 1, 1, 4, 1, 0, 1, 66, 1}, 41, "n_sink 0 window 1");
+  check_closed_form<T>(2, 1, {1, 1, 1, 1, 4, 1, 9, 1}, 42, "n_sink 2 window 1");
+  check_closed_form<T>(3, 1, {10, 1, 1}, 43, "n_sink 3 window 1");
+  std::mt19937 rng(44);
+  vc::StreamingLLMCache<T> cache(stream_config(0, 1));
+  for (int step = 0; step < 6; ++step) {
+    const vc::Tensor4<T> k = random_tensor<T>(rng, 1, 1, 1, 2);
+    const vc::KVPair<T> out = cache.update_and_fetch(k, k);
+    ASSERT_EQ(out.first.dimension(2), step == 0 ? 1 : 2);
+    EXPECT_EQ(row_of(out.first, 0, 0, out.first.dimension(2) - 1), row_of(k, 0, 0, 0));
+    EXPECT_EQ(cache.tokens_kept(), 1);
+    EXPECT_TRUE(bytes_of(cache.state().first) == bytes_of(k));
+  }
+}
+
+/// Prefills shorter than n_sink: the sinks are the first n_sink positions of the sequence, so the
+/// tokens that arrive later at positions < n_sink are sinks too and are never dropped.
+TYPED_TEST(StreamingLLMCacheTest, PrefillShorterThanTheSinks) {
+  using T = TypeParam;
+  check_closed_form<T>(4, 3, {2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, 51, "n_sink 4 window 3");
+  check_closed_form<T>(4, 3, {1, 5, 1, 2, 1}, 52, "n_sink 4 window 3, straddling call");
+  EXPECT_EQ(closed_form(10, 4, 3), (Positions{0, 1, 2, 3, 7, 8, 9}));
+}
+
+/// Multi-token calls longer than the window, shorter than it, and spanning block sizes.
+TYPED_TEST(StreamingLLMCacheTest, MultiTokenCalls) {
+  using T = TypeParam;
+  check_closed_form<T>(2, 3, {4, 10, 2, 1, 3, 1, 200, 1}, 61, "n_sink 2 window 3");
+  check_closed_form<T>(4, 8, {12, 12, 13, 11, 1, 100}, 62, "n_sink 4 window 8");
+  check_closed_form<T>(1, 17, {5, 5, 5, 5, 5, 1, 0, 1}, 63, "n_sink 1 window 17");
+}
+
+/// Accounting on every call (SPEC 2.2): kept and full bytes, ratio, tokens seen and kept; reset.
+TYPED_TEST(StreamingLLMCacheTest, Accounting) {
+  using T = TypeParam;
+  const Index B = 2, H = 3, Dk = 4, Dv = 6;
+  const int n_sink = 2, window = 5;
+  std::mt19937 rng(71);
+  vc::StreamingLLMCache<T> cache(stream_config(n_sink, window));
+  EXPECT_EQ(cache.kept_bytes(), 0u);
+  EXPECT_EQ(cache.full_seq_bytes(), 0u);
+  EXPECT_EQ(cache.compression_ratio(), 1.0);
+  EXPECT_EQ(cache.tokens_seen(), 0);
+  EXPECT_EQ(cache.tokens_kept(), 0);
+  const std::size_t row = static_cast<std::size_t>(Dk + Dv) * sizeof(T);
+  std::int64_t offset = 0;
+  for (const Index S : {Index{3}, Index{1}, Index{4}, Index{1}, Index{0}, Index{20}, Index{1}}) {
+    cache.update_and_fetch(random_tensor<T>(rng, B, H, S, Dk), random_tensor<T>(rng, B, H, S, Dv));
+    offset += S;
+    const auto n = static_cast<std::int64_t>(closed_form(offset, n_sink, window).size());
+    EXPECT_EQ(n, std::min<std::int64_t>(offset, n_sink + window));
+    EXPECT_EQ(cache.kept_bytes(), static_cast<std::size_t>(B * H * n) * row);
+    EXPECT_EQ(cache.full_seq_bytes(), static_cast<std::size_t>(B * H * offset) * row);
+    EXPECT_DOUBLE_EQ(cache.compression_ratio(),
+                     static_cast<double>(offset) / static_cast<double>(n));
+    EXPECT_EQ(cache.tokens_seen(), B * H * offset);
+    EXPECT_EQ(cache.tokens_kept(), n);
+  }
+  EXPECT_DOUBLE_EQ(cache.compression_ratio(), 30.0 / 7.0);
+  cache.reset();
+  EXPECT_EQ(cache.offset(), 0);
+  EXPECT_EQ(cache.kept_bytes(), 0u);
+  EXPECT_EQ(cache.compression_ratio(), 1.0);
+  EXPECT_EQ(cache.tokens_seen(), 0);
+  // After reset the sequence restarts at position 0: the new first tokens are the sinks.
+  cache.update_and_fetch(random_tensor<T>(rng, 1, 1, 9, 2), random_tensor<T>(rng, 1, 1, 9, 2));
+  EXPECT_EQ(retained_positions(cache).front(), (Positions{0, 1, 4, 5, 6, 7, 8}));
+}
+
+/// Not trimmable (SPEC 2.6): trim returns 0 and changes nothing; a negative count throws.
+TYPED_TEST(StreamingLLMCacheTest, IsNotTrimmable) {
+  using T = TypeParam;
+  std::mt19937 rng(81);
+  vc::StreamingLLMCache<T> cache(stream_config(1, 3));
+  EXPECT_FALSE(cache.is_trimmable());
+  cache.update_and_fetch(random_tensor<T>(rng, 1, 2, 7, 4), random_tensor<T>(rng, 1, 2, 7, 4));
+  const vc::KVPair<T> st = cache.state();
+  EXPECT_EQ(cache.trim(2), 0);
+  EXPECT_EQ(cache.trim(100), 0);
+  EXPECT_THROW(cache.trim(-1), std::invalid_argument);
+  EXPECT_EQ(cache.offset(), 7);
+  EXPECT_TRUE(bytes_of(cache.state().first) == bytes_of(st.first));
+  EXPECT_TRUE(bytes_of(cache.state().second) == bytes_of(st.second));
+  EXPECT_EQ(retained_positions(cache).back(), (Positions{0, 4, 5, 6}));
+  const vc::KVView<T> view =
+      cache.update_and_view(random_tensor<T>(rng, 1, 2, 1, 4), random_tensor<T>(rng, 1, 2, 1, 4));
+  ASSERT_EQ(view.rows(), 5);
+  EXPECT_EQ(view.positions(0, 1)(4), 7);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input (SPEC 8)
+// ---------------------------------------------------------------------------------------------
+
+/// Everything observable about a StreamingLLM cache without calling it.
+struct Snapshot {
+  std::int64_t offset = 0;
+  Shape key_shape{}, value_shape{};
+  std::vector<unsigned char> keys, values;
+  std::size_t kept_bytes = 0, full_seq_bytes = 0;
+  std::int64_t tokens_seen = 0, tokens_kept = 0;
+  Index batch = 0, heads = 0, key_dim = 0, value_dim = 0;
+  double ratio = 0.0;
+
+  bool operator==(const Snapshot& o) const {
+    return offset == o.offset && key_shape == o.key_shape && value_shape == o.value_shape &&
+           keys == o.keys && values == o.values && kept_bytes == o.kept_bytes &&
+           full_seq_bytes == o.full_seq_bytes && tokens_seen == o.tokens_seen &&
+           tokens_kept == o.tokens_kept && batch == o.batch && heads == o.heads &&
+           key_dim == o.key_dim && value_dim == o.value_dim && ratio == o.ratio;
+  }
+};
+
+template <class T>
+Snapshot snapshot(const vc::StreamingLLMCache<T>& c) {
+  Snapshot s;
+  s.offset = c.offset();
+  const vc::KVPair<T> st = c.state();
+  s.key_shape = shape_of(st.first);
+  s.value_shape = shape_of(st.second);
+  s.keys = bytes_of(st.first);
+  s.values = bytes_of(st.second);
+  s.kept_bytes = c.kept_bytes();
+  s.full_seq_bytes = c.full_seq_bytes();
+  s.tokens_seen = c.tokens_seen();
+  s.tokens_kept = c.tokens_kept();
+  s.batch = c.batch();
+  s.heads = c.heads();
+  s.key_dim = c.key_dim();
+  s.value_dim = c.value_dim();
+  s.ratio = c.compression_ratio();
+  return s;
+}
+
+struct BadCall {
+  std::string name;
+  vc::Tensor4<double> keys, values;
+  bool as_double = false;
+  bool needs_established = false;
+  std::optional<Shape> bad_index;
+};
+
+constexpr Shape kKeys{2, 2, 3, 4};
+constexpr Shape kValues{2, 2, 3, 3};
+
+std::vector<BadCall> bad_calls(std::mt19937& rng, bool half) {
+  std::vector<BadCall> out;
+  const auto shape_case = [&](std::string name, Shape k, Shape v, bool established) {
+    BadCall c;
+    c.name = std::move(name);
+    c.keys = random_doubles(rng, k[0], k[1], k[2], k[3]);
+    c.values = random_doubles(rng, v[0], v[1], v[2], v[3]);
+    c.needs_established = established;
+    out.push_back(std::move(c));
+  };
+  shape_case("values B differs", kKeys, {1, 2, 3, 3}, false);
+  shape_case("values H differs", kKeys, {2, 1, 3, 3}, false);
+  shape_case("values S differs", kKeys, {2, 2, 2, 3}, false);
+  shape_case("zero key D", {2, 2, 3, 0}, kValues, false);
+  shape_case("zero value D", kKeys, {2, 2, 3, 0}, false);
+  shape_case("zero B", {0, 2, 3, 4}, {0, 2, 3, 3}, false);
+  shape_case("B differs from the first call", {1, 2, 1, 4}, {1, 2, 1, 3}, true);
+  shape_case("H differs from the first call", {2, 3, 1, 4}, {2, 3, 1, 3}, true);
+  shape_case("key D differs from the first call", {2, 2, 1, 5}, {2, 2, 1, 3}, true);
+  shape_case("value D differs from the first call", {2, 2, 1, 4}, {2, 2, 1, 4}, true);
+  shape_case("empty call with another H", {2, 5, 0, 4}, {2, 5, 0, 3}, true);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<std::pair<double, Shape>> bad = {
+      {nan, {0, 0, 0, 0}}, {nan, {1, 1, 2, 3}}, {inf, {0, 1, 2, 1}}, {-inf, {1, 0, 1, 2}}};
+  for (const auto& [value, at] : bad) {
+    for (const bool dbl : {false, true}) {
+      BadCall c;
+      c.name = "key " + std::to_string(value) + " at [" + std::to_string(at[0]) + "," +
+               std::to_string(at[1]) + "," + std::to_string(at[2]) + "," + std::to_string(at[3]) +
+               "]" + (dbl ? " as double" : "");
+      c.keys = random_doubles(rng, kKeys[0], kKeys[1], kKeys[2], kKeys[3]);
+      c.values = random_doubles(rng, kValues[0], kValues[1], kValues[2], kValues[3]);
+      c.keys(at[0], at[1], at[2], at[3]) = value;
+      c.as_double = dbl;
+      c.bad_index = at;
+      out.push_back(std::move(c));
+    }
+  }
+  {
+    BadCall c;
+    c.name = "double key overflowing the storage type";
+    c.keys = random_doubles(rng, kKeys[0], kKeys[1], kKeys[2], kKeys[3]);
+    c.values = random_doubles(rng, kValues[0], kValues[1], kValues[2], kValues[3]);
+    c.keys(1, 0, 2, 3) = half ? 1e6 : 1e300;
+    c.as_double = true;
+    c.bad_index = Shape{1, 0, 2, 3};
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+/// Regex matching the four numbers of a shape in order, e.g. "[2, 2, 3, 4]".
+std::regex shape_regex(const Shape& s) {
+  return std::regex("\\b" + std::to_string(s[0]) + "\\D{1,3}" + std::to_string(s[1]) + "\\D{1,3}" +
+                    std::to_string(s[2]) + "\\D{1,3}" + std::to_string(s[3]) + "\\b");
+}
+
+template <class T>
+void feed(vc::StreamingLLMCache<T>& cache, const BadCall& bc, bool view) {
+  if (bc.as_double) {
+    if (view) {
+      (void)cache.update_and_view(bc.keys, bc.values);
+    } else {
+      (void)cache.update_and_fetch(bc.keys, bc.values);
+    }
+    return;
+  }
+  const vc::Tensor4<T> k = bc.keys.template cast<T>();
+  const vc::Tensor4<T> v = bc.values.template cast<T>();
+  if (view) {
+    (void)cache.update_and_view(k, v);
+  } else {
+    (void)cache.update_and_fetch(k, v);
+  }
+}
+
+/// The same valid call on the subject and an untouched twin: identical results (views compared by
+/// positions and content) and identical state.
+template <class T>
+void valid_call_on_both(vc::StreamingLLMCache<T>& subject, vc::StreamingLLMCache<T>& twin,
+                        std::mt19937& rng, Index S, bool view, const std::string& ctx) {
+  const vc::Tensor4<T> k = random_tensor<T>(rng, kKeys[0], kKeys[1], S, kKeys[3]);
+  const vc::Tensor4<T> v = random_tensor<T>(rng, kValues[0], kValues[1], S, kValues[3]);
+  if (view) {
+    const vc::KVView<T> a = subject.update_and_view(k, v);
+    const vc::KVView<T> b = twin.update_and_view(k, v);
+    ASSERT_EQ(a.rows(), b.rows()) << ctx;
+    ASSERT_EQ(a.new_rows(), S) << ctx;
+    for (Index bb = 0; bb < kKeys[0]; ++bb) {
+      for (Index h = 0; h < kKeys[1]; ++h) {
+        // Same rows per position (the order of retained rows in a view is free).
+        std::map<std::int64_t, std::vector<double>> ra, rb;
+        for (Index r = 0; r < a.rows(); ++r) {
+          std::vector<double> x, y;
+          for (Index d = 0; d < kKeys[3]; ++d) {
+            x.push_back(to_double(a.keys(bb, h)(r, d)));
+            y.push_back(to_double(b.keys(bb, h)(r, d)));
+          }
+          for (Index d = 0; d < kValues[3]; ++d) {
+            x.push_back(to_double(a.values(bb, h)(r, d)));
+            y.push_back(to_double(b.values(bb, h)(r, d)));
+          }
+          ra[a.positions(bb, h)(r)] = x;
+          rb[b.positions(bb, h)(r)] = y;
+        }
+        EXPECT_EQ(ra, rb) << ctx << ": view differs from the twin's";
+        for (Index s = 0; s < S; ++s) {
+          EXPECT_EQ(a.positions(bb, h)(a.rows() - S + s), b.positions(bb, h)(b.rows() - S + s));
+        }
+      }
+    }
+  } else {
+    const vc::KVPair<T> a = subject.update_and_fetch(k, v);
+    const vc::KVPair<T> b = twin.update_and_fetch(k, v);
+    EXPECT_TRUE(bytes_of(a.first) == bytes_of(b.first)) << ctx << ": keys differ from the twin's";
+    EXPECT_TRUE(bytes_of(a.second) == bytes_of(b.second))
+        << ctx << ": values differ from the twin's";
+  }
+  EXPECT_TRUE(snapshot(subject) == snapshot(twin)) << ctx << ": state differs from the twin's";
+}
+
+/// Every bad call through update_and_fetch and update_and_view, on a fresh cache and on one past
+/// its window: std::invalid_argument naming the shapes or the bad index, nothing changed, and the
+/// next valid calls give what an untouched twin gives.
+TYPED_TEST(StreamingLLMCacheTest, BadInputThrowsAndLeavesTheCacheUnchanged) {
+  using T = TypeParam;
+  std::mt19937 rng(91);
+  const std::vector<BadCall> cases = bad_calls(rng, std::is_same_v<T, Eigen::half>);
+  int thrown = 0, expected = 0;
+  for (const bool established : {false, true}) {
+    for (const BadCall& bc : cases) {
+      if (bc.needs_established && !established) continue;
+      vc::StreamingLLMCache<T> subject(stream_config(2, 4));
+      vc::StreamingLLMCache<T> twin(stream_config(2, 4));
+      const std::string phase = established ? " (after decoding)" : " (first call)";
+      if (established) {
+        valid_call_on_both(subject, twin, rng, 9, false, bc.name + ": prefill");
+        for (int i = 0; i < 3; ++i)
+          valid_call_on_both(subject, twin, rng, 1, i == 1, bc.name + ": decode");
+        ASSERT_EQ(subject.tokens_kept(), 6);
+      }
+      const Snapshot before = snapshot(subject);
+      for (const bool view : {false, true}) {
+        const std::string name =
+            bc.name + phase + (view ? " via update_and_view" : " via update_and_fetch");
+        ++expected;
+        try {
+          feed(subject, bc, view);
+          ADD_FAILURE() << name << ": did not throw";
+        } catch (const std::invalid_argument& e) {
+          ++thrown;
+          const std::string what = e.what();
+          if (bc.bad_index) {
+            std::smatch m;
+            const std::regex idx(
+                R"(b\s*=\s*(\d+)\D*?h\s*=\s*(\d+)\D*?s\s*=\s*(\d+)\D*?d\s*=\s*(\d+))");
+            if (std::regex_search(what, m, idx)) {
+              const Shape got{std::stoll(m[1]), std::stoll(m[2]), std::stoll(m[3]),
+                              std::stoll(m[4])};
+              EXPECT_EQ(got, *bc.bad_index) << name << ": " << what;
+            } else {
+              ADD_FAILURE() << name << ": no index in: " << what;
+            }
+          } else {
+            EXPECT_TRUE(std::regex_search(what, shape_regex(shape_of(bc.keys))))
+                << name << ": message lacks the keys shape: " << what;
+            EXPECT_TRUE(std::regex_search(what, shape_regex(shape_of(bc.values))))
+                << name << ": message lacks the values shape: " << what;
+          }
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << name << ": threw something else: " << e.what();
+        }
+        EXPECT_TRUE(snapshot(subject) == before) << name << ": the cache changed";
+      }
+      valid_call_on_both(subject, twin, rng, established ? 1 : 8, false,
+                         bc.name + phase + ": next fetch");
+      valid_call_on_both(subject, twin, rng, 2, true, bc.name + phase + ": next view");
+    }
+  }
+  EXPECT_EQ(thrown, expected);
+  EXPECT_GT(expected, 40);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory (SPEC 7)
+// ---------------------------------------------------------------------------------------------
+
+/// heap_bytes() stays bounded over 5000 decode steps: the same at step 1000 and step 5000 (and at
+/// every step between), through fetch and view, after a short and after a long prompt.
+TYPED_TEST(StreamingLLMCacheTest, HeapBytesStayBoundedOverLongDecodes) {
+  using T = TypeParam;
+  const Index B = 2, H = 2, D = 16;
+  const int n_sink = 4, window = 32;
+  for (const bool view : {false, true}) {
+    for (const Index prefill : {Index{10}, Index{300}}) {
+      std::mt19937 rng(static_cast<unsigned>(101 + prefill + (view ? 1 : 0)));
+      vc::StreamingLLMCache<T> cache(stream_config(n_sink, window));
+      cache.update_and_fetch(random_tensor<T>(rng, B, H, prefill, D),
+                             random_tensor<T>(rng, B, H, prefill, D));
+      const vc::Tensor4<T> k = random_tensor<T>(rng, B, H, 1, D);
+      const vc::Tensor4<T> v = random_tensor<T>(rng, B, H, 1, D);
+      std::size_t at_1000 = 0, max_after = 0, min_after = std::numeric_limits<std::size_t>::max();
+      for (int step = 1; step <= 5000; ++step) {
+        const Index rows = std::min<Index>(prefill + step - 1, n_sink + window) + 1;
+        if (view) {
+          const vc::KVView<T> w = cache.update_and_view(k, v);
+          ASSERT_EQ(w.rows(), rows);
+        } else {
+          const vc::KVPair<T> out = cache.update_and_fetch(k, v);
+          ASSERT_EQ(out.first.dimension(2), rows);
+        }
+        const std::size_t heap = cache.heap_bytes();
+        if (step == 1000) at_1000 = heap;
+        if (step >= 1000) {
+          max_after = std::max(max_after, heap);
+          min_after = std::min(min_after, heap);
+        }
+      }
+      const std::string ctx =
+          std::string(view ? "view" : "fetch") + " prefill " + std::to_string(prefill);
+      EXPECT_EQ(cache.heap_bytes(), at_1000) << ctx;
+      EXPECT_EQ(max_after, at_1000) << ctx;
+      EXPECT_EQ(min_after, at_1000) << ctx;
+      EXPECT_EQ(cache.tokens_kept(), n_sink + window);
+      EXPECT_EQ(cache.offset(), prefill + 5000);
+      // Bounded by a small multiple of the steady-state rows, independent of the tokens seen.
+      const std::size_t per_row = static_cast<std::size_t>(2 * D) * sizeof(T) + 64;
+      const std::size_t bound =
+          static_cast<std::size_t>(B * H) *
+          (2 * static_cast<std::size_t>(n_sink + window + 1) * per_row + 1024);
+      EXPECT_LE(at_1000, bound) << ctx;
+      EXPECT_GT(at_1000, static_cast<std::size_t>(B * H * (n_sink + window) * 2 * D) * sizeof(T))
+          << ctx;
+    }
+  }
+}
+
+}  // namespace

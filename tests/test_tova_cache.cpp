@@ -1,0 +1,1167 @@
+// TOVACache<T> (SPEC 6, with 3, 4.4, 7 and 8): the fast path against the double-precision
+// TOVAHeadOracle of tests/reference/policy_oracles.hpp on random call sequences (decode path, the
+// general path and the blocked path across block boundaries), and the properties TOVA promises on
+// its own: it is memoryless, exact ties evict the earliest position, sinks are never evicted, a
+// head retains min(offset, budget) rows, the cache is not trimmable, bad input leaves it unchanged,
+// and heads run in parallel with bit-identical results.
+
+// Internal invariants of the library are checked (and abort) even in Release builds.
+#include <cstdio>
+#include <cstdlib>
+[[noreturn]] inline void veloxquant_test_assert_failed(const char* msg) {
+  std::fprintf(stderr, "veloxquant internal assertion failed: %s\n", msg);
+  std::abort();
+}
+#define VELOXQUANT_ASSERT(cond, msg) ((cond) ? (void)0 : veloxquant_test_assert_failed(msg))
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <map>
+#include <optional>
+#include <random>
+#include <regex>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+#include <veloxquant/cache.hpp>
+
+#include "reference/policy_oracles.hpp"
+
+namespace {
+
+namespace vc = veloxquant::cache;
+namespace ref = veloxquant::reference;
+using Index = Eigen::Index;
+using Shape = std::array<Index, 4>;
+
+using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
+
+template <class T>
+double to_double(T x) {
+  return static_cast<double>(static_cast<float>(x));
+}
+
+/// Random [B, H, S, D] of N(0, 1) entries (double; the caches convert them to T on entry).
+vc::Tensor4<double> random_doubles(std::mt19937& rng, Index B, Index H, Index S, Index D) {
+  std::normal_distribution<double> dist(0.0, 1.0);
+  vc::Tensor4<double> t(B, H, S, D);
+  for (Index i = 0; i < t.size(); ++i) t.data()[i] = dist(rng);
+  return t;
+}
+
+/// Random [B, H, S, D] of N(0, 1) entries rounded to T.
+template <class T>
+vc::Tensor4<T> random_tensor(std::mt19937& rng, Index B, Index H, Index S, Index D) {
+  return random_doubles(rng, B, H, S, D).template cast<T>();
+}
+
+/// [B, H, S, D] of uniform(lo, hi) entries rounded to T.
+template <class T>
+vc::Tensor4<T> uniform_tensor(std::mt19937& rng, Index B, Index H, Index S, Index D, double lo,
+                              double hi) {
+  std::uniform_real_distribution<double> dist(lo, hi);
+  vc::Tensor4<T> t(B, H, S, D);
+  for (Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<T>(dist(rng));
+  return t;
+}
+
+/// Row s of head (b, h) of `t`, converted to double. Returns [D].
+template <class T>
+std::vector<double> row_of(const vc::Tensor4<T>& t, Index b, Index h, Index s) {
+  std::vector<double> out(static_cast<std::size_t>(t.dimension(3)));
+  for (Index d = 0; d < t.dimension(3); ++d) {
+    out[static_cast<std::size_t>(d)] = to_double(t(b, h, s, d));
+  }
+  return out;
+}
+
+/// Rows [s0, s0 + n) of a [B, H, S, D] tensor (a slice along S).
+template <class T>
+vc::Tensor4<T> slice_s(const vc::Tensor4<T>& t, Index s0, Index n) {
+  vc::Tensor4<T> out(t.dimension(0), t.dimension(1), n, t.dimension(3));
+  for (Index b = 0; b < t.dimension(0); ++b)
+    for (Index h = 0; h < t.dimension(1); ++h)
+      for (Index s = 0; s < n; ++s)
+        for (Index d = 0; d < t.dimension(3); ++d) out(b, h, s, d) = t(b, h, s0 + s, d);
+  return out;
+}
+
+/// A [B, H, S, D] tensor whose every row is `row` (converted to T).
+template <class T>
+vc::Tensor4<T> repeated_rows(Index B, Index H, Index S, const std::vector<double>& row) {
+  const auto D = static_cast<Index>(row.size());
+  vc::Tensor4<T> t(B, H, S, D);
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < H; ++h)
+      for (Index s = 0; s < S; ++s)
+        for (Index d = 0; d < D; ++d)
+          t(b, h, s, d) = static_cast<T>(row[static_cast<std::size_t>(d)]);
+  return t;
+}
+
+template <class T>
+std::vector<unsigned char> bytes_of(const vc::Tensor4<T>& t) {
+  std::vector<unsigned char> out(static_cast<std::size_t>(t.size()) * sizeof(T));
+  if (!out.empty()) std::memcpy(out.data(), t.data(), out.size());
+  return out;
+}
+
+template <class T>
+Shape shape_of(const vc::Tensor4<T>& t) {
+  return {t.dimension(0), t.dimension(1), t.dimension(2), t.dimension(3)};
+}
+
+vc::KVCacheConfig tova_config(int budget, int n_sink) {
+  vc::KVCacheConfig c;
+  c.method = "tova";
+  c.tova_budget = budget;
+  c.tova_n_sink = n_sink;
+  return c;
+}
+
+bool close_score(double got, double want) {
+  return std::fabs(got - want) <= std::max(1e-6, 1e-4 * std::fabs(want));
+}
+
+/// Relative gap between the two lowest evictable weights of an eviction the oracle just ran:
+/// `weights` and `positions` cover the budget + 1 rows before the eviction. +inf when fewer than
+/// two rows were evictable.
+double eviction_margin(const std::vector<double>& weights,
+                       const std::vector<std::int64_t>& positions, int n_sink) {
+  const double inf = std::numeric_limits<double>::infinity();
+  double lo1 = inf, lo2 = inf;
+  for (std::size_t i = 0; i < weights.size(); ++i) {
+    if (positions[i] < n_sink) continue;
+    const double w = weights[i];
+    if (w < lo1) {
+      lo2 = lo1;
+      lo1 = w;
+    } else if (w < lo2) {
+      lo2 = w;
+    }
+  }
+  if (lo2 == inf) return inf;
+  return (lo2 - lo1) / std::max(lo1, std::numeric_limits<double>::min());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Random runs against the oracle
+// ---------------------------------------------------------------------------------------------
+
+/// One random configuration of a run.
+struct RunConfig {
+  int budget = 8;
+  int n_sink = 0;
+  Index B = 1, H = 1, Dk = 4, Dv = 4;
+  Index prefill = 1;
+  int decode_calls = 30;
+  bool view = false;       // calls through update_and_view instead of update_and_fetch
+  bool as_double = false;  // inputs passed as double (converting overload)
+  unsigned seed = 0;
+
+  std::string describe() const {
+    std::ostringstream os;
+    os << "tova budget=" << budget << " n_sink=" << n_sink << " B=" << B << " H=" << H
+       << " Dk=" << Dk << " Dv=" << Dv << " prefill=" << prefill << " decode_calls=" << decode_calls
+       << " view=" << view << " double=" << as_double << " seed=" << seed;
+    return os.str();
+  }
+};
+
+/// Compares the cache with the oracle heads after a call; returns the first mismatch, or "".
+template <class T>
+std::string compare_with_oracle(const vc::TOVACache<T>& cache,
+                                const std::vector<ref::TOVAHeadOracle>& oracle, const RunConfig& rc,
+                                std::int64_t offset) {
+  std::ostringstream err;
+  const vc::KVPair<T> st = cache.state();
+  const auto n = static_cast<Index>(oracle.front().rows().size());
+  if (n != std::min<Index>(offset, rc.budget)) {
+    err << "oracle holds " << n << " rows at offset " << offset << " (budget " << rc.budget << ")";
+    return err.str();
+  }
+  if (shape_of(st.first) != Shape{rc.B, rc.H, n, rc.Dk} ||
+      shape_of(st.second) != Shape{rc.B, rc.H, n, rc.Dv}) {
+    err << "state() holds " << st.first.dimension(2)
+        << " rows, expected min(offset, budget) = " << n;
+    return err.str();
+  }
+  const Index sinks = std::min<Index>(rc.n_sink, offset);
+  for (Index b = 0; b < rc.B; ++b) {
+    for (Index h = 0; h < rc.H; ++h) {
+      const auto& o = oracle[static_cast<std::size_t>(b * rc.H + h)];
+      const std::vector<std::int64_t> pos = cache.positions(b, h);
+      if (pos != o.positions()) {
+        err << "head (" << b << ", " << h << ") retained positions differ from the oracle's";
+        return err.str();
+      }
+      for (Index p = 0; p < sinks; ++p) {
+        if (pos[static_cast<std::size_t>(p)] != p) {
+          err << "head (" << b << ", " << h << ") lost sink " << p;
+          return err.str();
+        }
+      }
+      const std::vector<float> sc = cache.scores(b, h);
+      const auto& rows = o.rows();
+      if (sc.size() != rows.size()) {
+        err << "head (" << b << ", " << h << ") has " << sc.size() << " scores for " << rows.size()
+            << " rows";
+        return err.str();
+      }
+      for (std::size_t r = 0; r < rows.size(); ++r) {
+        if (!close_score(static_cast<double>(sc[r]), rows[r].score)) {
+          err << "head (" << b << ", " << h << ") row " << r << " (position " << rows[r].position
+              << ") score " << sc[r] << ", oracle " << rows[r].score;
+          return err.str();
+        }
+        const auto ri = static_cast<Index>(r);
+        for (Index d = 0; d < rc.Dk; ++d) {
+          if (to_double(st.first(b, h, ri, d)) != rows[r].key[static_cast<std::size_t>(d)]) {
+            err << "state() key differs at head (" << b << ", " << h << ") row " << r << " d " << d;
+            return err.str();
+          }
+        }
+        for (Index d = 0; d < rc.Dv; ++d) {
+          if (to_double(st.second(b, h, ri, d)) != rows[r].value[static_cast<std::size_t>(d)]) {
+            err << "state() value differs at head (" << b << ", " << h << ") row " << r << " d "
+                << d;
+            return err.str();
+          }
+        }
+      }
+    }
+  }
+  if (cache.tokens_kept() != n) err << "tokens_kept " << cache.tokens_kept() << ", expected " << n;
+  const std::size_t kept = static_cast<std::size_t>(rc.B * rc.H * n * (rc.Dk + rc.Dv)) * sizeof(T);
+  if (cache.kept_bytes() != kept)
+    err << "kept_bytes " << cache.kept_bytes() << ", expected " << kept;
+  return err.str();
+}
+
+/// Checks what update_and_fetch returned (SPEC 4.4): the rows retained before the call (`before`,
+/// ascending position) then every row of the call, in ascending position.
+template <class T>
+std::string compare_returned(const vc::KVPair<T>& got,
+                             const std::vector<std::vector<ref::OracleRow>>& before,
+                             const vc::Tensor4<T>& keys, const vc::Tensor4<T>& values,
+                             const RunConfig& rc) {
+  std::ostringstream err;
+  const Index S = keys.dimension(2);
+  const auto n_before = static_cast<Index>(before.front().size());
+  const Index n = n_before + S;
+  if (shape_of(got.first) != Shape{rc.B, rc.H, n, rc.Dk} ||
+      shape_of(got.second) != Shape{rc.B, rc.H, n, rc.Dv}) {
+    err << "returned " << got.first.dimension(2) << " rows, expected " << n_before << " + " << S;
+    return err.str();
+  }
+  for (Index b = 0; b < rc.B; ++b) {
+    for (Index h = 0; h < rc.H; ++h) {
+      const auto& prev = before[static_cast<std::size_t>(b * rc.H + h)];
+      for (Index r = 0; r < n; ++r) {
+        const bool old = r < n_before;
+        const auto pr = static_cast<std::size_t>(r);
+        for (Index d = 0; d < rc.Dk; ++d) {
+          const double want = old ? prev[pr].key[static_cast<std::size_t>(d)]
+                                  : to_double(keys(b, h, r - n_before, d));
+          if (to_double(got.first(b, h, r, d)) != want) {
+            err << "returned key differs at head (" << b << ", " << h << ") row " << r << " d "
+                << d;
+            return err.str();
+          }
+        }
+        for (Index d = 0; d < rc.Dv; ++d) {
+          const double want = old ? prev[pr].value[static_cast<std::size_t>(d)]
+                                  : to_double(values(b, h, r - n_before, d));
+          if (to_double(got.second(b, h, r, d)) != want) {
+            err << "returned value differs at head (" << b << ", " << h << ") row " << r << " d "
+                << d;
+            return err.str();
+          }
+        }
+      }
+    }
+  }
+  return err.str();
+}
+
+/// Checks what update_and_view returned (SPEC 2.3, 4.4): the rows retained before the call in any
+/// order (positions say which), then the call's rows last, in arrival order.
+template <class T>
+std::string compare_view(const vc::KVView<T>& view,
+                         const std::vector<std::vector<ref::OracleRow>>& before,
+                         const vc::Tensor4<T>& keys, const vc::Tensor4<T>& values,
+                         const RunConfig& rc, std::int64_t offset_before) {
+  std::ostringstream err;
+  const Index S = keys.dimension(2);
+  const auto n_before = static_cast<Index>(before.front().size());
+  if (view.rows() != n_before + S || view.new_rows() != S || view.batch() != rc.B ||
+      view.heads() != rc.H || view.key_dim() != rc.Dk || view.value_dim() != rc.Dv) {
+    err << "view has " << view.rows() << " rows (" << view.new_rows() << " new), expected "
+        << n_before << " + " << S;
+    return err.str();
+  }
+  for (Index b = 0; b < rc.B; ++b) {
+    for (Index h = 0; h < rc.H; ++h) {
+      const auto& prev = before[static_cast<std::size_t>(b * rc.H + h)];
+      std::map<std::int64_t, std::size_t> index_of;
+      for (std::size_t i = 0; i < prev.size(); ++i) index_of[prev[i].position] = i;
+      const auto k = view.keys(b, h);
+      const auto v = view.values(b, h);
+      const auto p = view.positions(b, h);
+      std::vector<std::int64_t> old_positions;
+      for (Index r = 0; r < view.rows(); ++r) {
+        const bool old = r < n_before;
+        const std::int64_t pos = p(r);
+        const std::vector<double>* want_k = nullptr;
+        const std::vector<double>* want_v = nullptr;
+        std::vector<double> new_k, new_v;
+        if (old) {
+          old_positions.push_back(pos);
+          const auto it = index_of.find(pos);
+          if (it == index_of.end()) {
+            err << "view row " << r << " of head (" << b << ", " << h << ") has position " << pos
+                << ", not retained before the call";
+            return err.str();
+          }
+          want_k = &prev[it->second].key;
+          want_v = &prev[it->second].value;
+        } else {
+          if (pos != offset_before + (r - n_before)) {
+            err << "view row " << r << " of head (" << b << ", " << h << ") has position " << pos
+                << ", expected the call's token " << offset_before + (r - n_before);
+            return err.str();
+          }
+          new_k = row_of(keys, b, h, r - n_before);
+          new_v = row_of(values, b, h, r - n_before);
+          want_k = &new_k;
+          want_v = &new_v;
+        }
+        for (Index d = 0; d < rc.Dk; ++d) {
+          if (to_double(k(r, d)) != (*want_k)[static_cast<std::size_t>(d)]) {
+            err << "view key differs at head (" << b << ", " << h << ") row " << r << " d " << d;
+            return err.str();
+          }
+        }
+        for (Index d = 0; d < rc.Dv; ++d) {
+          if (to_double(v(r, d)) != (*want_v)[static_cast<std::size_t>(d)]) {
+            err << "view value differs at head (" << b << ", " << h << ") row " << r << " d " << d;
+            return err.str();
+          }
+        }
+      }
+      std::sort(old_positions.begin(), old_positions.end());
+      if (old_positions != ref::policy_detail::positions_of(prev)) {
+        err << "view of head (" << b << ", " << h
+            << ") is not a permutation of the rows retained before the call";
+        return err.str();
+      }
+    }
+  }
+  return err.str();
+}
+
+/// Outcome of one random run.
+struct RunResult {
+  bool ok = true;
+  bool near_tie = false;         // the oracle met an eviction decided by a relative gap < 1e-5
+  bool diverged_at_tie = false;  // ... and the float32 fast path then disagreed with it
+  int calls_checked = 0;
+  int big_calls_evicting = 0;  // checked calls of S > 64 tokens that evicted (blocked path)
+  int decode_evictions = 0;    // checked single-token calls that evicted
+};
+
+/// One random run: a prefill then decode calls (some multi-token, some larger than a block of 64,
+/// some empty), compared with one TOVAHeadOracle per head after every call. A mismatch after the
+/// oracle met a near-tie ends the run without failing it (float32 may then pick the other row);
+/// the caller bounds how often that happens.
+template <class T>
+RunResult run_against_oracle(const RunConfig& rc) {
+  RunResult res;
+  std::mt19937 rng(rc.seed);
+  vc::TOVACache<T> cache(tova_config(rc.budget, rc.n_sink));
+  EXPECT_EQ(cache.layer_budget(), rc.budget);
+  EXPECT_EQ(cache.n_sink(), rc.n_sink);
+  EXPECT_FALSE(cache.is_trimmable());
+  EXPECT_TRUE(cache.positions(0, 0).empty());
+  EXPECT_TRUE(cache.scores(0, 0).empty());
+
+  std::vector<ref::TOVAHeadOracle> oracle(static_cast<std::size_t>(rc.B * rc.H),
+                                          ref::TOVAHeadOracle(rc.n_sink, rc.budget));
+  std::uniform_real_distribution<double> u01(0.0, 1.0);
+  std::int64_t offset = 0;
+  for (int call = 0; call <= rc.decode_calls; ++call) {
+    Index S = 1;
+    if (call == 0) {
+      S = rc.prefill;
+    } else {
+      const double r = u01(rng);
+      if (r < 0.03) {
+        S = 0;
+      } else if (r < 0.15) {
+        S = std::uniform_int_distribution<Index>(2, rc.budget + 5)(rng);
+      } else if (r < 0.18) {
+        S = std::uniform_int_distribution<Index>(65, 160)(rng);
+      }
+    }
+    const vc::Tensor4<double> kd = random_doubles(rng, rc.B, rc.H, S, rc.Dk);
+    const vc::Tensor4<double> vd = random_doubles(rng, rc.B, rc.H, S, rc.Dv);
+    const vc::Tensor4<T> keys = kd.template cast<T>();
+    const vc::Tensor4<T> values = vd.template cast<T>();
+
+    std::vector<std::vector<ref::OracleRow>> before;
+    for (const auto& o : oracle) before.push_back(o.rows());
+
+    // Oracle: one token at a time, in arrival order.
+    bool evicted = false;
+    for (Index hi = 0; hi < rc.B * rc.H; ++hi) {
+      const Index b = hi / rc.H, h = hi % rc.H;
+      auto& o = oracle[static_cast<std::size_t>(hi)];
+      for (Index s = 0; s < S; ++s) {
+        std::vector<std::int64_t> pre = o.positions();
+        pre.push_back(offset + s);
+        o.absorb(row_of(keys, b, h, s), row_of(values, b, h, s));
+        const std::vector<double> w = o.last_weights();
+        if (!w.empty()) {
+          evicted = true;
+          if (eviction_margin(w, pre, rc.n_sink) < 1e-5) res.near_tie = true;
+        }
+      }
+    }
+
+    std::string err;
+    if (rc.view) {
+      const vc::KVView<T> view =
+          rc.as_double ? cache.update_and_view(kd, vd) : cache.update_and_view(keys, values);
+      err = compare_view(view, before, keys, values, rc, offset);
+    } else {
+      const vc::KVPair<T> got =
+          rc.as_double ? cache.update_and_fetch(kd, vd) : cache.update_and_fetch(keys, values);
+      err = compare_returned(got, before, keys, values, rc);
+    }
+    offset += S;
+    if (err.empty() && cache.offset() != offset) {
+      err = "offset " + std::to_string(cache.offset()) + ", expected " + std::to_string(offset);
+    }
+    if (err.empty() && cache.tokens_seen() != offset * rc.B * rc.H) {
+      err = "tokens_seen " + std::to_string(cache.tokens_seen());
+    }
+    if (err.empty()) err = compare_with_oracle(cache, oracle, rc, offset);
+    if (!err.empty()) {
+      if (res.near_tie) {
+        res.diverged_at_tie = true;
+      } else {
+        ADD_FAILURE() << rc.describe() << " call " << call << " (S=" << S << "): " << err;
+        res.ok = false;
+      }
+      return res;
+    }
+    ++res.calls_checked;
+    if (evicted && S > 64) ++res.big_calls_evicting;
+    if (evicted && S == 1) ++res.decode_evictions;
+  }
+  return res;
+}
+
+/// Random runs over budgets {2, 3, 5, 8, 16, 40} x n_sink {0, 1, 4} (below the budget), with random
+/// B, H in 1..3, D in {2, 4, 8, 16}, prefills above and below the budget, 30-100 decode calls.
+template <class T>
+void run_grid(unsigned seed_base) {
+  const std::vector<int> budgets = {2, 3, 5, 8, 16, 40};
+  const std::vector<int> sinks = {0, 1, 4};
+  const std::vector<Index> dims = {2, 4, 8, 16};
+  std::mt19937 rng(seed_base);
+  int runs = 0, near_ties = 0, tie_divergences = 0, failures = 0, checked_calls = 0;
+  int prefill_over = 0, prefill_under = 0, big_calls = 0, decode_evictions = 0;
+  for (const int n_sink : sinks) {
+    for (const int budget : budgets) {
+      if (n_sink >= budget) continue;
+      for (int rep = 0; rep < 4; ++rep) {
+        RunConfig rc;
+        rc.budget = budget;
+        rc.n_sink = n_sink;
+        rc.B = std::uniform_int_distribution<Index>(1, 3)(rng);
+        rc.H = std::uniform_int_distribution<Index>(1, 3)(rng);
+        rc.Dk = dims[std::uniform_int_distribution<std::size_t>(0, 3)(rng)];
+        rc.Dv = dims[std::uniform_int_distribution<std::size_t>(0, 3)(rng)];
+        switch (rep) {
+          case 0:  // above the budget, within a block
+            rc.prefill = std::uniform_int_distribution<Index>(budget + 1, 2 * budget + 8)(rng);
+            break;
+          case 1:  // below the budget
+            rc.prefill = std::uniform_int_distribution<Index>(1, std::max(1, budget - 1))(rng);
+            break;
+          case 2:  // above the budget, across block boundaries
+            rc.prefill = std::uniform_int_distribution<Index>(65, 200)(rng);
+            break;
+          default:  // up to exactly the budget
+            rc.prefill = std::uniform_int_distribution<Index>(1, budget)(rng);
+            break;
+        }
+        if (rc.prefill > budget) {
+          ++prefill_over;
+        } else {
+          ++prefill_under;
+        }
+        rc.view = (rep == 1 || rep == 2);
+        rc.as_double = (rep == 2 || rep == 3);
+        rc.decode_calls = std::uniform_int_distribution<int>(30, 100)(rng);
+        rc.seed = static_cast<unsigned>(rng());
+        const RunResult r = run_against_oracle<T>(rc);
+        ++runs;
+        if (r.near_tie) ++near_ties;
+        if (r.diverged_at_tie) ++tie_divergences;
+        if (!r.ok) ++failures;
+        checked_calls += r.calls_checked;
+        big_calls += r.big_calls_evicting;
+        decode_evictions += r.decode_evictions;
+        if (failures > 3) FAIL() << "too many failing runs; stopping";
+      }
+    }
+  }
+  EXPECT_EQ(failures, 0);
+  std::printf(
+      "[ stats    ] %d runs, %d calls checked (%d evicting calls of S > 64, %d evicting "
+      "decode steps), %d met a near-tie, %d diverged after one\n",
+      runs, checked_calls, big_calls, decode_evictions, near_ties, tie_divergences);
+  EXPECT_EQ(runs, 64);
+  EXPECT_GT(prefill_over, 20);
+  EXPECT_GT(prefill_under, 20);
+  EXPECT_GT(big_calls, 20);
+  EXPECT_GT(decode_evictions, 1000);
+  // A divergence after a near-tie of the oracle's decision ends a run early without failing it;
+  // that must stay rare (at most 5% of runs).
+  EXPECT_LE(tie_divergences * 20, runs)
+      << tie_divergences << " of " << runs << " runs diverged after a near-tie";
+  EXPECT_GT(checked_calls, runs * 25);
+}
+
+template <class T>
+class TOVAOracleTest : public ::testing::Test {};
+TYPED_TEST_SUITE(TOVAOracleTest, StorageTypes);
+
+TYPED_TEST(TOVAOracleTest, MatchesOracleOnRandomCalls) { run_grid<TypeParam>(4004u); }
+
+// ---------------------------------------------------------------------------------------------
+// Properties
+// ---------------------------------------------------------------------------------------------
+
+template <class T>
+class TOVACacheTest : public ::testing::Test {};
+TYPED_TEST_SUITE(TOVACacheTest, StorageTypes);
+
+/// Memoryless (SPEC 6): two caches with different histories that reach the same retained rows make
+/// the same evictions from then on. History A is the rows themselves; history B holds junk rows
+/// that every later row attends to least (keys in the negative orthant against rows in the
+/// positive one), so TOVA evicts exactly the junk on the way.
+TYPED_TEST(TOVACacheTest, MemorylessSameRetainedRowsGiveSameEvictions) {
+  using T = TypeParam;
+  const int budget = 6;
+  const Index B = 1, H = 2, D = 8, junk = 5;
+  int checked = 0, old_row_evictions = 0;
+  for (const int n_sink : {0, 2}) {
+    for (const bool one_call : {false, true}) {
+      const std::string ctx =
+          "n_sink " + std::to_string(n_sink) + (one_call ? " (history in one call)" : "");
+      std::mt19937 rng(static_cast<unsigned>(100 + 10 * n_sink + (one_call ? 1 : 0)));
+      const vc::Tensor4<T> rk = uniform_tensor<T>(rng, B, H, budget, D, 0.5, 1.5);
+      const vc::Tensor4<T> rv = random_tensor<T>(rng, B, H, budget, D);
+      const vc::Tensor4<T> jk = uniform_tensor<T>(rng, B, H, junk, D, -1.5, -0.5);
+      const vc::Tensor4<T> jv = random_tensor<T>(rng, B, H, junk, D);
+
+      vc::TOVACache<T> a(tova_config(budget, n_sink));
+      vc::TOVACache<T> b(tova_config(budget, n_sink));
+      a.update_and_fetch(rk, rv);
+      // History B: the sinks, the junk, then the other rows.
+      const vc::Tensor4<T> sink_k = slice_s(rk, 0, n_sink), sink_v = slice_s(rv, 0, n_sink);
+      const vc::Tensor4<T> rest_k = slice_s(rk, n_sink, budget - n_sink);
+      const vc::Tensor4<T> rest_v = slice_s(rv, n_sink, budget - n_sink);
+      if (one_call) {
+        vc::Tensor4<T> hk(B, H, budget + junk, D), hv(B, H, budget + junk, D);
+        hk = sink_k.concatenate(jk, 2).concatenate(rest_k, 2);
+        hv = sink_v.concatenate(jv, 2).concatenate(rest_v, 2);
+        b.update_and_fetch(hk, hv);
+      } else {
+        for (Index s = 0; s < n_sink; ++s)
+          b.update_and_fetch(slice_s(sink_k, s, 1), slice_s(sink_v, s, 1));
+        for (Index s = 0; s < junk; ++s) b.update_and_fetch(slice_s(jk, s, 1), slice_s(jv, s, 1));
+        for (Index s = 0; s < budget - n_sink; ++s) {
+          b.update_and_fetch(slice_s(rest_k, s, 1), slice_s(rest_v, s, 1));
+        }
+      }
+      ASSERT_EQ(b.offset(), budget + junk) << ctx;
+      ASSERT_TRUE(bytes_of(a.state().first) == bytes_of(b.state().first))
+          << ctx << ": history B did not reach the same retained rows";
+      ASSERT_TRUE(bytes_of(a.state().second) == bytes_of(b.state().second)) << ctx;
+
+      const auto shifted = [&](const std::vector<std::int64_t>& pa) {
+        std::vector<std::int64_t> out = pa;
+        for (auto& p : out) p += p >= n_sink ? junk : 0;
+        return out;
+      };
+      // The same tokens to both: random single tokens, one 9-token call, then more single tokens.
+      for (int step = 0; step < 30; ++step) {
+        const Index S = step == 12 ? 9 : 1;
+        const vc::Tensor4<T> k = random_tensor<T>(rng, B, H, S, D);
+        const vc::Tensor4<T> v = random_tensor<T>(rng, B, H, S, D);
+        const std::vector<std::int64_t> before = a.positions(0, 0);
+        a.update_and_fetch(k, v);
+        b.update_and_fetch(k, v);
+        const vc::KVPair<T> sa = a.state(), sb = b.state();
+        ASSERT_TRUE(bytes_of(sa.first) == bytes_of(sb.first)) << ctx << " step " << step;
+        ASSERT_TRUE(bytes_of(sa.second) == bytes_of(sb.second)) << ctx << " step " << step;
+        for (Index h = 0; h < H; ++h) {
+          EXPECT_EQ(shifted(a.positions(0, h)), b.positions(0, h)) << ctx << " step " << step;
+          const std::vector<float> sca = a.scores(0, h), scb = b.scores(0, h);
+          ASSERT_EQ(sca.size(), scb.size());
+          for (std::size_t r = 0; r < sca.size(); ++r) {
+            EXPECT_TRUE(close_score(static_cast<double>(scb[r]), static_cast<double>(sca[r])))
+                << ctx << " step " << step << " row " << r;
+          }
+        }
+        // Count evictions of a row retained before the step (not the newcomer itself).
+        const std::vector<std::int64_t> after = a.positions(0, 0);
+        for (const std::int64_t p : before) {
+          if (!std::binary_search(after.begin(), after.end(), p)) ++old_row_evictions;
+        }
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 120);
+  EXPECT_GT(old_row_evictions, 40);  // the comparison saw real decisions, not just newcomers
+}
+
+/// Feeds `keys` row by row or in one call to a TOVA cache and an oracle; after every call the
+/// retained positions must match the oracle's (exact ties included) and `want(offset)` if given.
+template <class T>
+void check_exact_sequence(const std::vector<std::vector<double>>& keys, int budget, int n_sink,
+                          bool one_call,
+                          const std::function<std::vector<std::int64_t>(std::int64_t)>& want,
+                          const std::string& ctx) {
+  const auto D = static_cast<Index>(keys.front().size());
+  const auto n = static_cast<Index>(keys.size());
+  vc::Tensor4<T> k(1, 2, n, D), v(1, 2, n, D);
+  for (Index s = 0; s < n; ++s) {
+    for (Index d = 0; d < D; ++d) {
+      for (Index h = 0; h < 2; ++h) {
+        k(0, h, s, d) =
+            static_cast<T>(keys[static_cast<std::size_t>(s)][static_cast<std::size_t>(d)]);
+        v(0, h, s, d) = static_cast<T>(static_cast<double>(s % 7) - static_cast<double>(d));
+      }
+    }
+  }
+  vc::TOVACache<T> cache(tova_config(budget, n_sink));
+  ref::TOVAHeadOracle oracle(n_sink, budget);
+  if (one_call) {
+    const vc::KVPair<T> out = cache.update_and_fetch(k, v);
+    ASSERT_EQ(out.first.dimension(2), n) << ctx;
+    for (Index s = 0; s < n; ++s) oracle.absorb(row_of(k, 0, 0, s), row_of(v, 0, 0, s));
+    ASSERT_EQ(cache.positions(0, 0), oracle.positions()) << ctx;
+    ASSERT_EQ(cache.positions(0, 1), oracle.positions()) << ctx;
+    if (want) {
+      EXPECT_EQ(cache.positions(0, 0), want(n)) << ctx;
+    }
+    return;
+  }
+  for (Index s = 0; s < n; ++s) {
+    cache.update_and_fetch(slice_s(k, s, 1), slice_s(v, s, 1));
+    oracle.absorb(row_of(k, 0, 0, s), row_of(v, 0, 0, s));
+    ASSERT_EQ(cache.positions(0, 0), oracle.positions()) << ctx << " token " << s;
+    ASSERT_EQ(cache.positions(0, 1), oracle.positions()) << ctx << " token " << s;
+    if (want) {
+      ASSERT_EQ(cache.positions(0, 0), want(s + 1)) << ctx << " token " << s;
+    }
+  }
+}
+
+/// Sinks plus the newest (budget - n_sink) other positions: what exact ties in every step give.
+std::function<std::vector<std::int64_t>(std::int64_t)> fifo(int budget, int n_sink) {
+  return [budget, n_sink](std::int64_t offset) {
+    std::vector<std::int64_t> out;
+    for (std::int64_t p = 0; p < offset; ++p) {
+      if (p < n_sink || p >= std::max<std::int64_t>(n_sink, offset - (budget - n_sink))) {
+        out.push_back(p);
+      }
+    }
+    return out;
+  };
+}
+
+/// Exact ties (identical keys, integer entries so every dot product is exact): the earliest
+/// position among the lowest weights is evicted (SPEC 6), on the decode path, the general path and
+/// the blocked path, with ties both below the maximum weight and at it.
+TYPED_TEST(TOVACacheTest, ExactTiesEvictTheEarliestPosition) {
+  using T = TypeParam;
+  const std::vector<double> a = {1, 0, 1, 0, 0, 1, 0, 0};
+  const std::vector<double> x = {1, 1, 1, 1, 1, 1, 1, 1};
+  const std::vector<double> z = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (const bool one_call : {false, true}) {
+    for (const int n_sink : {0, 1, 3}) {
+      const std::string mode = one_call ? " (one call)" : " (token by token)";
+      // Ties below the maximum: `budget` a's, then x's. Each x attends to every a with the same
+      // lower weight (so the earliest non-sink a goes, one per step), then to the x's with the same
+      // top weight (so the earliest non-sink x goes): sinks plus the newest budget - n_sink tokens.
+      // Budgets 6 and 7 put tied weights both in whole SIMD packets and in a scalar tail.
+      for (const int budget : {6, 7}) {
+        std::vector<std::vector<double>> keys(static_cast<std::size_t>(budget), a);
+        for (int i = 0; i < 20; ++i) keys.push_back(x);
+        check_exact_sequence<T>(
+            keys, budget, n_sink, one_call, fifo(budget, n_sink),
+            "a^" + std::to_string(budget) + " x^20 n_sink " + std::to_string(n_sink) + mode);
+      }
+      // Ties interleaved with higher rows: x a x a ... then x's: the a's go first, earliest
+      // first, skipping sinks; later the x's tie.
+      for (const int budget : {8, 10}) {
+        std::vector<std::vector<double>> keys;
+        for (int i = 0; i < budget / 2; ++i) {
+          keys.push_back(x);
+          keys.push_back(a);
+        }
+        for (int i = 0; i < 12; ++i) keys.push_back(x);
+        check_exact_sequence<T>(keys, budget, n_sink, one_call, nullptr,
+                                "(x a)^" + std::to_string(budget / 2) + " x^12 n_sink " +
+                                    std::to_string(n_sink) + mode);
+        if (!one_call && n_sink == 0 && budget == 8) {
+          // Hand-checked: token 8 (x) evicts a at position 1, token 9 the a at 3, ...
+          vc::TOVACache<T> cache(tova_config(budget, 0));
+          for (std::size_t s = 0; s < keys.size(); ++s) {
+            cache.update_and_fetch(repeated_rows<T>(1, 1, 1, keys[s]),
+                                   repeated_rows<T>(1, 1, 1, keys[s]));
+            if (s == 8) {
+              EXPECT_EQ(cache.positions(0, 0), (std::vector<std::int64_t>{0, 2, 3, 4, 5, 6, 7, 8}));
+            }
+            if (s == 11) {
+              EXPECT_EQ(cache.positions(0, 0),
+                        (std::vector<std::int64_t>{0, 2, 4, 6, 8, 9, 10, 11}));
+            }
+            if (s == 12) {  // all x now: tie at the top, the earliest goes
+              EXPECT_EQ(cache.positions(0, 0),
+                        (std::vector<std::int64_t>{2, 4, 6, 8, 9, 10, 11, 12}));
+            }
+          }
+        }
+      }
+      // All keys zero: every weight is exactly 1/n.
+      {
+        const int budget = 5;
+        std::vector<std::vector<double>> keys(40, z);
+        check_exact_sequence<T>(keys, budget, n_sink, one_call, fifo(budget, n_sink),
+                                "zero keys n_sink " + std::to_string(n_sink) + mode);
+      }
+    }
+  }
+  // One call of 150 identical keys crosses two block boundaries (64, 128).
+  for (const int n_sink : {0, 2, 4}) {
+    std::vector<std::vector<double>> keys(150, x);
+    check_exact_sequence<T>(keys, 5, n_sink, true, fifo(5, n_sink),
+                            "x^150 in one call, n_sink " + std::to_string(n_sink));
+    std::vector<std::vector<double>> mixed;
+    for (int i = 0; i < 150; ++i) mixed.push_back(i % 3 == 1 ? a : x);
+    check_exact_sequence<T>(mixed, 9, n_sink, true, nullptr,
+                            "(x a x)^50 in one call, n_sink " + std::to_string(n_sink));
+    check_exact_sequence<T>(mixed, 9, n_sink, false, nullptr,
+                            "(x a x)^50 token by token, n_sink " + std::to_string(n_sink));
+  }
+}
+
+/// Sinks are never evicted, even when every new token attends to them least (SPEC 1, 6).
+TYPED_TEST(TOVACacheTest, NeverEvictsASink) {
+  using T = TypeParam;
+  const Index B = 2, H = 2, D = 8;
+  for (const int n_sink : {1, 3}) {
+    for (const bool blocked : {false, true}) {
+      const int budget = 5;
+      std::mt19937 rng(static_cast<unsigned>(7 * n_sink + (blocked ? 1 : 0)));
+      vc::TOVACache<T> cache(tova_config(budget, n_sink));
+      std::vector<ref::TOVAHeadOracle> oracle(static_cast<std::size_t>(B * H),
+                                              ref::TOVAHeadOracle(n_sink, budget));
+      // Sinks anti-aligned with everything that follows.
+      const vc::Tensor4<T> sk = uniform_tensor<T>(rng, B, H, n_sink, D, -1.5, -0.5);
+      const vc::Tensor4<T> sv = random_tensor<T>(rng, B, H, n_sink, D);
+      cache.update_and_fetch(sk, sv);
+      for (Index hi = 0; hi < B * H; ++hi)
+        for (Index s = 0; s < n_sink; ++s)
+          oracle[static_cast<std::size_t>(hi)].absorb(row_of(sk, hi / H, hi % H, s),
+                                                      row_of(sv, hi / H, hi % H, s));
+      std::int64_t offset = n_sink;
+      int sink_was_lowest = 0;
+      for (int step = 0; step < 40; ++step) {
+        const Index S = blocked ? (step % 2 == 0 ? 100 : 3) : 1;
+        const vc::Tensor4<T> k = uniform_tensor<T>(rng, B, H, S, D, 0.5, 1.5);
+        const vc::Tensor4<T> v = random_tensor<T>(rng, B, H, S, D);
+        for (Index hi = 0; hi < B * H; ++hi) {
+          auto& o = oracle[static_cast<std::size_t>(hi)];
+          for (Index s = 0; s < S; ++s) {
+            o.absorb(row_of(k, hi / H, hi % H, s), row_of(v, hi / H, hi % H, s));
+            const std::vector<double> w = o.last_weights();
+            // Would a sink-blind policy have evicted a sink? (the lowest weight is a sink's)
+            if (!w.empty() && std::min_element(w.begin(), w.end()) - w.begin() < n_sink) {
+              ++sink_was_lowest;
+            }
+          }
+        }
+        cache.update_and_fetch(k, v);
+        offset += S;
+        for (Index b = 0; b < B; ++b) {
+          for (Index h = 0; h < H; ++h) {
+            const std::vector<std::int64_t> pos = cache.positions(b, h);
+            ASSERT_EQ(static_cast<std::int64_t>(pos.size()),
+                      std::min<std::int64_t>(offset, budget));
+            for (int p = 0; p < n_sink; ++p) ASSERT_EQ(pos[static_cast<std::size_t>(p)], p);
+            ASSERT_EQ(pos, oracle[static_cast<std::size_t>(b * H + h)].positions())
+                << "n_sink " << n_sink << " step " << step;
+          }
+        }
+      }
+      EXPECT_EQ(cache.offset(), offset);
+      EXPECT_GT(sink_was_lowest, 100) << "the sinks were never the least attended";
+    }
+  }
+}
+
+/// The current token is a candidate too (SPEC 6: attention over every row including itself): when
+/// it gets the least weight it is evicted at once, yet the call still returned it (SPEC 4.4).
+TYPED_TEST(TOVACacheTest, CurrentTokenIsEvictedWhenItGetsTheLeastWeight) {
+  using T = TypeParam;
+  const std::vector<double> big = {2, 2, 2, 2};
+  const std::vector<double> small = {0.125, 0.125, 0.125, 0.125};  // self dot 1/16, others 1
+  vc::TOVACache<T> cache(tova_config(4, 1));
+  cache.update_and_fetch(repeated_rows<T>(1, 1, 4, big), repeated_rows<T>(1, 1, 4, big));
+  for (int step = 0; step < 5; ++step) {
+    const vc::Tensor4<T> k = repeated_rows<T>(1, 1, 1, small);
+    const vc::Tensor4<T> v = repeated_rows<T>(1, 1, 1, {9, 8, 7, 6});
+    const vc::KVPair<T> out = cache.update_and_fetch(k, v);
+    ASSERT_EQ(out.first.dimension(2), 5);
+    EXPECT_EQ(static_cast<float>(out.first(0, 0, 4, 0)), 0.125f);  // the current token, last
+    EXPECT_EQ(static_cast<float>(out.second(0, 0, 4, 0)), 9.0f);
+    EXPECT_EQ(cache.positions(0, 0), (std::vector<std::int64_t>{0, 1, 2, 3}));
+    EXPECT_EQ(cache.offset(), 5 + step);
+    // Its weight was the lowest: below every kept row's.
+    const std::vector<float> sc = cache.scores(0, 0);
+    ASSERT_EQ(sc.size(), 4u);
+    const float total = sc[0] + sc[1] + sc[2] + sc[3];
+    EXPECT_LT(total, 1.0f);
+    for (const float s : sc) EXPECT_GT(s, 1.0f - total);
+  }
+}
+
+/// After every call a head retains exactly min(offset, budget) rows (SPEC 4.4, 6).
+TYPED_TEST(TOVACacheTest, RetainsMinOfOffsetAndBudgetRows) {
+  using T = TypeParam;
+  std::mt19937 rng(31);
+  const Index B = 2, H = 3, Dk = 4, Dv = 2;
+  for (const int budget : {1, 2, 7}) {
+    const int n_sink = budget > 1 ? 1 : 0;
+    vc::TOVACache<T> cache(tova_config(budget, n_sink));
+    std::int64_t offset = 0;
+    for (const Index S : {Index{1}, Index{1}, Index{3}, Index{0}, Index{1}, Index{9}, Index{1},
+                          Index{70}, Index{1}, Index{2}}) {
+      const vc::KVPair<T> out = cache.update_and_fetch(random_tensor<T>(rng, B, H, S, Dk),
+                                                       random_tensor<T>(rng, B, H, S, Dv));
+      const std::int64_t n_before = std::min<std::int64_t>(offset, budget);
+      offset += S;
+      ASSERT_EQ(out.first.dimension(2), S == 0 ? n_before : n_before + S);
+      ASSERT_EQ(out.second.dimension(2), out.first.dimension(2));
+      const std::int64_t n = std::min<std::int64_t>(offset, budget);
+      EXPECT_EQ(cache.offset(), offset);
+      EXPECT_EQ(cache.tokens_kept(), n);
+      EXPECT_EQ(cache.state().first.dimension(2), n);
+      for (Index b = 0; b < B; ++b)
+        for (Index h = 0; h < H; ++h) {
+          EXPECT_EQ(static_cast<std::int64_t>(cache.positions(b, h).size()), n);
+          EXPECT_EQ(static_cast<std::int64_t>(cache.scores(b, h).size()), n);
+        }
+      EXPECT_EQ(cache.kept_bytes(), static_cast<std::size_t>(B * H * n * (Dk + Dv)) * sizeof(T));
+      EXPECT_EQ(cache.full_seq_bytes(),
+                static_cast<std::size_t>(B * H * offset * (Dk + Dv)) * sizeof(T));
+    }
+  }
+}
+
+/// Not trimmable (SPEC 2.6): trim returns 0 and changes nothing; a negative count still throws.
+TYPED_TEST(TOVACacheTest, IsNotTrimmable) {
+  using T = TypeParam;
+  std::mt19937 rng(32);
+  vc::TOVACache<T> cache(tova_config(4, 1));
+  EXPECT_FALSE(cache.is_trimmable());
+  EXPECT_EQ(cache.trim(2), 0);
+  cache.update_and_fetch(random_tensor<T>(rng, 1, 2, 9, 4), random_tensor<T>(rng, 1, 2, 9, 4));
+  const std::vector<std::int64_t> pos = cache.positions(0, 1);
+  const std::vector<float> sc = cache.scores(0, 1);
+  const vc::KVPair<T> st = cache.state();
+  EXPECT_EQ(cache.trim(3), 0);
+  EXPECT_EQ(cache.trim(100), 0);
+  EXPECT_THROW(cache.trim(-1), std::invalid_argument);
+  EXPECT_EQ(cache.offset(), 9);
+  EXPECT_EQ(cache.positions(0, 1), pos);
+  EXPECT_EQ(cache.scores(0, 1), sc);
+  EXPECT_TRUE(bytes_of(cache.state().first) == bytes_of(st.first));
+  // The next token continues at position 9.
+  const vc::KVView<T> view =
+      cache.update_and_view(random_tensor<T>(rng, 1, 2, 1, 4), random_tensor<T>(rng, 1, 2, 1, 4));
+  ASSERT_EQ(view.rows(), 5);
+  EXPECT_EQ(view.positions(0, 1)(4), 9);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input (SPEC 8)
+// ---------------------------------------------------------------------------------------------
+
+/// Everything observable about a TOVA cache.
+struct Snapshot {
+  std::int64_t offset = 0;
+  Shape key_shape{}, value_shape{};
+  std::vector<unsigned char> keys, values;
+  std::size_t kept_bytes = 0, full_seq_bytes = 0;
+  std::int64_t tokens_seen = 0, tokens_kept = 0;
+  Index batch = 0, heads = 0, key_dim = 0, value_dim = 0;
+  std::vector<std::vector<float>> scores;
+  std::vector<std::vector<std::int64_t>> positions;
+
+  bool operator==(const Snapshot& o) const {
+    return offset == o.offset && key_shape == o.key_shape && value_shape == o.value_shape &&
+           keys == o.keys && values == o.values && kept_bytes == o.kept_bytes &&
+           full_seq_bytes == o.full_seq_bytes && tokens_seen == o.tokens_seen &&
+           tokens_kept == o.tokens_kept && batch == o.batch && heads == o.heads &&
+           key_dim == o.key_dim && value_dim == o.value_dim && scores == o.scores &&
+           positions == o.positions;
+  }
+};
+
+template <class T>
+Snapshot snapshot(const vc::TOVACache<T>& c) {
+  Snapshot s;
+  s.offset = c.offset();
+  const vc::KVPair<T> st = c.state();
+  s.key_shape = shape_of(st.first);
+  s.value_shape = shape_of(st.second);
+  s.keys = bytes_of(st.first);
+  s.values = bytes_of(st.second);
+  s.kept_bytes = c.kept_bytes();
+  s.full_seq_bytes = c.full_seq_bytes();
+  s.tokens_seen = c.tokens_seen();
+  s.tokens_kept = c.tokens_kept();
+  s.batch = c.batch();
+  s.heads = c.heads();
+  s.key_dim = c.key_dim();
+  s.value_dim = c.value_dim();
+  for (Index b = 0; b < c.batch(); ++b) {
+    for (Index h = 0; h < c.heads(); ++h) {
+      s.scores.push_back(c.scores(b, h));
+      s.positions.push_back(c.positions(b, h));
+    }
+  }
+  return s;
+}
+
+/// One bad call.
+struct BadCall {
+  std::string name;
+  vc::Tensor4<double> keys, values;
+  bool as_double = false;          // through the converting overload
+  bool needs_established = false;  // only bad after a first valid call
+  std::optional<Shape> bad_index;  // the message must name this [b, h, s, d]
+};
+
+constexpr Shape kKeys{2, 2, 3, 4};
+constexpr Shape kValues{2, 2, 3, 3};
+
+std::vector<BadCall> bad_calls(std::mt19937& rng, bool half) {
+  std::vector<BadCall> out;
+  const auto shape_case = [&](std::string name, Shape k, Shape v, bool established) {
+    BadCall c;
+    c.name = std::move(name);
+    c.keys = random_doubles(rng, k[0], k[1], k[2], k[3]);
+    c.values = random_doubles(rng, v[0], v[1], v[2], v[3]);
+    c.needs_established = established;
+    out.push_back(std::move(c));
+  };
+  shape_case("values B differs", kKeys, {1, 2, 3, 3}, false);
+  shape_case("values H differs", kKeys, {2, 1, 3, 3}, false);
+  shape_case("values S differs", kKeys, {2, 2, 2, 3}, false);
+  shape_case("zero key D", {2, 2, 3, 0}, kValues, false);
+  shape_case("zero value D", kKeys, {2, 2, 3, 0}, false);
+  shape_case("B differs from the first call", {1, 2, 1, 4}, {1, 2, 1, 3}, true);
+  shape_case("H differs from the first call", {2, 3, 1, 4}, {2, 3, 1, 3}, true);
+  shape_case("key D differs from the first call", {2, 2, 1, 5}, {2, 2, 1, 3}, true);
+  shape_case("value D differs from the first call", {2, 2, 1, 4}, {2, 2, 1, 4}, true);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<std::pair<double, Shape>> bad = {
+      {nan, {0, 0, 0, 0}}, {nan, {1, 0, 2, 3}}, {inf, {0, 1, 1, 2}}, {-inf, {1, 1, 2, 0}}};
+  for (const auto& [value, at] : bad) {
+    for (const bool dbl : {false, true}) {
+      BadCall c;
+      c.name = "key " + std::to_string(value) + " at [" + std::to_string(at[0]) + "," +
+               std::to_string(at[1]) + "," + std::to_string(at[2]) + "," + std::to_string(at[3]) +
+               "]" + (dbl ? " as double" : "");
+      c.keys = random_doubles(rng, kKeys[0], kKeys[1], kKeys[2], kKeys[3]);
+      c.values = random_doubles(rng, kValues[0], kValues[1], kValues[2], kValues[3]);
+      c.keys(at[0], at[1], at[2], at[3]) = value;
+      c.as_double = dbl;
+      c.bad_index = at;
+      out.push_back(std::move(c));
+    }
+  }
+  {  // finite as double, infinite once converted to T
+    BadCall c;
+    c.name = "double key overflowing the storage type";
+    c.keys = random_doubles(rng, kKeys[0], kKeys[1], kKeys[2], kKeys[3]);
+    c.values = random_doubles(rng, kValues[0], kValues[1], kValues[2], kValues[3]);
+    c.keys(0, 1, 2, 1) = half ? 1e6 : 1e300;
+    c.as_double = true;
+    c.bad_index = Shape{0, 1, 2, 1};
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+/// Regex matching the four numbers of a shape in order, e.g. "[2, 2, 3, 4]".
+std::regex shape_regex(const Shape& s) {
+  return std::regex("\\b" + std::to_string(s[0]) + "\\D{1,3}" + std::to_string(s[1]) + "\\D{1,3}" +
+                    std::to_string(s[2]) + "\\D{1,3}" + std::to_string(s[3]) + "\\b");
+}
+
+template <class T>
+void feed(vc::TOVACache<T>& cache, const BadCall& bc, bool view) {
+  if (bc.as_double) {
+    if (view) {
+      (void)cache.update_and_view(bc.keys, bc.values);
+    } else {
+      (void)cache.update_and_fetch(bc.keys, bc.values);
+    }
+    return;
+  }
+  const vc::Tensor4<T> k = bc.keys.template cast<T>();
+  const vc::Tensor4<T> v = bc.values.template cast<T>();
+  if (view) {
+    (void)cache.update_and_view(k, v);
+  } else {
+    (void)cache.update_and_fetch(k, v);
+  }
+}
+
+/// The same valid call on the subject and its untouched twin: identical outputs and state.
+template <class T>
+void valid_call_on_both(vc::TOVACache<T>& subject, vc::TOVACache<T>& twin, std::mt19937& rng,
+                        Index S, const std::string& ctx) {
+  const vc::Tensor4<T> k = random_tensor<T>(rng, kKeys[0], kKeys[1], S, kKeys[3]);
+  const vc::Tensor4<T> v = random_tensor<T>(rng, kValues[0], kValues[1], S, kValues[3]);
+  const vc::KVPair<T> a = subject.update_and_fetch(k, v);
+  const vc::KVPair<T> b = twin.update_and_fetch(k, v);
+  EXPECT_TRUE(bytes_of(a.first) == bytes_of(b.first)) << ctx << ": keys differ from the twin's";
+  EXPECT_TRUE(bytes_of(a.second) == bytes_of(b.second)) << ctx << ": values differ from the twin's";
+  EXPECT_TRUE(snapshot(subject) == snapshot(twin)) << ctx << ": state differs from the twin's";
+}
+
+/// Every bad call, through update_and_fetch and update_and_view, on a fresh cache and on one that
+/// absorbed a prefill over the budget and evicting decode steps: std::invalid_argument naming the
+/// shapes or the bad index, nothing changed, and the next valid calls match an untouched twin.
+TYPED_TEST(TOVACacheTest, BadInputThrowsAndLeavesTheCacheUnchanged) {
+  using T = TypeParam;
+  std::mt19937 rng(77);
+  const std::vector<BadCall> cases = bad_calls(rng, std::is_same_v<T, Eigen::half>);
+  int thrown = 0, expected = 0;
+  for (const bool established : {false, true}) {
+    for (const BadCall& bc : cases) {
+      if (bc.needs_established && !established) continue;
+      vc::TOVACache<T> subject(tova_config(6, 1));
+      vc::TOVACache<T> twin(tova_config(6, 1));
+      const std::string phase = established ? " (after decoding)" : " (first call)";
+      if (established) {
+        valid_call_on_both(subject, twin, rng, 9, bc.name + ": prefill");
+        for (int i = 0; i < 3; ++i) valid_call_on_both(subject, twin, rng, 1, bc.name + ": decode");
+        ASSERT_EQ(subject.tokens_kept(), 6);
+      }
+      const Snapshot before = snapshot(subject);
+      for (const bool view : {false, true}) {
+        const std::string name =
+            bc.name + phase + (view ? " via update_and_view" : " via update_and_fetch");
+        ++expected;
+        try {
+          feed(subject, bc, view);
+          ADD_FAILURE() << name << ": did not throw";
+        } catch (const std::invalid_argument& e) {
+          ++thrown;
+          const std::string what = e.what();
+          if (bc.bad_index) {
+            std::smatch m;
+            const std::regex idx(
+                R"(b\s*=\s*(\d+)\D*?h\s*=\s*(\d+)\D*?s\s*=\s*(\d+)\D*?d\s*=\s*(\d+))");
+            if (std::regex_search(what, m, idx)) {
+              const Shape got{std::stoll(m[1]), std::stoll(m[2]), std::stoll(m[3]),
+                              std::stoll(m[4])};
+              EXPECT_EQ(got, *bc.bad_index) << name << ": " << what;
+            } else {
+              ADD_FAILURE() << name << ": no index in: " << what;
+            }
+          } else {
+            EXPECT_TRUE(std::regex_search(what, shape_regex(shape_of(bc.keys))))
+                << name << ": message lacks the keys shape: " << what;
+            EXPECT_TRUE(std::regex_search(what, shape_regex(shape_of(bc.values))))
+                << name << ": message lacks the values shape: " << what;
+          }
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << name << ": threw something else: " << e.what();
+        }
+        EXPECT_TRUE(snapshot(subject) == before) << name << ": the cache changed";
+      }
+      valid_call_on_both(subject, twin, rng, established ? 1 : 8, bc.name + phase + ": next call");
+      valid_call_on_both(subject, twin, rng, 1, bc.name + phase + ": next decode");
+    }
+  }
+  EXPECT_EQ(thrown, expected);
+  EXPECT_GT(expected, 40);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parallel heads (SPEC 7)
+// ---------------------------------------------------------------------------------------------
+
+template <class T>
+bool bitwise_equal(const vc::Tensor4<T>& a, const vc::Tensor4<T>& b) {
+  return a.dimensions() == b.dimensions() && bytes_of(a) == bytes_of(b);
+}
+
+/// set_parallel_heads(true) gives bit-identical results to a serial run: B=2, H=8, D=64, a
+/// 300-token prefill (blocked path, over the budget) and 30 decode steps, plus one 70-token call.
+TYPED_TEST(TOVACacheTest, ParallelHeadsAreBitIdenticalToSerial) {
+  using T = TypeParam;
+  vc::TOVACache<T> serial(tova_config(96, 4));
+  vc::TOVACache<T> parallel(tova_config(96, 4));
+  serial.set_parallel_heads(false);
+  parallel.set_parallel_heads(true);
+  EXPECT_FALSE(serial.parallel_heads());
+  EXPECT_TRUE(parallel.parallel_heads());
+  std::mt19937 rng(42);
+  std::vector<Index> calls = {300};
+  for (int i = 0; i < 30; ++i) calls.push_back(1);
+  calls.push_back(70);
+  calls.push_back(1);
+  for (std::size_t c = 0; c < calls.size(); ++c) {
+    const Index S = calls[c];
+    const vc::Tensor4<T> k = random_tensor<T>(rng, 2, 8, S, 64);
+    const vc::Tensor4<T> v = random_tensor<T>(rng, 2, 8, S, 64);
+    const vc::KVPair<T> a = serial.update_and_fetch(k, v);
+    const vc::KVPair<T> b = parallel.update_and_fetch(k, v);
+    ASSERT_TRUE(bitwise_equal(a.first, b.first)) << "call " << c << " S=" << S;
+    ASSERT_TRUE(bitwise_equal(a.second, b.second)) << "call " << c << " S=" << S;
+    ASSERT_TRUE(snapshot(serial) == snapshot(parallel)) << "call " << c << " S=" << S;
+  }
+  EXPECT_EQ(serial.tokens_kept(), 96);
+  EXPECT_EQ(serial.offset(), 401);
+  // Heads made different decisions (the comparison covers real per-head work).
+  EXPECT_NE(serial.positions(0, 0), serial.positions(1, 7));
+}
+
+}  // namespace
