@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include <Eigen/Core>
@@ -51,10 +52,11 @@ inline void chunked_apply(float* x, Index n, float pad, Op op) {
     c = op(Chunk(c), i);
   }
   if (i < n) {
+    const auto tail = sizeof(float) * static_cast<std::size_t>(n - i);
     Chunk c = Chunk::Constant(pad);
-    for (Index j = 0; j < n - i; ++j) c[j] = x[i + j];
+    std::memcpy(c.data(), x + i, tail);
     c = op(c, i);
-    for (Index j = 0; j < n - i; ++j) x[i + j] = c[j];
+    std::memcpy(x + i, c.data(), tail);
   }
 }
 
@@ -80,13 +82,12 @@ inline void decay_accumulate(float* scores, const float* w, Index n, float decay
     c = c * decay + Eigen::Map<const Chunk>(w + i);
   }
   if (i < n) {
+    const auto tail = sizeof(float) * static_cast<std::size_t>(n - i);
     Chunk c = Chunk::Zero(), a = Chunk::Zero();
-    for (Index j = 0; j < n - i; ++j) {
-      c[j] = scores[i + j];
-      a[j] = w[i + j];
-    }
+    std::memcpy(c.data(), scores + i, tail);
+    std::memcpy(a.data(), w + i, tail);
     c = c * decay + a;
-    for (Index j = 0; j < n - i; ++j) scores[i + j] = c[j];
+    std::memcpy(scores + i, c.data(), tail);
   }
 }
 
