@@ -23,11 +23,12 @@
 #include <vector>
 #include <veloxquant/cache.hpp>
 
+#include "support/test_support.hpp"
+
 namespace {
 
 namespace vc = veloxquant::cache;
-using Index = Eigen::Index;
-using Shape = std::array<Index, 4>;
+using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
 
 using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 
@@ -78,26 +79,8 @@ Subject<T> make_subject(Kind kind) {
   return s;
 }
 
-template <class T>
-std::vector<unsigned char> bytes_of(const vc::Tensor4<T>& t) {
-  std::vector<unsigned char> out(static_cast<std::size_t>(t.size()) * sizeof(T));
-  if (!out.empty()) std::memcpy(out.data(), t.data(), out.size());
-  return out;
-}
-
-template <class T>
-Shape shape_of(const vc::Tensor4<T>& t) {
-  return {t.dimension(0), t.dimension(1), t.dimension(2), t.dimension(3)};
-}
-
 /// Everything observable about a cache (and its coordinator).
-struct Snapshot {
-  std::int64_t offset = 0;
-  Shape key_shape{}, value_shape{};
-  std::vector<unsigned char> keys, values;  // state(), bitwise
-  std::size_t kept_bytes = 0, full_seq_bytes = 0;
-  std::int64_t tokens_seen = 0, tokens_kept = 0;
-  Index batch = 0, heads = 0, key_dim = 0, value_dim = 0;
+struct Snapshot : BasicSnapshot {
   std::optional<int> layer_budget, budget, protected_recent;
   std::vector<std::vector<float>> scores;
   std::vector<std::vector<std::int64_t>> positions;
@@ -107,14 +90,10 @@ struct Snapshot {
   bool finalized = false;
 
   bool operator==(const Snapshot& o) const {
-    return offset == o.offset && key_shape == o.key_shape && value_shape == o.value_shape &&
-           keys == o.keys && values == o.values && kept_bytes == o.kept_bytes &&
-           full_seq_bytes == o.full_seq_bytes && tokens_seen == o.tokens_seen &&
-           tokens_kept == o.tokens_kept && batch == o.batch && heads == o.heads &&
-           key_dim == o.key_dim && value_dim == o.value_dim && layer_budget == o.layer_budget &&
-           budget == o.budget && protected_recent == o.protected_recent && scores == o.scores &&
-           positions == o.positions && adopted == o.adopted && concentration == o.concentration &&
-           reports == o.reports && finalized == o.finalized;
+    return BasicSnapshot::operator==(o) && layer_budget == o.layer_budget &&
+           budget == o.budget && protected_recent == o.protected_recent &&
+           scores == o.scores && positions == o.positions && adopted == o.adopted &&
+           concentration == o.concentration && reports == o.reports && finalized == o.finalized;
   }
 };
 
@@ -130,20 +109,7 @@ template <class T>
 Snapshot snapshot(const Subject<T>& subject) {
   const vc::KVCache<T>& c = *subject.cache;
   Snapshot s;
-  s.offset = c.offset();
-  const vc::KVPair<T> st = c.state();
-  s.key_shape = shape_of(st.first);
-  s.value_shape = shape_of(st.second);
-  s.keys = bytes_of(st.first);
-  s.values = bytes_of(st.second);
-  s.kept_bytes = c.kept_bytes();
-  s.full_seq_bytes = c.full_seq_bytes();
-  s.tokens_seen = c.tokens_seen();
-  s.tokens_kept = c.tokens_kept();
-  s.batch = c.batch();
-  s.heads = c.heads();
-  s.key_dim = c.key_dim();
-  s.value_dim = c.value_dim();
+  take_basic_snapshot(c, s);
   if (const auto* core = dynamic_cast<const vc::detail::H2OCore<T>*>(&c)) {
     s.budget = core->budget();
     s.protected_recent = core->protected_recent();
@@ -170,14 +136,6 @@ Snapshot snapshot(const Subject<T>& subject) {
   return s;
 }
 
-/// Random [B, H, S, D] of N(0, 1) entries (double; converted to T by the caller).
-vc::Tensor4<double> random_tensor(std::mt19937& rng, Shape sh) {
-  std::normal_distribution<double> dist(0.0, 1.0);
-  vc::Tensor4<double> t(sh[0], sh[1], sh[2], sh[3]);
-  for (Index i = 0; i < t.size(); ++i) t.data()[i] = dist(rng);
-  return t;
-}
-
 /// One bad call and what its error message must say.
 struct BadCall {
   std::string name;
@@ -197,8 +155,8 @@ std::vector<BadCall> bad_calls(std::mt19937& rng) {
   const auto shape_case = [&](std::string name, Shape k, Shape v, bool established) {
     BadCall c;
     c.name = std::move(name);
-    c.keys = random_tensor(rng, k);
-    c.values = random_tensor(rng, v);
+    c.keys = random_doubles(rng, k);
+    c.values = random_doubles(rng, v);
     c.needs_established = established;
     out.push_back(std::move(c));
   };
@@ -225,8 +183,8 @@ std::vector<BadCall> bad_calls(std::mt19937& rng) {
       c.name = "key " + std::to_string(bad) + " at [" + std::to_string(at[0]) + "," +
                std::to_string(at[1]) + "," + std::to_string(at[2]) + "," + std::to_string(at[3]) +
                "]";
-      c.keys = random_tensor(rng, kKeys);
-      c.values = random_tensor(rng, kValues);
+      c.keys = random_doubles(rng, kKeys);
+      c.values = random_doubles(rng, kValues);
       c.keys(at[0], at[1], at[2], at[3]) = bad;
       c.show_shapes = false;
       c.bad_index = at;
@@ -236,8 +194,8 @@ std::vector<BadCall> bad_calls(std::mt19937& rng) {
   {  // two bad keys: the first in row-major order is named
     BadCall c;
     c.name = "two bad keys";
-    c.keys = random_tensor(rng, kKeys);
-    c.values = random_tensor(rng, kValues);
+    c.keys = random_doubles(rng, kKeys);
+    c.values = random_doubles(rng, kValues);
     c.keys(1, 1, 0, 1) = inf;
     c.keys(1, 0, 2, 3) = nan;
     c.show_shapes = false;
@@ -247,8 +205,8 @@ std::vector<BadCall> bad_calls(std::mt19937& rng) {
   {  // finite as double, infinite once converted to T
     BadCall c;
     c.name = "double key overflowing the storage type";
-    c.keys = random_tensor(rng, kKeys);
-    c.values = random_tensor(rng, kValues);
+    c.keys = random_doubles(rng, kKeys);
+    c.values = random_doubles(rng, kValues);
     c.keys(0, 1, 2, 1) = std::is_same_v<T, Eigen::half> ? 1e6 : 1e300;
     c.as_double = true;
     c.show_shapes = false;
@@ -258,8 +216,8 @@ std::vector<BadCall> bad_calls(std::mt19937& rng) {
   {
     BadCall c;
     c.name = "double NaN key";
-    c.keys = random_tensor(rng, kKeys);
-    c.values = random_tensor(rng, kValues);
+    c.keys = random_doubles(rng, kKeys);
+    c.values = random_doubles(rng, kValues);
     c.keys(1, 1, 1, 1) = nan;
     c.as_double = true;
     c.show_shapes = false;
@@ -267,12 +225,6 @@ std::vector<BadCall> bad_calls(std::mt19937& rng) {
     out.push_back(std::move(c));
   }
   return out;
-}
-
-/// Regex matching the four numbers of a shape in order, e.g. "[2, 2, 3, 4]".
-std::regex shape_regex(const Shape& s) {
-  return std::regex("\\b" + std::to_string(s[0]) + "\\D{1,3}" + std::to_string(s[1]) + "\\D{1,3}" +
-                    std::to_string(s[2]) + "\\D{1,3}" + std::to_string(s[3]) + "\\b");
 }
 
 /// Checks the message of a caught error against what `bc` must say.
@@ -306,26 +258,6 @@ std::string expect_invalid_argument(const std::function<void()>& call, const std
   return "";
 }
 
-/// Feeds the bad call through update_and_fetch or update_and_view.
-template <class T>
-void feed(vc::KVCache<T>& cache, const BadCall& bc, bool view) {
-  if (bc.as_double) {
-    if (view) {
-      (void)cache.update_and_view(bc.keys, bc.values);
-    } else {
-      (void)cache.update_and_fetch(bc.keys, bc.values);
-    }
-    return;
-  }
-  const vc::Tensor4<T> k = bc.keys.template cast<T>();
-  const vc::Tensor4<T> v = bc.values.template cast<T>();
-  if (view) {
-    (void)cache.update_and_view(k, v);
-  } else {
-    (void)cache.update_and_fetch(k, v);
-  }
-}
-
 /// The rows of a view sorted by position, per head: (position, key bytes, value bytes); plus
 /// the positions of its last new_rows() rows.
 template <class T>
@@ -357,9 +289,10 @@ std::vector<std::vector<std::pair<std::int64_t, std::vector<unsigned char>>>> vi
 template <class T>
 void valid_call_on_both(Subject<T>& subject, Subject<T>& twin, std::mt19937& rng, Index S,
                         bool view, const std::string& context) {
-  const vc::Tensor4<T> k = random_tensor(rng, {kKeys[0], kKeys[1], S, kKeys[3]}).template cast<T>();
+  const vc::Tensor4<T> k =
+      random_doubles(rng, {kKeys[0], kKeys[1], S, kKeys[3]}).template cast<T>();
   const vc::Tensor4<T> v =
-      random_tensor(rng, {kValues[0], kValues[1], S, kValues[3]}).template cast<T>();
+      random_doubles(rng, {kValues[0], kValues[1], S, kValues[3]}).template cast<T>();
   if (view) {
     const vc::KVView<T> a = subject.cache->update_and_view(k, v);
     const vc::KVView<T> b = twin.cache->update_and_view(k, v);
@@ -461,8 +394,8 @@ TYPED_TEST(ErrorsTest, NonFiniteValuesAreAccepted) {
   for (const Kind kind : {Kind::kStandard, Kind::kSqueeze, Kind::kH2O, Kind::kPyramid}) {
     std::mt19937 rng(5);
     Subject<T> subject = make_subject<T>(kind);
-    vc::Tensor4<double> k = random_tensor(rng, kKeys);
-    vc::Tensor4<double> v = random_tensor(rng, kValues);
+    vc::Tensor4<double> k = random_doubles(rng, kKeys);
+    vc::Tensor4<double> v = random_doubles(rng, kValues);
     v(1, 0, 2, 1) = std::numeric_limits<double>::quiet_NaN();
     v(0, 1, 0, 0) = std::numeric_limits<double>::infinity();
     vc::KVPair<T> out;
@@ -471,9 +404,9 @@ TYPED_TEST(ErrorsTest, NonFiniteValuesAreAccepted) {
     ASSERT_EQ(out.second.dimension(2), 3);
     EXPECT_TRUE((Eigen::numext::isnan)(out.second(1, 0, 2, 1)));
     EXPECT_TRUE((Eigen::numext::isinf)(out.second(0, 1, 0, 0)));
-    v = random_tensor(rng, {2, 2, 1, 3});
+    v = random_doubles(rng, {2, 2, 1, 3});
     v(0, 0, 0, 2) = std::numeric_limits<double>::quiet_NaN();
-    k = random_tensor(rng, {2, 2, 1, 4});
+    k = random_doubles(rng, {2, 2, 1, 4});
     ASSERT_NO_THROW(subject.cache->update_and_view(k, v));
     EXPECT_EQ(subject.cache->offset(), 4);
     EXPECT_EQ(subject.cache->tokens_seen(), 16);
@@ -485,9 +418,9 @@ TYPED_TEST(ErrorsTest, LargeFiniteDoubleKeysThatFitTheStorageTypeAreAccepted) {
   using T = TypeParam;
   std::mt19937 rng(6);
   vc::KVCache<T> cache;
-  vc::Tensor4<double> k = random_tensor(rng, {1, 1, 2, 2});
+  vc::Tensor4<double> k = random_doubles(rng, {1, 1, 2, 2});
   k(0, 0, 1, 1) = std::is_same_v<T, Eigen::half> ? 60000.0 : 1e6;
-  const vc::KVPair<T> out = cache.update_and_fetch(k, random_tensor(rng, {1, 1, 2, 2}));
+  const vc::KVPair<T> out = cache.update_and_fetch(k, random_doubles(rng, {1, 1, 2, 2}));
   EXPECT_EQ(static_cast<float>(out.first(0, 0, 1, 1)),
             static_cast<float>(static_cast<T>(k(0, 0, 1, 1))));
 }

@@ -6,17 +6,13 @@
 
 #include <veloxquant/cache.hpp>
 
+#include "support/test_support.hpp"
+
 namespace vc = veloxquant::cache;
 using Eigen::Index;
+using veloxquant::test::random_float_tensor;
 
 namespace {
-
-vc::Tensor4<float> random_tensor(Index b, Index h, Index s, Index d, std::mt19937& rng) {
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  vc::Tensor4<float> t(b, h, s, d);
-  for (Index i = 0; i < t.size(); ++i) t.data()[i] = nd(rng);
-  return t;
-}
 
 template <class T>
 void expect_same(const vc::Tensor4<T>& a, const vc::Tensor4<T>& b) {
@@ -35,8 +31,8 @@ TEST(FetchIntoTest, MatchesFetchAndReusesStorageInSteadyState) {
   const Eigen::half* steady_data = nullptr;
   for (int call = 0; call < 60; ++call) {
     const Index s = call == 0 ? 40 : (call == 7 ? 5 : 1);
-    const vc::Tensor4<Eigen::half> k = random_tensor(2, 3, s, 8, rng).cast<Eigen::half>();
-    const vc::Tensor4<Eigen::half> v = random_tensor(2, 3, s, 6, rng).cast<Eigen::half>();
+    const vc::Tensor4<Eigen::half> k = random_float_tensor(2, 3, s, 8, rng).cast<Eigen::half>();
+    const vc::Tensor4<Eigen::half> v = random_float_tensor(2, 3, s, 6, rng).cast<Eigen::half>();
     const auto expected = fetched.update_and_fetch(k, v);
     into.update_and_fetch_into(k, v, out);
     expect_same(expected.first, out.first);
@@ -58,10 +54,12 @@ TEST(FetchIntoTest, BadInputThrowsNamingTheApiAndLeavesOutputAlone) {
   vc::KVCache<float> cache;
   std::mt19937 rng(4);
   vc::KVPair<float> out;
-  cache.update_and_fetch_into(random_tensor(1, 2, 3, 4, rng), random_tensor(1, 2, 3, 4, rng), out);
+  cache.update_and_fetch_into(random_float_tensor(1, 2, 3, 4, rng),
+                              random_float_tensor(1, 2, 3, 4, rng), out);
   const vc::Tensor4<float> before = out.first;
   try {
-    cache.update_and_fetch_into(random_tensor(1, 2, 3, 4, rng), random_tensor(1, 2, 2, 4, rng), out);
+    cache.update_and_fetch_into(random_float_tensor(1, 2, 3, 4, rng),
+                                random_float_tensor(1, 2, 2, 4, rng), out);
     FAIL() << "expected std::invalid_argument";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("update_and_fetch_into"), std::string::npos) << e.what();

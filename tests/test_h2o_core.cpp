@@ -27,12 +27,13 @@
 #include <veloxquant/cache.hpp>
 
 #include "reference/oracle.hpp"
+#include "support/test_support.hpp"
 
 namespace {
 
 namespace vc = veloxquant::cache;
 namespace ref = veloxquant::reference;
-using Index = Eigen::Index;
+using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
 
 using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 
@@ -127,29 +128,6 @@ std::function<int(int)> grace_rule(const RunConfig& rc) {
   return [ratio, n_sink](int budget) { return ref::protected_recent_ratio(ratio, budget, n_sink); };
 }
 
-template <class T>
-double to_double(T x) {
-  return static_cast<double>(static_cast<float>(x));
-}
-
-/// Random [B, H, S, D] of N(0, 1) entries rounded to T.
-template <class T>
-vc::Tensor4<T> random_tensor(std::mt19937& rng, Index B, Index H, Index S, Index D) {
-  std::normal_distribution<double> dist(0.0, 1.0);
-  vc::Tensor4<T> t(B, H, S, D);
-  for (Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<T>(dist(rng));
-  return t;
-}
-
-/// Row s of head (b, h) of `t`, converted to double. Returns [D].
-template <class T>
-std::vector<double> row_of(const vc::Tensor4<T>& t, Index b, Index h, Index s) {
-  std::vector<double> out(static_cast<std::size_t>(t.dimension(3)));
-  for (Index d = 0; d < t.dimension(3); ++d)
-    out[static_cast<std::size_t>(d)] = to_double(t(b, h, s, d));
-  return out;
-}
-
 /// Relative gap between the two lowest evictable scores if `head` absorbed `key` now and had to
 /// evict (SPEC 4.2 step 3), or +inf when no eviction happens or only one row is evictable. Computed
 /// by the oracle itself on a copy with an unbounded budget.
@@ -205,7 +183,7 @@ std::string compare_with_oracle(const vc::detail::H2OCore<T>& cache,
       for (std::size_t r = 0; r < rows.size(); ++r) {
         const double want = rows[r].score;
         const double got = static_cast<double>(sc[r]);
-        if (!(std::fabs(got - want) <= std::max(1e-6, 1e-4 * std::fabs(want)))) {
+        if (!scores_close(got, want)) {
           err << "head (" << b << ", " << h << ") row " << r << " (position " << rows[r].position
               << ") score " << got << ", oracle " << want;
           return err.str();
@@ -228,54 +206,6 @@ std::string compare_with_oracle(const vc::detail::H2OCore<T>& cache,
     }
   }
   if (cache.tokens_kept() != n) err << "tokens_kept " << cache.tokens_kept() << ", oracle " << n;
-  return err.str();
-}
-
-/// Checks a call's returned rows: the oracle's rows before the call (`before`, ascending position)
-/// then all of the call's rows. Returns a description of the first mismatch, or "".
-template <class T>
-std::string compare_returned(const vc::KVPair<T>& got,
-                             const std::vector<std::vector<ref::OracleRow>>& before,
-                             const vc::Tensor4<T>& keys, const vc::Tensor4<T>& values,
-                             const RunConfig& rc) {
-  std::ostringstream err;
-  const Index S = keys.dimension(2);
-  const Index n_before = static_cast<Index>(before.front().size());
-  const Index n = n_before + S;
-  if (got.first.dimension(0) != rc.B || got.first.dimension(1) != rc.H ||
-      got.first.dimension(2) != n || got.first.dimension(3) != rc.Dk ||
-      got.second.dimension(0) != rc.B || got.second.dimension(1) != rc.H ||
-      got.second.dimension(2) != n || got.second.dimension(3) != rc.Dv) {
-    err << "returned " << got.first.dimension(2) << " rows, expected " << n_before << " + " << S;
-    return err.str();
-  }
-  for (Index b = 0; b < rc.B; ++b) {
-    for (Index h = 0; h < rc.H; ++h) {
-      const auto& prev = before[static_cast<std::size_t>(b * rc.H + h)];
-      for (Index r = 0; r < n; ++r) {
-        const bool old = r < n_before;
-        const auto pr = static_cast<std::size_t>(r);
-        for (Index d = 0; d < rc.Dk; ++d) {
-          const double want = old ? prev[pr].key[static_cast<std::size_t>(d)]
-                                  : to_double(keys(b, h, r - n_before, d));
-          if (to_double(got.first(b, h, r, d)) != want) {
-            err << "returned key differs at head (" << b << ", " << h << ") row " << r << " d "
-                << d;
-            return err.str();
-          }
-        }
-        for (Index d = 0; d < rc.Dv; ++d) {
-          const double want = old ? prev[pr].value[static_cast<std::size_t>(d)]
-                                  : to_double(values(b, h, r - n_before, d));
-          if (to_double(got.second(b, h, r, d)) != want) {
-            err << "returned value differs at head (" << b << ", " << h << ") row " << r << " d "
-                << d;
-            return err.str();
-          }
-        }
-      }
-    }
-  }
   return err.str();
 }
 

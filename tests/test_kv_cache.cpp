@@ -14,25 +14,19 @@
 #include <vector>
 #include <veloxquant/cache.hpp>
 
+#include "support/test_support.hpp"
+
 namespace {
 
 namespace vc = veloxquant::cache;
-using Index = Eigen::Index;
+using veloxquant::test::Index;
+using veloxquant::test::random_tensor;
 
 using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 
 template <class T>
 float f(T x) {
   return static_cast<float>(x);
-}
-
-/// Random [B, H, S, D] of N(0, 1) entries rounded to T.
-template <class T>
-vc::Tensor4<T> random_tensor(std::mt19937& rng, Index B, Index H, Index S, Index D) {
-  std::normal_distribution<double> dist(0.0, 1.0);
-  vc::Tensor4<T> t(B, H, S, D);
-  for (Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<T>(dist(rng));
-  return t;
 }
 
 /// One head's rows: key and value rows, converted to float (exact for every storage type).

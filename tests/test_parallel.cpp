@@ -9,23 +9,14 @@
 
 #include <veloxquant/cache.hpp>
 
+#include "support/test_support.hpp"
+
 namespace vc = veloxquant::cache;
 using Eigen::Index;
+using veloxquant::test::random_float_tensor;
+using veloxquant::test::bitwise_equal;
 
 namespace {
-
-vc::Tensor4<float> random_tensor(Index b, Index h, Index s, Index d, std::mt19937& rng) {
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  vc::Tensor4<float> t(b, h, s, d);
-  for (Index i = 0; i < t.size(); ++i) t.data()[i] = nd(rng);
-  return t;
-}
-
-template <class T>
-bool bitwise_equal(const vc::Tensor4<T>& a, const vc::Tensor4<T>& b) {
-  return a.dimensions() == b.dimensions() &&
-         std::memcmp(a.data(), b.data(), sizeof(T) * static_cast<std::size_t>(a.size())) == 0;
-}
 
 template <class T>
 std::unique_ptr<vc::detail::H2OCore<T>> make_cache(const std::string& method) {
@@ -56,8 +47,8 @@ TYPED_TEST(ParallelHeadsTest, ParallelRunIsBitIdenticalToSerialRun) {
     std::vector<Index> calls = {400, 1, 1, 7, 1, 130, 1};
     for (int i = 0; i < 40; ++i) calls.push_back(1);
     for (const Index s : calls) {
-      const auto k = random_tensor(2, 8, s, 64, rng);
-      const auto v = random_tensor(2, 8, s, 64, rng);
+      const auto k = random_float_tensor(2, 8, s, 64, rng);
+      const auto v = random_float_tensor(2, 8, s, 64, rng);
       const auto a = serial->update_and_fetch(k, v);
       const auto b = parallel->update_and_fetch(k, v);
       ASSERT_TRUE(bitwise_equal(a.first, b.first)) << method << " S=" << s;
@@ -83,8 +74,8 @@ TYPED_TEST(ParallelHeadsTest, BlockedPrefillMatchesTokenByTokenCalls) {
   vc::H2OCache<T> blocked(cfg);
   vc::H2OCache<T> stepped(cfg);
   std::mt19937 rng(7);
-  const auto k = random_tensor(1, 4, 300, 32, rng);
-  const auto v = random_tensor(1, 4, 300, 32, rng);
+  const auto k = random_float_tensor(1, 4, 300, 32, rng);
+  const auto v = random_float_tensor(1, 4, 300, 32, rng);
   blocked.update_and_fetch(k, v);
   for (Index s = 0; s < 300; ++s) {
     const Eigen::array<Index, 4> off{0, 0, s, 0};

@@ -12,32 +12,18 @@
 #include <vector>
 
 #include "reference/policy_oracles.hpp"
+#include "support/test_support.hpp"
 
 namespace {
 
 namespace ref = veloxquant::reference;
 using Positions = std::vector<std::int64_t>;
-using Rows = std::vector<std::vector<double>>;
+using veloxquant::test::Rows;
+using veloxquant::test::scaled;
+using veloxquant::test::value_rows;
 
 /// A one-element vector (D = 1 key or value).
 std::vector<double> v1(double x) { return std::vector<double>{x}; }
-
-/// Rows scaled by s: out[i][k] = s * e[i][k].
-// e: [n][D]; returns [n][D]
-Rows scaled(const Rows& e, double s) {
-    Rows out = e;
-    for (auto& r : out)
-        for (auto& x : r) x *= s;
-    return out;
-}
-
-/// n value rows of dimension 1: {100}, {101}, ... (only used to check values travel with keys).
-// returns: [n][1]
-Rows value_rows(std::size_t n, double first = 100.0) {
-    Rows out;
-    for (std::size_t i = 0; i < n; ++i) out.push_back(v1(first + static_cast<double>(i)));
-    return out;
-}
 
 /// n rows of dimension d, all zero.
 // returns: [n][d]

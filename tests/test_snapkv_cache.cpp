@@ -33,21 +33,16 @@
 #include <veloxquant/cache.hpp>
 
 #include "reference/policy_oracles.hpp"
+#include "support/test_support.hpp"
 
 namespace {
 
 namespace vc = veloxquant::cache;
 namespace ref = veloxquant::reference;
-using Index = Eigen::Index;
+using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
 using Positions = std::vector<std::int64_t>;
-using Rows = std::vector<std::vector<double>>;
 
 using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
-
-template <class T>
-double to_double(T x) {
-  return static_cast<double>(static_cast<float>(x));
-}
 
 /// A SnapKV config (method "snapkv").
 vc::KVCacheConfig snap_config(int budget, int n_sink, int obs_window) {
@@ -57,59 +52,6 @@ vc::KVCacheConfig snap_config(int budget, int n_sink, int obs_window) {
   c.snap_n_sink = n_sink;
   c.snap_obs_window = obs_window;
   return c;
-}
-
-/// Random [B, H, S, D] of N(0, 1) entries rounded to T.
-template <class T>
-vc::Tensor4<T> random_tensor(std::mt19937& rng, Index B, Index H, Index S, Index D) {
-  std::normal_distribution<double> dist(0.0, 1.0);
-  vc::Tensor4<T> t(B, H, S, D);
-  for (Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<T>(dist(rng));
-  return t;
-}
-
-/// Row s of head (b, h) of `t`, converted to double. Returns [D].
-template <class T>
-std::vector<double> row_of(const vc::Tensor4<T>& t, Index b, Index h, Index s) {
-  std::vector<double> out(static_cast<std::size_t>(t.dimension(3)));
-  for (Index d = 0; d < t.dimension(3); ++d)
-    out[static_cast<std::size_t>(d)] = to_double(t(b, h, s, d));
-  return out;
-}
-
-/// All S rows of head (b, h) of `t`, converted to double. Returns [S][D].
-template <class T>
-Rows rows_of(const vc::Tensor4<T>& t, Index b, Index h) {
-  Rows out;
-  for (Index s = 0; s < t.dimension(2); ++s) out.push_back(row_of(t, b, h, s));
-  return out;
-}
-
-/// A [1, 1, S, D] tensor of the given rows (converted to T). rows: [S][D]
-template <class T>
-vc::Tensor4<T> tensor_of(const Rows& rows) {
-  const auto S = static_cast<Index>(rows.size());
-  const auto D = static_cast<Index>(rows.front().size());
-  vc::Tensor4<T> t(1, 1, S, D);
-  for (Index s = 0; s < S; ++s)
-    for (Index d = 0; d < D; ++d)
-      t(0, 0, s, d) = static_cast<T>(rows[static_cast<std::size_t>(s)][static_cast<std::size_t>(d)]);
-  return t;
-}
-
-/// D = 1 value rows 100 + i (only used to check that values travel with keys). Returns [S][1].
-Rows value_rows(std::size_t n, double first = 100.0) {
-  Rows out;
-  for (std::size_t i = 0; i < n; ++i) out.push_back({first + static_cast<double>(i)});
-  return out;
-}
-
-/// Rows scaled by s. e: [n][D]; returns [n][D]
-Rows scaled(const Rows& e, double s) {
-  Rows out = e;
-  for (auto& r : out)
-    for (auto& x : r) x *= s;
-  return out;
 }
 
 /// SnapKV scores of a call's rows (SPEC 6), from the oracle's proxy_softmax: the mean over the
@@ -158,10 +100,6 @@ double selection_margin(const Rows& keys, int budget, int n_sink, int obs_window
   return (hi - lo) / std::max(std::fabs(hi), 1e-300);
 }
 
-bool score_close(double got, double want) {
-  return std::fabs(got - want) <= std::max(1e-6, 1e-4 * std::fabs(want));
-}
-
 /// Everything about the cache's retained set checked against the oracle heads: state() shape and
 /// contents, positions, the scores of the compressed call's rows (positions in
 /// [comp_first, comp_end)), tokens_kept, kept_bytes. Returns the first mismatch or "".
@@ -194,7 +132,7 @@ std::string compare_with_oracle(const vc::SnapKVCache<T>& cache,
       for (std::size_t r = 0; r < o.rows().size(); ++r) {
         const ref::OracleRow& row = o.rows()[r];
         if (row.position >= comp_first && row.position < comp_end &&
-            !score_close(static_cast<double>(sc[r]), row.score)) {
+            !scores_close(static_cast<double>(sc[r]), row.score)) {
           err << "head (" << b << ", " << h << ") position " << row.position << " score " << sc[r]
               << ", oracle " << row.score;
           return err.str();
@@ -220,52 +158,6 @@ std::string compare_with_oracle(const vc::SnapKVCache<T>& cache,
       static_cast<std::size_t>(B * H * n * (Dk + Dv)) * sizeof(T);
   if (err.str().empty() && cache.kept_bytes() != want_bytes)
     err << "kept_bytes " << cache.kept_bytes() << ", expected " << want_bytes;
-  return err.str();
-}
-
-/// A call's update_and_fetch result (SPEC 4.4): the rows retained before the call (`before`,
-/// ascending position) then every row of the call. Returns the first mismatch or "".
-template <class T>
-std::string compare_returned(const vc::KVPair<T>& got,
-                             const std::vector<std::vector<ref::OracleRow>>& before,
-                             const vc::Tensor4<T>& keys, const vc::Tensor4<T>& values) {
-  std::ostringstream err;
-  const Index B = keys.dimension(0), H = keys.dimension(1), S = keys.dimension(2);
-  const Index Dk = keys.dimension(3), Dv = values.dimension(3);
-  const auto n_before = static_cast<Index>(before.front().size());
-  const Index n = n_before + S;
-  if (got.first.dimension(0) != B || got.first.dimension(1) != H || got.first.dimension(2) != n ||
-      got.first.dimension(3) != Dk || got.second.dimension(0) != B ||
-      got.second.dimension(1) != H || got.second.dimension(2) != n ||
-      got.second.dimension(3) != Dv) {
-    err << "returned " << got.first.dimension(2) << " rows, expected " << n_before << " + " << S;
-    return err.str();
-  }
-  for (Index b = 0; b < B; ++b) {
-    for (Index h = 0; h < H; ++h) {
-      const auto& prev = before[static_cast<std::size_t>(b * H + h)];
-      for (Index r = 0; r < n; ++r) {
-        const bool old = r < n_before;
-        const auto pr = static_cast<std::size_t>(r);
-        for (Index d = 0; d < Dk; ++d) {
-          const double want = old ? prev[pr].key[static_cast<std::size_t>(d)]
-                                  : to_double(keys(b, h, r - n_before, d));
-          if (to_double(got.first(b, h, r, d)) != want) {
-            err << "returned key differs at head (" << b << ", " << h << ") row " << r;
-            return err.str();
-          }
-        }
-        for (Index d = 0; d < Dv; ++d) {
-          const double want = old ? prev[pr].value[static_cast<std::size_t>(d)]
-                                  : to_double(values(b, h, r - n_before, d));
-          if (to_double(got.second(b, h, r, d)) != want) {
-            err << "returned value differs at head (" << b << ", " << h << ") row " << r;
-            return err.str();
-          }
-        }
-      }
-    }
-  }
   return err.str();
 }
 
@@ -400,7 +292,8 @@ RunResult run_against_oracle(const RunConfig& rc) {
       err = compare_view(view, before, keys, values, offset);
     } else {
       const vc::KVPair<T> got = cache.update_and_fetch(keys, values);
-      err = compare_returned(got, before, keys, values);
+      err = compare_returned(got, before, keys, values, keys.dimension(0), keys.dimension(1),
+                             keys.dimension(3), values.dimension(3));
     }
     offset += S;
     if (err.empty() && cache.offset() != offset)
@@ -575,7 +468,7 @@ TYPED_TEST(SnapKVCacheTest, ScoringHasNoCausalMask) {
   oracle.absorb_call(stored, value_rows(5));
   ASSERT_EQ(oracle.positions(), (Positions{0, 1, 4}));
   for (std::size_t r = 0; r < 3; ++r) {
-    EXPECT_TRUE(score_close(static_cast<double>(sc[r]), oracle.rows()[r].score))
+    EXPECT_TRUE(scores_close(static_cast<double>(sc[r]), oracle.rows()[r].score))
         << "row " << r << ": " << sc[r] << " vs " << oracle.rows()[r].score;
   }
   if (std::is_same_v<T, float>) {
@@ -711,7 +604,7 @@ TYPED_TEST(SnapKVCacheTest, SinksAreTheCompressingCallsFirstRows) {
     const std::vector<float> sc = cache.scores(0, 0);
     const std::vector<double> all = call_scores(rows_of(k1, 0, 0), 4);
     for (int i = 0; i < n_sink; ++i) {
-      EXPECT_TRUE(score_close(static_cast<double>(sc[static_cast<std::size_t>(3 + i)]),
+      EXPECT_TRUE(scores_close(static_cast<double>(sc[static_cast<std::size_t>(3 + i)]),
                               all[static_cast<std::size_t>(i)]));
       for (std::size_t r = static_cast<std::size_t>(3 + n_sink); r < pos.size(); ++r)
         EXPECT_LT(all[static_cast<std::size_t>(i)], all[static_cast<std::size_t>(pos[r] - 3)]);
@@ -870,30 +763,14 @@ TEST(SnapKVCacheValidationTest, BadFieldsThrowAtConstructionNamingTheField) {
 // Bad input (SPEC 8): strong guarantee, compressed() included
 // ---------------------------------------------------------------------------------------------
 
-template <class T>
-std::vector<unsigned char> bytes_of(const vc::Tensor4<T>& t) {
-  std::vector<unsigned char> out(static_cast<std::size_t>(t.size()) * sizeof(T));
-  if (!out.empty()) std::memcpy(out.data(), t.data(), out.size());
-  return out;
-}
-
 /// Everything observable about a SnapKV cache.
-struct Snapshot {
-  std::int64_t offset = 0, tokens_seen = 0, tokens_kept = 0;
-  std::array<Index, 4> key_shape{}, value_shape{};
-  std::vector<unsigned char> keys, values;
-  std::size_t kept_bytes = 0, full_seq_bytes = 0;
-  Index batch = 0, heads = 0, key_dim = 0, value_dim = 0;
+struct Snapshot : BasicSnapshot {
   bool compressed = false;
   std::vector<std::vector<float>> scores;
   std::vector<Positions> positions;
 
   bool operator==(const Snapshot& o) const {
-    return offset == o.offset && tokens_seen == o.tokens_seen && tokens_kept == o.tokens_kept &&
-           key_shape == o.key_shape && value_shape == o.value_shape && keys == o.keys &&
-           values == o.values && kept_bytes == o.kept_bytes && full_seq_bytes == o.full_seq_bytes &&
-           batch == o.batch && heads == o.heads && key_dim == o.key_dim &&
-           value_dim == o.value_dim && compressed == o.compressed && scores == o.scores &&
+    return BasicSnapshot::operator==(o) && compressed == o.compressed && scores == o.scores &&
            positions == o.positions;
   }
 };
@@ -907,22 +784,7 @@ std::ostream& operator<<(std::ostream& os, const Snapshot& s) {
 template <class T>
 Snapshot snapshot(const vc::SnapKVCache<T>& c) {
   Snapshot s;
-  s.offset = c.offset();
-  s.tokens_seen = c.tokens_seen();
-  s.tokens_kept = c.tokens_kept();
-  const vc::KVPair<T> st = c.state();
-  for (int i = 0; i < 4; ++i) {
-    s.key_shape[static_cast<std::size_t>(i)] = st.first.dimension(i);
-    s.value_shape[static_cast<std::size_t>(i)] = st.second.dimension(i);
-  }
-  s.keys = bytes_of(st.first);
-  s.values = bytes_of(st.second);
-  s.kept_bytes = c.kept_bytes();
-  s.full_seq_bytes = c.full_seq_bytes();
-  s.batch = c.batch();
-  s.heads = c.heads();
-  s.key_dim = c.key_dim();
-  s.value_dim = c.value_dim();
+  take_basic_snapshot(c, s);
   s.compressed = c.compressed();
   for (Index b = 0; b < c.batch(); ++b) {
     for (Index h = 0; h < c.heads(); ++h) {
@@ -941,13 +803,6 @@ struct BadCall {
   bool needs_established = false;
 };
 
-vc::Tensor4<double> random_double(std::mt19937& rng, Index B, Index H, Index S, Index D) {
-  std::normal_distribution<double> dist(0.0, 1.0);
-  vc::Tensor4<double> t(B, H, S, D);
-  for (Index i = 0; i < t.size(); ++i) t.data()[i] = dist(rng);
-  return t;
-}
-
 constexpr int kErrBudget = 4;
 constexpr Index kB = 2, kH = 2, kS = 9, kDk = 4, kDv = 3;  // kS > kErrBudget: would compress
 
@@ -958,8 +813,8 @@ std::vector<BadCall> bad_calls(std::mt19937& rng) {
                               std::array<Index, 4> v, bool established) {
     BadCall c;
     c.name = name;
-    c.keys = random_double(rng, k[0], k[1], k[2], k[3]);
-    c.values = random_double(rng, v[0], v[1], v[2], v[3]);
+    c.keys = random_doubles(rng, k[0], k[1], k[2], k[3]);
+    c.values = random_doubles(rng, v[0], v[1], v[2], v[3]);
     c.needs_established = established;
     out.push_back(std::move(c));
   };
@@ -981,8 +836,8 @@ std::vector<BadCall> bad_calls(std::mt19937& rng) {
     for (const auto& at : where) {
       BadCall c;
       c.name = "key " + std::to_string(bad) + " at s=" + std::to_string(at[2]);
-      c.keys = random_double(rng, kB, kH, kS, kDk);
-      c.values = random_double(rng, kB, kH, kS, kDv);
+      c.keys = random_doubles(rng, kB, kH, kS, kDk);
+      c.values = random_doubles(rng, kB, kH, kS, kDv);
       c.keys(at[0], at[1], at[2], at[3]) = bad;
       out.push_back(std::move(c));
     }
@@ -990,8 +845,8 @@ std::vector<BadCall> bad_calls(std::mt19937& rng) {
   {
     BadCall c;
     c.name = "double key overflowing the storage type";
-    c.keys = random_double(rng, kB, kH, kS, kDk);
-    c.values = random_double(rng, kB, kH, kS, kDv);
+    c.keys = random_doubles(rng, kB, kH, kS, kDk);
+    c.values = random_doubles(rng, kB, kH, kS, kDv);
     c.keys(1, 1, kS - 1, 3) = std::is_same_v<T, Eigen::half> ? 1e6 : 1e300;
     c.as_double = true;
     out.push_back(std::move(c));
@@ -999,31 +854,12 @@ std::vector<BadCall> bad_calls(std::mt19937& rng) {
   return out;
 }
 
-template <class T>
-void feed(vc::SnapKVCache<T>& cache, const BadCall& bc, bool view) {
-  if (bc.as_double) {
-    if (view) {
-      (void)cache.update_and_view(bc.keys, bc.values);
-    } else {
-      (void)cache.update_and_fetch(bc.keys, bc.values);
-    }
-    return;
-  }
-  const vc::Tensor4<T> k = bc.keys.template cast<T>();
-  const vc::Tensor4<T> v = bc.values.template cast<T>();
-  if (view) {
-    (void)cache.update_and_view(k, v);
-  } else {
-    (void)cache.update_and_fetch(k, v);
-  }
-}
-
 /// The same valid call on both caches; results and snapshots must be identical.
 template <class T>
 void valid_call_on_both(vc::SnapKVCache<T>& a, vc::SnapKVCache<T>& b, std::mt19937& rng, Index S,
                         const std::string& context) {
-  const vc::Tensor4<T> k = random_double(rng, kB, kH, S, kDk).template cast<T>();
-  const vc::Tensor4<T> v = random_double(rng, kB, kH, S, kDv).template cast<T>();
+  const vc::Tensor4<T> k = random_doubles(rng, kB, kH, S, kDk).template cast<T>();
+  const vc::Tensor4<T> v = random_doubles(rng, kB, kH, S, kDv).template cast<T>();
   const vc::KVPair<T> ra = a.update_and_fetch(k, v);
   const vc::KVPair<T> rb = b.update_and_fetch(k, v);
   EXPECT_TRUE(bytes_of(ra.first) == bytes_of(rb.first)) << context;
@@ -1081,12 +917,6 @@ TYPED_TEST(SnapKVCacheTest, BadInputLeavesEverythingUnchangedIncludingCompressed
 // ---------------------------------------------------------------------------------------------
 // Parallel heads and memory
 // ---------------------------------------------------------------------------------------------
-
-template <class T>
-bool bitwise_equal(const vc::Tensor4<T>& a, const vc::Tensor4<T>& b) {
-  return a.dimensions() == b.dimensions() &&
-         std::memcmp(a.data(), b.data(), sizeof(T) * static_cast<std::size_t>(a.size())) == 0;
-}
 
 /// B = 2, H = 8, D = 64, a 500-token prompt, budget 64, obs_window 32: the parallel run is
 /// bit-identical to the serial one (SPEC 7).

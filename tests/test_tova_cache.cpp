@@ -36,34 +36,15 @@
 #include <veloxquant/cache.hpp>
 
 #include "reference/policy_oracles.hpp"
+#include "support/test_support.hpp"
 
 namespace {
 
 namespace vc = veloxquant::cache;
 namespace ref = veloxquant::reference;
-using Index = Eigen::Index;
-using Shape = std::array<Index, 4>;
+using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
 
 using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
-
-template <class T>
-double to_double(T x) {
-  return static_cast<double>(static_cast<float>(x));
-}
-
-/// Random [B, H, S, D] of N(0, 1) entries (double; the caches convert them to T on entry).
-vc::Tensor4<double> random_doubles(std::mt19937& rng, Index B, Index H, Index S, Index D) {
-  std::normal_distribution<double> dist(0.0, 1.0);
-  vc::Tensor4<double> t(B, H, S, D);
-  for (Index i = 0; i < t.size(); ++i) t.data()[i] = dist(rng);
-  return t;
-}
-
-/// Random [B, H, S, D] of N(0, 1) entries rounded to T.
-template <class T>
-vc::Tensor4<T> random_tensor(std::mt19937& rng, Index B, Index H, Index S, Index D) {
-  return random_doubles(rng, B, H, S, D).template cast<T>();
-}
 
 /// [B, H, S, D] of uniform(lo, hi) entries rounded to T.
 template <class T>
@@ -73,16 +54,6 @@ vc::Tensor4<T> uniform_tensor(std::mt19937& rng, Index B, Index H, Index S, Inde
   vc::Tensor4<T> t(B, H, S, D);
   for (Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<T>(dist(rng));
   return t;
-}
-
-/// Row s of head (b, h) of `t`, converted to double. Returns [D].
-template <class T>
-std::vector<double> row_of(const vc::Tensor4<T>& t, Index b, Index h, Index s) {
-  std::vector<double> out(static_cast<std::size_t>(t.dimension(3)));
-  for (Index d = 0; d < t.dimension(3); ++d) {
-    out[static_cast<std::size_t>(d)] = to_double(t(b, h, s, d));
-  }
-  return out;
 }
 
 /// Rows [s0, s0 + n) of a [B, H, S, D] tensor (a slice along S).
@@ -109,28 +80,12 @@ vc::Tensor4<T> repeated_rows(Index B, Index H, Index S, const std::vector<double
   return t;
 }
 
-template <class T>
-std::vector<unsigned char> bytes_of(const vc::Tensor4<T>& t) {
-  std::vector<unsigned char> out(static_cast<std::size_t>(t.size()) * sizeof(T));
-  if (!out.empty()) std::memcpy(out.data(), t.data(), out.size());
-  return out;
-}
-
-template <class T>
-Shape shape_of(const vc::Tensor4<T>& t) {
-  return {t.dimension(0), t.dimension(1), t.dimension(2), t.dimension(3)};
-}
-
 vc::KVCacheConfig tova_config(int budget, int n_sink) {
   vc::KVCacheConfig c;
   c.method = "tova";
   c.tova_budget = budget;
   c.tova_n_sink = n_sink;
   return c;
-}
-
-bool close_score(double got, double want) {
-  return std::fabs(got - want) <= std::max(1e-6, 1e-4 * std::fabs(want));
 }
 
 /// Relative gap between the two lowest evictable weights of an eviction the oracle just ran:
@@ -219,7 +174,7 @@ std::string compare_with_oracle(const vc::TOVACache<T>& cache,
         return err.str();
       }
       for (std::size_t r = 0; r < rows.size(); ++r) {
-        if (!close_score(static_cast<double>(sc[r]), rows[r].score)) {
+        if (!scores_close(static_cast<double>(sc[r]), rows[r].score)) {
           err << "head (" << b << ", " << h << ") row " << r << " (position " << rows[r].position
               << ") score " << sc[r] << ", oracle " << rows[r].score;
           return err.str();
@@ -245,52 +200,6 @@ std::string compare_with_oracle(const vc::TOVACache<T>& cache,
   const std::size_t kept = static_cast<std::size_t>(rc.B * rc.H * n * (rc.Dk + rc.Dv)) * sizeof(T);
   if (cache.kept_bytes() != kept)
     err << "kept_bytes " << cache.kept_bytes() << ", expected " << kept;
-  return err.str();
-}
-
-/// Checks what update_and_fetch returned (SPEC 4.4): the rows retained before the call (`before`,
-/// ascending position) then every row of the call, in ascending position.
-template <class T>
-std::string compare_returned(const vc::KVPair<T>& got,
-                             const std::vector<std::vector<ref::OracleRow>>& before,
-                             const vc::Tensor4<T>& keys, const vc::Tensor4<T>& values,
-                             const RunConfig& rc) {
-  std::ostringstream err;
-  const Index S = keys.dimension(2);
-  const auto n_before = static_cast<Index>(before.front().size());
-  const Index n = n_before + S;
-  if (shape_of(got.first) != Shape{rc.B, rc.H, n, rc.Dk} ||
-      shape_of(got.second) != Shape{rc.B, rc.H, n, rc.Dv}) {
-    err << "returned " << got.first.dimension(2) << " rows, expected " << n_before << " + " << S;
-    return err.str();
-  }
-  for (Index b = 0; b < rc.B; ++b) {
-    for (Index h = 0; h < rc.H; ++h) {
-      const auto& prev = before[static_cast<std::size_t>(b * rc.H + h)];
-      for (Index r = 0; r < n; ++r) {
-        const bool old = r < n_before;
-        const auto pr = static_cast<std::size_t>(r);
-        for (Index d = 0; d < rc.Dk; ++d) {
-          const double want = old ? prev[pr].key[static_cast<std::size_t>(d)]
-                                  : to_double(keys(b, h, r - n_before, d));
-          if (to_double(got.first(b, h, r, d)) != want) {
-            err << "returned key differs at head (" << b << ", " << h << ") row " << r << " d "
-                << d;
-            return err.str();
-          }
-        }
-        for (Index d = 0; d < rc.Dv; ++d) {
-          const double want = old ? prev[pr].value[static_cast<std::size_t>(d)]
-                                  : to_double(values(b, h, r - n_before, d));
-          if (to_double(got.second(b, h, r, d)) != want) {
-            err << "returned value differs at head (" << b << ", " << h << ") row " << r << " d "
-                << d;
-            return err.str();
-          }
-        }
-      }
-    }
-  }
   return err.str();
 }
 
@@ -624,7 +533,7 @@ TYPED_TEST(TOVACacheTest, MemorylessSameRetainedRowsGiveSameEvictions) {
           const std::vector<float> sca = a.scores(0, h), scb = b.scores(0, h);
           ASSERT_EQ(sca.size(), scb.size());
           for (std::size_t r = 0; r < sca.size(); ++r) {
-            EXPECT_TRUE(close_score(static_cast<double>(scb[r]), static_cast<double>(sca[r])))
+            EXPECT_TRUE(scores_close(static_cast<double>(scb[r]), static_cast<double>(sca[r])))
                 << ctx << " step " << step << " row " << r;
           }
         }
@@ -918,43 +827,19 @@ TYPED_TEST(TOVACacheTest, IsNotTrimmable) {
 // ---------------------------------------------------------------------------------------------
 
 /// Everything observable about a TOVA cache.
-struct Snapshot {
-  std::int64_t offset = 0;
-  Shape key_shape{}, value_shape{};
-  std::vector<unsigned char> keys, values;
-  std::size_t kept_bytes = 0, full_seq_bytes = 0;
-  std::int64_t tokens_seen = 0, tokens_kept = 0;
-  Index batch = 0, heads = 0, key_dim = 0, value_dim = 0;
+struct Snapshot : BasicSnapshot {
   std::vector<std::vector<float>> scores;
   std::vector<std::vector<std::int64_t>> positions;
 
   bool operator==(const Snapshot& o) const {
-    return offset == o.offset && key_shape == o.key_shape && value_shape == o.value_shape &&
-           keys == o.keys && values == o.values && kept_bytes == o.kept_bytes &&
-           full_seq_bytes == o.full_seq_bytes && tokens_seen == o.tokens_seen &&
-           tokens_kept == o.tokens_kept && batch == o.batch && heads == o.heads &&
-           key_dim == o.key_dim && value_dim == o.value_dim && scores == o.scores &&
-           positions == o.positions;
+    return BasicSnapshot::operator==(o) && scores == o.scores && positions == o.positions;
   }
 };
 
 template <class T>
 Snapshot snapshot(const vc::TOVACache<T>& c) {
   Snapshot s;
-  s.offset = c.offset();
-  const vc::KVPair<T> st = c.state();
-  s.key_shape = shape_of(st.first);
-  s.value_shape = shape_of(st.second);
-  s.keys = bytes_of(st.first);
-  s.values = bytes_of(st.second);
-  s.kept_bytes = c.kept_bytes();
-  s.full_seq_bytes = c.full_seq_bytes();
-  s.tokens_seen = c.tokens_seen();
-  s.tokens_kept = c.tokens_kept();
-  s.batch = c.batch();
-  s.heads = c.heads();
-  s.key_dim = c.key_dim();
-  s.value_dim = c.value_dim();
+  take_basic_snapshot(c, s);
   for (Index b = 0; b < c.batch(); ++b) {
     for (Index h = 0; h < c.heads(); ++h) {
       s.scores.push_back(c.scores(b, h));
@@ -1024,31 +909,6 @@ std::vector<BadCall> bad_calls(std::mt19937& rng, bool half) {
     out.push_back(std::move(c));
   }
   return out;
-}
-
-/// Regex matching the four numbers of a shape in order, e.g. "[2, 2, 3, 4]".
-std::regex shape_regex(const Shape& s) {
-  return std::regex("\\b" + std::to_string(s[0]) + "\\D{1,3}" + std::to_string(s[1]) + "\\D{1,3}" +
-                    std::to_string(s[2]) + "\\D{1,3}" + std::to_string(s[3]) + "\\b");
-}
-
-template <class T>
-void feed(vc::TOVACache<T>& cache, const BadCall& bc, bool view) {
-  if (bc.as_double) {
-    if (view) {
-      (void)cache.update_and_view(bc.keys, bc.values);
-    } else {
-      (void)cache.update_and_fetch(bc.keys, bc.values);
-    }
-    return;
-  }
-  const vc::Tensor4<T> k = bc.keys.template cast<T>();
-  const vc::Tensor4<T> v = bc.values.template cast<T>();
-  if (view) {
-    (void)cache.update_and_view(k, v);
-  } else {
-    (void)cache.update_and_fetch(k, v);
-  }
 }
 
 /// The same valid call on the subject and its untouched twin: identical outputs and state.
@@ -1127,11 +987,6 @@ TYPED_TEST(TOVACacheTest, BadInputThrowsAndLeavesTheCacheUnchanged) {
 // ---------------------------------------------------------------------------------------------
 // Parallel heads (SPEC 7)
 // ---------------------------------------------------------------------------------------------
-
-template <class T>
-bool bitwise_equal(const vc::Tensor4<T>& a, const vc::Tensor4<T>& b) {
-  return a.dimensions() == b.dimensions() && bytes_of(a) == bytes_of(b);
-}
 
 /// set_parallel_heads(true) gives bit-identical results to a serial run: B=2, H=8, D=64, a
 /// 300-token prefill (blocked path, over the budget) and 30 decode steps, plus one 70-token call.

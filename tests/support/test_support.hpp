@@ -1,0 +1,269 @@
+// Support code shared by the test executables (tests/test_*.cpp): random tensor builders,
+// conversion of stored elements to double, row extraction, shape and byte helpers, the SPEC 4.4
+// check of what update_and_fetch returned, and feeding a bad call through either entry point.
+//
+// This header includes <veloxquant/cache.hpp> but never defines VELOXQUANT_ASSERT: a test file that
+// wants the library's internal assertions to be testable defines that macro before including the
+// library (or this header).
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+#include <veloxquant/cache.hpp>
+
+#include "reference/oracle.hpp"
+
+namespace veloxquant::test {
+
+using Index = Eigen::Index;
+/// A tensor shape [B, H, S, D].
+using Shape = std::array<Index, 4>;
+/// Rows of doubles, e.g. one head's keys. [n][D]
+using Rows = std::vector<std::vector<double>>;
+
+/// A stored element (half, bfloat16, float or double) as double, through float (exact for every
+/// storage type the caches use).
+template <class T>
+double to_double(T x) {
+  return static_cast<double>(static_cast<float>(x));
+}
+
+/// Random [B, H, S, D] of N(0, 1) entries (double; the caches convert them to T on entry).
+inline cache::Tensor4<double> random_doubles(std::mt19937& rng, Index B, Index H, Index S,
+                                             Index D) {
+  std::normal_distribution<double> dist(0.0, 1.0);
+  cache::Tensor4<double> t(B, H, S, D);
+  for (Index i = 0; i < t.size(); ++i) t.data()[i] = dist(rng);
+  return t;
+}
+
+/// Random tensor of shape `sh` ([B, H, S, D]) of N(0, 1) entries (double).
+inline cache::Tensor4<double> random_doubles(std::mt19937& rng, const Shape& sh) {
+  return random_doubles(rng, sh[0], sh[1], sh[2], sh[3]);
+}
+
+/// Random [B, H, S, D] of N(0, 1) entries rounded to T (the same draws as random_doubles).
+template <class T>
+cache::Tensor4<T> random_tensor(std::mt19937& rng, Index B, Index H, Index S, Index D) {
+  std::normal_distribution<double> dist(0.0, 1.0);
+  cache::Tensor4<T> t(B, H, S, D);
+  for (Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<T>(dist(rng));
+  return t;
+}
+
+/// Random [b, h, s, d] float tensor of N(0, 1) entries drawn in float.
+inline cache::Tensor4<float> random_float_tensor(Index b, Index h, Index s, Index d,
+                                                 std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  cache::Tensor4<float> t(b, h, s, d);
+  for (Index i = 0; i < t.size(); ++i) t.data()[i] = nd(rng);
+  return t;
+}
+
+/// Row s of head (b, h) of `t`, converted to double. t: [B, H, S, D]; returns [D].
+template <class T>
+std::vector<double> row_of(const cache::Tensor4<T>& t, Index b, Index h, Index s) {
+  std::vector<double> out(static_cast<std::size_t>(t.dimension(3)));
+  for (Index d = 0; d < t.dimension(3); ++d) {
+    out[static_cast<std::size_t>(d)] = to_double(t(b, h, s, d));
+  }
+  return out;
+}
+
+/// All S rows of head (b, h) of `t`, converted to double. t: [B, H, S, D]; returns [S][D].
+template <class T>
+Rows rows_of(const cache::Tensor4<T>& t, Index b, Index h) {
+  Rows out;
+  for (Index s = 0; s < t.dimension(2); ++s) out.push_back(row_of(t, b, h, s));
+  return out;
+}
+
+/// A [1, 1, S, D] tensor of the given rows (converted to T). rows: [S][D], not empty.
+template <class T>
+cache::Tensor4<T> tensor_of(const Rows& rows) {
+  const auto S = static_cast<Index>(rows.size());
+  const auto D = static_cast<Index>(rows.front().size());
+  cache::Tensor4<T> t(1, 1, S, D);
+  for (Index s = 0; s < S; ++s)
+    for (Index d = 0; d < D; ++d)
+      t(0, 0, s, d) = static_cast<T>(rows[static_cast<std::size_t>(s)][static_cast<std::size_t>(d)]);
+  return t;
+}
+
+/// n value rows of dimension 1: {first}, {first + 1}, ... (only used to check that values travel
+/// with keys). Returns [n][1].
+inline Rows value_rows(std::size_t n, double first = 100.0) {
+  Rows out;
+  for (std::size_t i = 0; i < n; ++i) out.push_back({first + static_cast<double>(i)});
+  return out;
+}
+
+/// Rows scaled by s: out[i][k] = s * e[i][k]. e: [n][D]; returns [n][D].
+inline Rows scaled(const Rows& e, double s) {
+  Rows out = e;
+  for (auto& r : out)
+    for (auto& x : r) x *= s;
+  return out;
+}
+
+/// The bytes of `t`, in storage order. t: [B, H, S, D].
+template <class T>
+std::vector<unsigned char> bytes_of(const cache::Tensor4<T>& t) {
+  std::vector<unsigned char> out(static_cast<std::size_t>(t.size()) * sizeof(T));
+  if (!out.empty()) std::memcpy(out.data(), t.data(), out.size());
+  return out;
+}
+
+/// The shape of `t`. t: [B, H, S, D]; returns {B, H, S, D}.
+template <class T>
+Shape shape_of(const cache::Tensor4<T>& t) {
+  return {t.dimension(0), t.dimension(1), t.dimension(2), t.dimension(3)};
+}
+
+/// What every cache reports about itself without being called: offset, state() (shapes and bytes),
+/// accounting and dimensions. Tests of the strong guarantee (SPEC 8) compare one taken before a
+/// throwing call with one taken after; a file's own snapshot extends it with what its cache adds.
+struct BasicSnapshot {
+  std::int64_t offset = 0;
+  Shape key_shape{}, value_shape{};
+  std::vector<unsigned char> keys, values;  // state(), bitwise
+  std::size_t kept_bytes = 0, full_seq_bytes = 0;
+  std::int64_t tokens_seen = 0, tokens_kept = 0;
+  Index batch = 0, heads = 0, key_dim = 0, value_dim = 0;
+
+  bool operator==(const BasicSnapshot& o) const {
+    return offset == o.offset && key_shape == o.key_shape && value_shape == o.value_shape &&
+           keys == o.keys && values == o.values && kept_bytes == o.kept_bytes &&
+           full_seq_bytes == o.full_seq_bytes && tokens_seen == o.tokens_seen &&
+           tokens_kept == o.tokens_kept && batch == o.batch && heads == o.heads &&
+           key_dim == o.key_dim && value_dim == o.value_dim;
+  }
+};
+
+/// Fills the BasicSnapshot part of `s` from `c` (any cache: KVCache<T> or a derived class).
+template <class Cache>
+void take_basic_snapshot(const Cache& c, BasicSnapshot& s) {
+  s.offset = c.offset();
+  const auto st = c.state();
+  s.key_shape = shape_of(st.first);
+  s.value_shape = shape_of(st.second);
+  s.keys = bytes_of(st.first);
+  s.values = bytes_of(st.second);
+  s.kept_bytes = c.kept_bytes();
+  s.full_seq_bytes = c.full_seq_bytes();
+  s.tokens_seen = c.tokens_seen();
+  s.tokens_kept = c.tokens_kept();
+  s.batch = c.batch();
+  s.heads = c.heads();
+  s.key_dim = c.key_dim();
+  s.value_dim = c.value_dim();
+}
+
+/// Same dimensions and the same bytes. a, b: [B, H, S, D].
+template <class T>
+bool bitwise_equal(const cache::Tensor4<T>& a, const cache::Tensor4<T>& b) {
+  return a.dimensions() == b.dimensions() &&
+         std::memcmp(a.data(), b.data(), sizeof(T) * static_cast<std::size_t>(a.size())) == 0;
+}
+
+/// A cache score (float) against the oracle's (double): absolute 1e-6 or relative 1e-4.
+inline bool scores_close(double got, double want) {
+  return std::fabs(got - want) <= std::max(1e-6, 1e-4 * std::fabs(want));
+}
+
+/// Regex matching the four numbers of a shape in order, e.g. "[2, 2, 3, 4]".
+inline std::regex shape_regex(const Shape& s) {
+  return std::regex("\\b" + std::to_string(s[0]) + "\\D{1,3}" + std::to_string(s[1]) + "\\D{1,3}" +
+                    std::to_string(s[2]) + "\\D{1,3}" + std::to_string(s[3]) + "\\b");
+}
+
+/// Feeds a bad call (anything with double `keys` and `values` and a bool `as_double`) to `cache`
+/// through update_and_view (`view`) or update_and_fetch: the double tensors through the converting
+/// overload when `as_double`, else converted to T first. bc.keys: [B, H, S, Dk];
+/// bc.values: [B, H, S, Dv].
+template <template <class> class Cache, class T, class Call>
+void feed(Cache<T>& cache, const Call& bc, bool view) {
+  if (bc.as_double) {
+    if (view) {
+      (void)cache.update_and_view(bc.keys, bc.values);
+    } else {
+      (void)cache.update_and_fetch(bc.keys, bc.values);
+    }
+    return;
+  }
+  const cache::Tensor4<T> k = bc.keys.template cast<T>();
+  const cache::Tensor4<T> v = bc.values.template cast<T>();
+  if (view) {
+    (void)cache.update_and_view(k, v);
+  } else {
+    (void)cache.update_and_fetch(k, v);
+  }
+}
+
+/// Checks what update_and_fetch returned (SPEC 4.4): [B, H, n_before + S, Dk] keys and
+/// [B, H, n_before + S, Dv] values holding, per head, the rows retained before the call
+/// (`before[b * H + h]`, ascending position) then every row of the call. Returns a description of
+/// the first mismatch, or "".
+/// got: ([B, H, n, Dk], [B, H, n, Dv]); keys: [B, H, S, Dk]; values: [B, H, S, Dv].
+template <class T>
+std::string compare_returned(const cache::KVPair<T>& got,
+                             const std::vector<std::vector<reference::OracleRow>>& before,
+                             const cache::Tensor4<T>& keys, const cache::Tensor4<T>& values,
+                             Index B, Index H, Index Dk, Index Dv) {
+  std::ostringstream err;
+  const Index S = keys.dimension(2);
+  const auto n_before = static_cast<Index>(before.front().size());
+  const Index n = n_before + S;
+  if (shape_of(got.first) != Shape{B, H, n, Dk} || shape_of(got.second) != Shape{B, H, n, Dv}) {
+    err << "returned " << got.first.dimension(2) << " rows, expected " << n_before << " + " << S;
+    return err.str();
+  }
+  for (Index b = 0; b < B; ++b) {
+    for (Index h = 0; h < H; ++h) {
+      const auto& prev = before[static_cast<std::size_t>(b * H + h)];
+      for (Index r = 0; r < n; ++r) {
+        const bool old = r < n_before;
+        const auto pr = static_cast<std::size_t>(r);
+        for (Index d = 0; d < Dk; ++d) {
+          const double want = old ? prev[pr].key[static_cast<std::size_t>(d)]
+                                  : to_double(keys(b, h, r - n_before, d));
+          if (to_double(got.first(b, h, r, d)) != want) {
+            err << "returned key differs at head (" << b << ", " << h << ") row " << r << " d "
+                << d;
+            return err.str();
+          }
+        }
+        for (Index d = 0; d < Dv; ++d) {
+          const double want = old ? prev[pr].value[static_cast<std::size_t>(d)]
+                                  : to_double(values(b, h, r - n_before, d));
+          if (to_double(got.second(b, h, r, d)) != want) {
+            err << "returned value differs at head (" << b << ", " << h << ") row " << r << " d "
+                << d;
+            return err.str();
+          }
+        }
+      }
+    }
+  }
+  return err.str();
+}
+
+/// compare_returned with the expected dimensions taken from a run configuration `rc` (any type
+/// with Index members B, H, Dk, Dv). got, keys, values: as above.
+template <class T, class RunConfig>
+std::string compare_returned(const cache::KVPair<T>& got,
+                             const std::vector<std::vector<reference::OracleRow>>& before,
+                             const cache::Tensor4<T>& keys, const cache::Tensor4<T>& values,
+                             const RunConfig& rc) {
+  return compare_returned(got, before, keys, values, rc.B, rc.H, rc.Dk, rc.Dv);
+}
+
+}  // namespace veloxquant::test
