@@ -1,6 +1,7 @@
 // update_and_fetch_into gives exactly update_and_fetch's result and reuses the caller's tensors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 
@@ -66,6 +67,53 @@ TEST(FetchIntoTest, BadInputThrowsNamingTheApiAndLeavesOutputAlone) {
   }
   expect_same(before, out.first);
   EXPECT_EQ(cache.offset(), 3);
+}
+
+}  // namespace
+
+namespace {
+
+// A call that adopts a budget (and re-budgets at its start) returns the same rows through the view
+// as through fetch: the rows retained before the call, then the call's rows.
+TEST(FetchIntoTest, ViewAndFetchAgreeOnTheCallThatAdoptsABudget) {
+  vc::KVCacheConfig cfg;
+  cfg.squeeze_budget = 12;
+  cfg.squeeze_n_sink = 2;
+  cfg.squeeze_defer = true;  // layer 0 keeps its whole prompt until the budget is known
+  auto fetched = vc::KVCacheBuilder::for_model<float>(2, cfg);
+  auto viewed = vc::KVCacheBuilder::for_model<float>(2, cfg);
+  std::mt19937 rng(9);
+  const auto k0 = random_float_tensor(1, 2, 40, 8, rng), v0 = random_float_tensor(1, 2, 40, 8, rng);
+  const auto k1 = random_float_tensor(1, 2, 40, 8, rng), v1 = random_float_tensor(1, 2, 40, 8, rng);
+  for (auto* model : {&fetched, &viewed}) {
+    (*model)[0]->update_and_fetch(k0, v0);  // not final yet: deferred, keeps 40 rows
+    (*model)[1]->update_and_fetch(k1, v1);  // completes the coordinator
+    ASSERT_EQ((*model)[0]->tokens_kept(), 40);
+  }
+  const auto kd = random_float_tensor(1, 2, 1, 8, rng), vd = random_float_tensor(1, 2, 1, 8, rng);
+  const auto out = fetched[0]->update_and_fetch(kd, vd);
+  const auto view = viewed[0]->update_and_view(kd, vd);
+  ASSERT_EQ(out.first.dimension(2), 41);  // 40 retained before the call + the token
+  ASSERT_EQ(view.rows(), 41);
+  for (Index h = 0; h < 2; ++h) {
+    // The view's rows sorted by position are the fetched rows.
+    std::vector<std::pair<std::int64_t, Index>> order;
+    for (Index r = 0; r < view.rows(); ++r) order.emplace_back(view.positions(0, h)[r], r);
+    std::sort(order.begin(), order.end());
+    for (Index i = 0; i < 41; ++i) {
+      EXPECT_EQ(order[static_cast<std::size_t>(i)].first, i) << "head " << h;
+      for (Index d = 0; d < 8; ++d) {
+        EXPECT_EQ(view.keys(0, h)(order[static_cast<std::size_t>(i)].second, d),
+                  out.first(0, h, i, d));
+      }
+    }
+  }
+  // After the call both hold the adopted budget.
+  auto* sq = dynamic_cast<vc::SqueezeAttentionCache<float>*>(fetched[0].get());
+  ASSERT_NE(sq, nullptr);
+  EXPECT_TRUE(sq->budget_adopted());
+  EXPECT_EQ(fetched[0]->tokens_kept(), sq->layer_budget());
+  EXPECT_EQ(viewed[0]->tokens_kept(), sq->layer_budget());
 }
 
 }  // namespace

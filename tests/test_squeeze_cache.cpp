@@ -341,13 +341,14 @@ TYPED_TEST(SqueezeAttentionCacheTest, AdoptsInCompletingCallAndOthersAtTheirNext
     auto& oracle = oracles[static_cast<std::size_t>(l)];
     const int b = budgets[static_cast<std::size_t>(l)];
     const auto [k, v] = streams[static_cast<std::size_t>(l)].next(1);
-    oracle.set_budget(b);  // adoption (a trim for layer 1, a stamp for layer 0)
+    // The call returns the rows retained before it (before the adoption's re-budget) and itself.
     const D4 expected_window = oracle.window(through<T>(k));
+    const Index expected_rows = static_cast<Index>(oracle.head(0, 0).positions().size()) + 1;
+    oracle.set_budget(b);  // adoption (a trim for layer 1, a stamp for layer 0)
     const auto out = cache.update_and_fetch(k, v);
     EXPECT_TRUE(cache.budget_adopted()) << l;
     EXPECT_EQ(cache.layer_budget(), b) << l;
     EXPECT_EQ(cache.protected_recent(), grace(b, kSink)) << l;
-    const Index expected_rows = std::min<Index>(kAvg, b) + 1;
     EXPECT_EQ(out.first.dimension(2), expected_rows) << l;
     expect_tensor_eq<T>(out.first, expected_window, "decode window of layer " + std::to_string(l));
     oracle.absorb(through<T>(k), through<T>(v));
@@ -427,12 +428,13 @@ TYPED_TEST(SqueezeAttentionCacheTest, DeferredCacheEvictsNothingUntilAdoption) {
   EXPECT_FALSE(broad.budget_adopted());
   expect_rows_per_head(broad, static_cast<std::size_t>(S), "still deferred");
   const auto [kd, vd] = s0.next(1);
-  o0.set_budget(budgets[0]);
+  // The call returns the 40 rows retained before it, then itself; the re-budget applies after.
   const D4 expected_window = o0.window(through<T>(kd));
+  o0.set_budget(budgets[0]);
   const auto outd = broad.update_and_fetch(kd, vd);
   EXPECT_TRUE(broad.budget_adopted());
   EXPECT_EQ(broad.layer_budget(), budgets[0]);
-  EXPECT_EQ(outd.first.dimension(2), budgets[0] + 1);
+  EXPECT_EQ(outd.first.dimension(2), S + 1);
   expect_tensor_eq<T>(outd.first, expected_window, "window after adoption trim");
   o0.absorb(through<T>(kd), through<T>(vd));
   expect_rows_per_head(broad, static_cast<std::size_t>(budgets[0]), "after adoption");
@@ -467,15 +469,15 @@ TYPED_TEST(SqueezeAttentionCacheTest, DeferredCacheFallsBackWhenCoordinatorNever
 
   // Second call, coordinator still unfinalised: fall back to squeeze_budget, trim, stay bounded.
   const auto [kd, vd] = stream.next(1);
+  const D4 expected_window = oracle.window(through<T>(kd));  // rows retained before the call
   oracle.set_budget(kAvg);
-  const D4 expected_window = oracle.window(through<T>(kd));
   const auto out = cache.update_and_fetch(kd, vd);
   oracle.absorb(through<T>(kd), through<T>(vd));
   EXPECT_FALSE(coord->is_finalized());
   EXPECT_FALSE(cache.budget_adopted());
   EXPECT_EQ(cache.budget(), std::optional<int>(kAvg));
   EXPECT_EQ(cache.layer_budget(), kAvg);
-  EXPECT_EQ(out.first.dimension(2), kAvg + 1);
+  EXPECT_EQ(out.first.dimension(2), S + 1);
   expect_tensor_eq<T>(out.first, expected_window, "fallback window");
   expect_rows_per_head(cache, kAvg, "after fallback");
   expect_matches_oracle(cache, oracle, "after fallback");
@@ -849,23 +851,26 @@ TYPED_TEST(SqueezeAttentionCacheTest, AdoptionTrimKeepsLaterPositionsOnTies) {
   // highest scores among 2..32: A rows 21, 22, 23 and the four latest of the tied Z rows
   // (29..32). Then the decode token (A, position 40) evicts the earliest tied Z row (29).
   const auto [kd, vd] = tokens(40, 1);
+  // The call returns the 40 rows retained before it (the re-budget applies at its start, after
+  // the snapshot of what it returns), then itself.
+  const D4 expected_window = oracle.window(through<T>(kd));
+  const Positions before_trim = oracle.head(0, 0).positions();
   oracle.set_budget(kAvg);
   const Positions after_trim = {0, 1, 21, 22, 23, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39};
   EXPECT_EQ(oracle.head(0, 0).positions(), after_trim);
-  const D4 expected_window = oracle.window(through<T>(kd));
   const auto out = cache.update_and_fetch(kd, vd);
   oracle.absorb(through<T>(kd), through<T>(vd));
   EXPECT_TRUE(cache.budget_adopted());
   expect_tensor_eq<T>(out.first, expected_window, "window after tie trim");
   // Values travel with their keys: row r of the window holds the value of its position.
-  ASSERT_EQ(out.second.dimension(2), kAvg + 1);
+  ASSERT_EQ(out.second.dimension(2), static_cast<Index>(before_trim.size()) + 1);
   for (Index h = 0; h < H; ++h) {
     Positions window_positions;
-    for (Index r = 0; r <= kAvg; ++r) {
+    for (Index r = 0; r < out.second.dimension(2); ++r) {
       window_positions.push_back(
           static_cast<std::int64_t>(static_cast<float>(out.second(0, h, r, 0))));
     }
-    Positions expected_positions = after_trim;
+    Positions expected_positions = before_trim;
     expected_positions.push_back(40);
     EXPECT_EQ(window_positions, expected_positions) << "value rows of head " << h;
   }
@@ -912,9 +917,9 @@ ModelRun<T> run_six_layer_model(double strength) {
       const std::int64_t kept_before = caches[static_cast<std::size_t>(l)]->tokens_kept();
       const auto out = caches[static_cast<std::size_t>(l)]->update_and_fetch(k, v);
       auto* sq = dynamic_cast<vc::SqueezeAttentionCache<T>*>(caches[static_cast<std::size_t>(l)].get());
-      // The rows retained after the (possible) adoption trim, plus the decode token.
+      // The rows retained before the call (before a possible adoption re-budget) and the token.
       const std::int64_t b = sq->layer_budget();
-      EXPECT_EQ(out.first.dimension(2), std::min(kept_before, b) + 1) << "layer " << l;
+      EXPECT_EQ(out.first.dimension(2), kept_before + 1) << "layer " << l;
       EXPECT_EQ(sq->tokens_kept(), std::min(kept_before + 1, b)) << "layer " << l;
     }
   }

@@ -96,16 +96,9 @@ class KVCache {
   /// Absorbs a call's rows and returns the rows retained before it plus all of its own rows, in
   /// ascending position. keys: [B, H, S, Dk], values: [B, H, S, Dv]; returns [B, H, n, D].
   virtual KVPair<T> update_and_fetch(const Tensor4<T>& keys, const Tensor4<T>& values) {
-    const KVView<T> view = update(keys, values, "update_and_fetch");
-    if (view.new_rows() == 0) {
-      if (dims_.known) return state();
-      // Nothing absorbed yet: an empty window shaped like the input.
-      return {Tensor4<T>(keys.dimension(0), keys.dimension(1), 0, keys.dimension(3)),
-              Tensor4<T>(values.dimension(0), values.dimension(1), 0, values.dimension(3))};
-    }
-    return copy_rows([](const detail::HeadStore<T>& h) -> const std::vector<detail::Slot>& {
-      return h.window();
-    });
+    KVPair<T> out;
+    fetch_into(keys, values, out, "update_and_fetch");
+    return out;
   }
 
   /// update_and_fetch into caller-owned tensors: `out` is resized only when its shape changes, so
@@ -113,18 +106,7 @@ class KVCache {
   /// tensors cost page faults that can exceed the copy itself). Same result as update_and_fetch.
   /// keys: [B, H, S, Dk], values: [B, H, S, Dv]; out: [B, H, n, Dk] and [B, H, n, Dv]
   void update_and_fetch_into(const Tensor4<T>& keys, const Tensor4<T>& values, KVPair<T>& out) {
-    const KVView<T> view = update(keys, values, "update_and_fetch_into");
-    if (view.new_rows() == 0 && !dims_.known) {
-      out.first.resize(keys.dimension(0), keys.dimension(1), 0, keys.dimension(3));
-      out.second.resize(values.dimension(0), values.dimension(1), 0, values.dimension(3));
-      return;
-    }
-    const bool whole_window = view.new_rows() != 0;
-    copy_rows_into(
-        [whole_window](const detail::HeadStore<T>& h) -> const std::vector<detail::Slot>& {
-          return whole_window ? h.window() : h.order();
-        },
-        out);
+    fetch_into(keys, values, out, "update_and_fetch_into");
   }
 
   /// Converting overload: inputs of another element type (half, bfloat16, float, double) are
@@ -140,25 +122,6 @@ class KVCache {
     return update(keys, values, "update_and_view");
   }
 
- private:
-  // The shared body of update_and_fetch and update_and_view; `api` names the caller in errors.
-  KVView<T> update(const Tensor4<T>& keys, const Tensor4<T>& values, const char* api) {
-    detail::check_update(keys, values, dims_, api);
-    const Index S = keys.dimension(2);
-    if (S == 0) {
-      for (auto& h : heads_) h.compact();
-      return make_view(dims_.known ? heads_.front().live() : 0, 0, keys, values);
-    }
-    inspect_call(keys);
-    reserve_for_call(keys, values);
-    prepare_call(keys);
-    absorb_call(keys, values);
-    offset_ += S;
-    tokens_seen_ += dims_.batch * dims_.heads * S;
-    return make_view(heads_.front().physical(), S, keys, values);
-  }
-
- public:
   /// Converting overload of update_and_view.
   template <class U>
   KVView<T> update_and_view(const Tensor4<U>& keys, const Tensor4<U>& values) {
@@ -280,6 +243,57 @@ class KVCache {
   const detail::LayerDims& dims() const { return dims_; }
 
  private:
+  // The shared body of every update_*; `api` names the caller in errors.
+  KVView<T> update(const Tensor4<T>& keys, const Tensor4<T>& values, const char* api) {
+    detail::check_update(keys, values, dims_, api);
+    return update_checked(keys, values);
+  }
+
+  // update() after the input checks passed.
+  KVView<T> update_checked(const Tensor4<T>& keys, const Tensor4<T>& values) {
+    const Index S = keys.dimension(2);
+    if (S == 0) {
+      for (auto& h : heads_) h.compact();
+      return make_view(dims_.known ? heads_.front().live() : 0, 0, keys, values);
+    }
+    inspect_call(keys);
+    reserve_for_call(keys, values);
+    // The call returns the rows retained before it: snapshot them before a re-budget at the start
+    // of the call (prepare_call) marks any dead; they stay in their slots until the next call.
+    for (auto& h : heads_) h.begin_window();
+    prepare_call(keys);
+    absorb_call(keys, values);
+    offset_ += S;
+    tokens_seen_ += dims_.batch * dims_.heads * S;
+    return make_view(heads_.front().physical(), S, keys, values);
+  }
+
+  // update + copy of the returned window into `out`. The output is sized before the cache changes
+  // (the window is the rows retained before the call plus the call's rows), so a bad_alloc leaves
+  // the cache unchanged. out: [B, H, n, Dk] and [B, H, n, Dv]
+  void fetch_into(const Tensor4<T>& keys, const Tensor4<T>& values, KVPair<T>& out,
+                  const char* api) {
+    detail::check_update(keys, values, dims_, api);
+    const Index rows = (dims_.known ? heads_.front().live() : 0) + keys.dimension(2);
+    resize_pair(out, keys.dimension(0), keys.dimension(1), rows, keys.dimension(3),
+                values.dimension(3));
+    const KVView<T> view = update_checked(keys, values);
+    if (view.new_rows() == 0 && !dims_.known) return;  // [B, H, 0, D]
+    const bool whole_window = view.new_rows() != 0;
+    copy_rows_into(
+        [whole_window](const detail::HeadStore<T>& h) -> const std::vector<detail::Slot>& {
+          return whole_window ? h.window() : h.order();
+        },
+        out);
+  }
+
+  static void resize_pair(KVPair<T>& out, Index b, Index h, Index n, Index dk, Index dv) {
+    const Eigen::array<Index, 4> kshape{b, h, n, dk};
+    const Eigen::array<Index, 4> vshape{b, h, n, dv};
+    if (out.first.dimensions() != kshape) out.first.resize(kshape);
+    if (out.second.dimensions() != vshape) out.second.resize(vshape);
+  }
+
   std::size_t row_bytes() const {
     return static_cast<std::size_t>(dims_.key_dim + dims_.value_dim) * sizeof(T);
   }
@@ -334,7 +348,6 @@ class KVCache {
 #endif
     for (Index hi = 0; hi < n_heads; ++hi) {
       auto& head = heads_[static_cast<std::size_t>(hi)];
-      head.begin_window();
       const auto first = static_cast<detail::Slot>(head.physical());
       for (Index s = 0; s < S; ++s) {
         const detail::Slot slot =
@@ -373,12 +386,9 @@ class KVCache {
   template <class Pick>
   void copy_rows_into(Pick pick, KVPair<T>& out) const {
     const Index n = heads_.empty() ? 0 : static_cast<Index>(pick(heads_.front()).size());
+    resize_pair(out, dims_.batch, dims_.heads, n, dims_.key_dim, dims_.value_dim);
     Tensor4<T>& k = out.first;
     Tensor4<T>& v = out.second;
-    const Eigen::array<Index, 4> kshape{dims_.batch, dims_.heads, n, dims_.key_dim};
-    const Eigen::array<Index, 4> vshape{dims_.batch, dims_.heads, n, dims_.value_dim};
-    if (k.dimensions() != kshape) k.resize(kshape);
-    if (v.dimensions() != vshape) v.resize(vshape);
     const auto dk = static_cast<std::size_t>(dims_.key_dim);
     const auto dv = static_cast<std::size_t>(dims_.value_dim);
     T* kout = k.data();
