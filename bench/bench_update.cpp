@@ -45,8 +45,10 @@ std::vector<vc::Tensor4<T>> token_pool(Index heads, int n) {
 
 // ---- 1. decode step: update_and_view vs dense single-query attention over the same rows ----
 
-template <class T>
-void BM_DecodeView(benchmark::State& state) {
+// An H2O cache prefilled to its budget (H heads, D = 128), then `step(cache, token)` timed per
+// decode step over a pool of pre-generated tokens. range(0): budget, range(1): heads.
+template <class T, class Step>
+void run_decode(benchmark::State& state, Step step) {
   const int budget = static_cast<int>(state.range(0));
   const Index heads = state.range(1);
   vc::H2OCache<T> cache(h2o_config(budget));
@@ -54,30 +56,34 @@ void BM_DecodeView(benchmark::State& state) {
   cache.update_and_fetch(prompt, prompt);
   const auto pool = token_pool<T>(heads, 64);
   std::size_t i = 0;
-  for (auto _ : state) {
-    const auto& k = pool[i++ % pool.size()];
-    auto view = cache.update_and_view(k, k);
-    benchmark::DoNotOptimize(view.rows());
-  }
+  for (auto _ : state) step(cache, pool[i++ % pool.size()]);
   state.SetItemsProcessed(state.iterations());
   state.counters["rows"] = static_cast<double>(budget + 1);
 }
 
 template <class T>
+void BM_DecodeView(benchmark::State& state) {
+  run_decode<T>(state, [](vc::H2OCache<T>& cache, const vc::Tensor4<T>& k) {
+    auto view = cache.update_and_view(k, k);
+    benchmark::DoNotOptimize(view.rows());
+  });
+}
+
+template <class T>
 void BM_DecodeFetch(benchmark::State& state) {
-  const int budget = static_cast<int>(state.range(0));
-  const Index heads = state.range(1);
-  vc::H2OCache<T> cache(h2o_config(budget));
-  const auto prompt = random_tokens<T>(heads, budget, 1);
-  cache.update_and_fetch(prompt, prompt);
-  const auto pool = token_pool<T>(heads, 64);
-  std::size_t i = 0;
-  for (auto _ : state) {
-    const auto& k = pool[i++ % pool.size()];
+  run_decode<T>(state, [](vc::H2OCache<T>& cache, const vc::Tensor4<T>& k) {
     auto kv = cache.update_and_fetch(k, k);
     benchmark::DoNotOptimize(kv.first.data());
-  }
-  state.SetItemsProcessed(state.iterations());
+  });
+}
+
+template <class T>
+void BM_DecodeFetchInto(benchmark::State& state) {
+  vc::KVPair<T> out;
+  run_decode<T>(state, [&out](vc::H2OCache<T>& cache, const vc::Tensor4<T>& k) {
+    cache.update_and_fetch_into(k, k, out);
+    benchmark::DoNotOptimize(out.first.data());
+  });
 }
 
 // Dense attention of one query per head over n rows: softmax(q K^T / sqrt(D)) V, with half rows
@@ -132,24 +138,6 @@ BENCHMARK_TEMPLATE(BM_DecodeView, Eigen::half)->Apply(DecodeArgs);
 BENCHMARK_TEMPLATE(BM_DecodeView, float)->Apply(DecodeArgs);
 BENCHMARK_TEMPLATE(BM_DenseAttention, Eigen::half)->Apply(DecodeArgs);
 BENCHMARK_TEMPLATE(BM_DenseAttention, float)->Apply(DecodeArgs);
-template <class T>
-void BM_DecodeFetchInto(benchmark::State& state) {
-  const int budget = static_cast<int>(state.range(0));
-  const Index heads = state.range(1);
-  vc::H2OCache<T> cache(h2o_config(budget));
-  const auto prompt = random_tokens<T>(heads, budget, 1);
-  cache.update_and_fetch(prompt, prompt);
-  const auto pool = token_pool<T>(heads, 64);
-  vc::KVPair<T> out;
-  std::size_t i = 0;
-  for (auto _ : state) {
-    const auto& k = pool[i++ % pool.size()];
-    cache.update_and_fetch_into(k, k, out);
-    benchmark::DoNotOptimize(out.first.data());
-  }
-  state.SetItemsProcessed(state.iterations());
-}
-
 BENCHMARK_TEMPLATE(BM_DecodeFetchInto, Eigen::half)->Args({512, 32})->Args({2048, 32});
 BENCHMARK_TEMPLATE(BM_DecodeFetchInto, float)->Args({512, 32})->Args({2048, 32});
 BENCHMARK_TEMPLATE(BM_DecodeFetch, Eigen::half)->Args({512, 32})->Args({2048, 32});
