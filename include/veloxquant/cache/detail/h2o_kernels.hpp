@@ -62,19 +62,8 @@ inline void rebudget(HeadStore<T>& head, int budget, int n_sink, int g, KernelSc
   const Index lo = count_sinks_of(head, n_sink);
   const Index hi = std::max(lo, head.live() - g);
   const Index keep_mid = std::max<Index>(0, budget - lo - (head.live() - hi));
-  auto& picks = scratch.picks;
-  picks.assign(ord.begin() + lo, ord.begin() + hi);
-  if (static_cast<Index>(picks.size()) > keep_mid) {
-    // Best first: higher score, then later position.
-    auto better = [&head](Slot a, Slot b) {
-      const float sa = head.score(a), sb = head.score(b);
-      if (sa != sb) return sa > sb;
-      return head.position(a) > head.position(b);
-    };
-    std::nth_element(picks.begin(), picks.begin() + keep_mid, picks.end(), better);
-    for (auto it = picks.begin() + keep_mid; it != picks.end(); ++it) head.mark_dead(*it);
-    head.drop_dead();
-  }
+  scratch.picks.assign(ord.begin() + lo, ord.begin() + hi);
+  keep_highest(head, scratch.picks, keep_mid, /*later_wins_ties=*/true);
 }
 
 /// Absorbs one appended row (slot `s`, not yet live) per SPEC 4.2: proxy attention of its key over
@@ -129,14 +118,13 @@ inline bool absorb_decode(HeadStore<T>& head, Slot s, std::optional<int> budget,
 template <class T>
 inline void absorb_blocked(HeadStore<T>& head, Slot first, Index count, std::optional<int> budget,
                            int n_sink, int g, float decay, KernelScratch& scratch, Index block) {
-  float* w = nullptr;
   for_each_token_blocked(
       head, first, count, n_sink, scratch, block,
       [&](BlockRows& rows, Slot s, const float* logit_row, std::int32_t col) {
         const Index n = rows.size();
         float entry = 1.0f;  // an empty head keeps its first row with score 1
         if (n > 0) {
-          w = scratch.weights.data();
+          float* w = scratch.weights.data();
           rows.weights(logit_row, n, w);
           decay_accumulate(rows.scores.data(), w, n, decay);
           entry = 0.0f;

@@ -129,16 +129,7 @@ inline void snapkv_compress(HeadStore<T>& head, Slot first, Index count, int bud
   auto& picks = scratch.picks;
   picks.clear();
   for (Index i = sinks; i < count; ++i) picks.push_back(static_cast<Slot>(first + i));
-  if (static_cast<Index>(picks.size()) <= keep) return;
-  // Best first: higher score, then earlier position.
-  auto better = [&head](Slot a, Slot b) {
-    const float sa = head.score(a), sb = head.score(b);
-    if (sa != sb) return sa > sb;
-    return head.position(a) < head.position(b);
-  };
-  std::nth_element(picks.begin(), picks.begin() + keep, picks.end(), better);
-  for (auto it = picks.begin() + keep; it != picks.end(); ++it) head.mark_dead(*it);
-  head.drop_dead();
+  keep_highest(head, picks, keep, /*later_wins_ties=*/false);
 }
 
 }  // namespace veloxquant::cache::detail

@@ -41,6 +41,24 @@ inline Index count_sinks_of(const HeadStore<T>& head, int n_sink) {
   return i;
 }
 
+/// Keeps the `keep` best of the live `candidates` (by score, higher first; among equal scores the
+/// later position when `later_wins_ties`, else the earlier) and evicts the others, preserving the
+/// order of the live rows. candidates: live slots, reordered in place.
+template <class T>
+inline void keep_highest(HeadStore<T>& head, std::vector<Slot>& candidates, Index keep,
+                         bool later_wins_ties) {
+  if (static_cast<Index>(candidates.size()) <= keep) return;
+  auto better = [&head, later_wins_ties](Slot a, Slot b) {
+    const float sa = head.score(a), sb = head.score(b);
+    if (sa != sb) return sa > sb;
+    return later_wins_ties ? head.position(a) > head.position(b)
+                           : head.position(a) < head.position(b);
+  };
+  std::nth_element(candidates.begin(), candidates.begin() + keep, candidates.end(), better);
+  for (auto it = candidates.begin() + keep; it != candidates.end(); ++it) head.mark_dead(*it);
+  head.drop_dead();
+}
+
 /// Softmax weights of the key in slot `s` (as proxy query) over the rows in slots [0, n_rows), which
 /// must all be live: one pass of dot products over contiguous storage (half/bfloat16 rows converted
 /// in chunks of `chunk`), scaled by 1/sqrt(Dk). Returns scratch.weights.data() ([n_rows]).
@@ -166,11 +184,7 @@ inline void for_each_token_blocked(HeadStore<T>& head, Slot first, Index count, 
     RowsF logits(scratch.logits.data(), nb, cols);
     logits.noalias() = all.middleRows(nc, nb) * all.transpose();
     logits *= scale;
-    rows.sinks = 0;
-    while (rows.sinks < nc &&
-           head.position(rows.slots[static_cast<std::size_t>(rows.sinks)]) < n_sink) {
-      ++rows.sinks;
-    }
+    rows.sinks = count_sinks_of(head, n_sink);  // rows.slots is the live order here
     for (Index t = 0; t < nb; ++t) {
       const auto s = static_cast<Slot>(first + i0 + t);
       scratch.weights.resize(static_cast<std::size_t>(rows.size() + 1));
