@@ -3,13 +3,7 @@
 // (SPEC 3, 4.2, 4.4, 6), and the reference algorithm special case (SPEC 4.3, 9.1).
 
 // Internal invariants of the library are checked (and abort) even in Release builds.
-#include <cstdio>
-#include <cstdlib>
-[[noreturn]] inline void veloxquant_test_assert_failed(const char* msg) {
-  std::fprintf(stderr, "veloxquant internal assertion failed: %s\n", msg);
-  std::abort();
-}
-#define VELOXQUANT_ASSERT(cond, msg) ((cond) ? (void)0 : veloxquant_test_assert_failed(msg))
+#include "support/checked_asserts.hpp"  // must precede every veloxquant header
 
 #include <gtest/gtest.h>
 

@@ -6,13 +6,7 @@
 // memory over a long decode.
 
 // Internal invariants of the library are checked (and abort) even in Release builds.
-#include <cstdio>
-#include <cstdlib>
-[[noreturn]] inline void veloxquant_test_assert_failed(const char* msg) {
-  std::fprintf(stderr, "veloxquant internal assertion failed: %s\n", msg);
-  std::abort();
-}
-#define VELOXQUANT_ASSERT(cond, msg) ((cond) ? (void)0 : veloxquant_test_assert_failed(msg))
+#include "support/checked_asserts.hpp"  // must precede every veloxquant header
 
 #include <gtest/gtest.h>
 
