@@ -3,7 +3,9 @@
 // (SPEC 3, 4.2, 4.4, 6), and the reference algorithm special case (SPEC 4.3, 9.1).
 
 // Internal invariants of the library are checked (and abort) even in Release builds.
+// clang-format off
 #include "support/checked_asserts.hpp"  // must precede every veloxquant header
+// clang-format on
 
 #include <gtest/gtest.h>
 

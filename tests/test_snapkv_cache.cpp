@@ -6,7 +6,9 @@
 // memory over a long decode.
 
 // Internal invariants of the library are checked (and abort) even in Release builds.
+// clang-format off
 #include "support/checked_asserts.hpp"  // must precede every veloxquant header
+// clang-format on
 
 #include <gtest/gtest.h>
 

@@ -5,7 +5,9 @@
 // accounting, trim, bad input with the strong guarantee, and bounded memory over long decodes.
 
 // Internal invariants of the library are checked (and abort) even in Release builds.
+// clang-format off
 #include "support/checked_asserts.hpp"  // must precede every veloxquant header
+// clang-format on
 
 #include <gtest/gtest.h>
 
@@ -688,92 +690,31 @@ Snapshot snapshot(const vc::StreamingLLMCache<T>& c) {
   return s;
 }
 
-struct BadCall {
-  std::string name;
-  vc::Tensor4<double> keys, values;
-  bool as_double = false;
-  bool needs_established = false;
-  std::optional<Shape> bad_index;
-};
-
-constexpr Shape kKeys{2, 2, 3, 4};
-constexpr Shape kValues{2, 2, 3, 3};
-
-std::vector<BadCall> bad_calls(std::mt19937& rng, bool half) {
-  std::vector<BadCall> out;
-  const auto shape_case = [&](std::string name, Shape k, Shape v, bool established) {
-    BadCall c;
-    c.name = std::move(name);
-    c.keys = random_doubles(rng, k[0], k[1], k[2], k[3]);
-    c.values = random_doubles(rng, v[0], v[1], v[2], v[3]);
-    c.needs_established = established;
-    out.push_back(std::move(c));
-  };
-  shape_case("values B differs", kKeys, {1, 2, 3, 3}, false);
-  shape_case("values H differs", kKeys, {2, 1, 3, 3}, false);
-  shape_case("values S differs", kKeys, {2, 2, 2, 3}, false);
-  shape_case("zero key D", {2, 2, 3, 0}, kValues, false);
-  shape_case("zero value D", kKeys, {2, 2, 3, 0}, false);
-  shape_case("zero B", {0, 2, 3, 4}, {0, 2, 3, 3}, false);
-  shape_case("B differs from the first call", {1, 2, 1, 4}, {1, 2, 1, 3}, true);
-  shape_case("H differs from the first call", {2, 3, 1, 4}, {2, 3, 1, 3}, true);
-  shape_case("key D differs from the first call", {2, 2, 1, 5}, {2, 2, 1, 3}, true);
-  shape_case("value D differs from the first call", {2, 2, 1, 4}, {2, 2, 1, 4}, true);
-  shape_case("empty call with another H", {2, 5, 0, 4}, {2, 5, 0, 3}, true);
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  const double inf = std::numeric_limits<double>::infinity();
-  const std::vector<std::pair<double, Shape>> bad = {
-      {nan, {0, 0, 0, 0}}, {nan, {1, 1, 2, 3}}, {inf, {0, 1, 2, 1}}, {-inf, {1, 0, 1, 2}}};
-  for (const auto& [value, at] : bad) {
-    for (const bool dbl : {false, true}) {
-      BadCall c;
-      c.name = "key " + std::to_string(value) + " at [" + std::to_string(at[0]) + "," +
-               std::to_string(at[1]) + "," + std::to_string(at[2]) + "," + std::to_string(at[3]) +
-               "]" + (dbl ? " as double" : "");
-      c.keys = random_doubles(rng, kKeys[0], kKeys[1], kKeys[2], kKeys[3]);
-      c.values = random_doubles(rng, kValues[0], kValues[1], kValues[2], kValues[3]);
-      c.keys(at[0], at[1], at[2], at[3]) = value;
-      c.as_double = dbl;
-      c.bad_index = at;
-      out.push_back(std::move(c));
-    }
-  }
-  {
-    BadCall c;
-    c.name = "double key overflowing the storage type";
-    c.keys = random_doubles(rng, kKeys[0], kKeys[1], kKeys[2], kKeys[3]);
-    c.values = random_doubles(rng, kValues[0], kValues[1], kValues[2], kValues[3]);
-    c.keys(1, 0, 2, 3) = half ? 1e6 : 1e300;
-    c.as_double = true;
-    c.bad_index = Shape{1, 0, 2, 3};
-    out.push_back(std::move(c));
-  }
-  return out;
-}
-
 /// The same valid call on the subject and an untouched twin: identical results (views compared by
 /// positions and content) and identical state.
 template <class T>
 void valid_call_on_both(vc::StreamingLLMCache<T>& subject, vc::StreamingLLMCache<T>& twin,
                         std::mt19937& rng, Index S, bool view, const std::string& ctx) {
-  const vc::Tensor4<T> k = random_tensor<T>(rng, kKeys[0], kKeys[1], S, kKeys[3]);
-  const vc::Tensor4<T> v = random_tensor<T>(rng, kValues[0], kValues[1], S, kValues[3]);
+  const vc::Tensor4<T> k =
+      random_tensor<T>(rng, kBadCallKeys[0], kBadCallKeys[1], S, kBadCallKeys[3]);
+  const vc::Tensor4<T> v =
+      random_tensor<T>(rng, kBadCallValues[0], kBadCallValues[1], S, kBadCallValues[3]);
   if (view) {
     const vc::KVView<T> a = subject.update_and_view(k, v);
     const vc::KVView<T> b = twin.update_and_view(k, v);
     ASSERT_EQ(a.rows(), b.rows()) << ctx;
     ASSERT_EQ(a.new_rows(), S) << ctx;
-    for (Index bb = 0; bb < kKeys[0]; ++bb) {
-      for (Index h = 0; h < kKeys[1]; ++h) {
+    for (Index bb = 0; bb < kBadCallKeys[0]; ++bb) {
+      for (Index h = 0; h < kBadCallKeys[1]; ++h) {
         // Same rows per position (the order of retained rows in a view is free).
         std::map<std::int64_t, std::vector<double>> ra, rb;
         for (Index r = 0; r < a.rows(); ++r) {
           std::vector<double> x, y;
-          for (Index d = 0; d < kKeys[3]; ++d) {
+          for (Index d = 0; d < kBadCallKeys[3]; ++d) {
             x.push_back(to_double(a.keys(bb, h)(r, d)));
             y.push_back(to_double(b.keys(bb, h)(r, d)));
           }
-          for (Index d = 0; d < kValues[3]; ++d) {
+          for (Index d = 0; d < kBadCallValues[3]; ++d) {
             x.push_back(to_double(a.values(bb, h)(r, d)));
             y.push_back(to_double(b.values(bb, h)(r, d)));
           }

@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <random>
 #include <regex>
 #include <sstream>
@@ -94,7 +96,8 @@ cache::Tensor4<T> tensor_of(const Rows& rows) {
   cache::Tensor4<T> t(1, 1, S, D);
   for (Index s = 0; s < S; ++s)
     for (Index d = 0; d < D; ++d)
-      t(0, 0, s, d) = static_cast<T>(rows[static_cast<std::size_t>(s)][static_cast<std::size_t>(d)]);
+      t(0, 0, s, d) =
+          static_cast<T>(rows[static_cast<std::size_t>(s)][static_cast<std::size_t>(d)]);
   return t;
 }
 
@@ -264,6 +267,79 @@ std::string compare_returned(const cache::KVPair<T>& got,
                              const cache::Tensor4<T>& keys, const cache::Tensor4<T>& values,
                              const RunConfig& rc) {
   return compare_returned(got, before, keys, values, rc.B, rc.H, rc.Dk, rc.Dv);
+}
+
+/// One invalid call for the strong-guarantee tests (SPEC 8).
+struct BadCall {
+  std::string name;
+  cache::Tensor4<double> keys, values;  // [B, H, S, Dk], [B, H, S, Dv]
+  bool as_double = false;               // through the converting overload
+  bool needs_established = false;       // only bad after a first valid call
+  std::optional<Shape> bad_index;       // the message must name this [b, h, s, d]
+};
+
+/// Shapes of the valid calls the bad calls are measured against.
+constexpr Shape kBadCallKeys{2, 2, 3, 4};
+constexpr Shape kBadCallValues{2, 2, 3, 3};
+
+/// Every SPEC 8 error of update_and_fetch / update_and_view on a cache whose calls are
+/// kBadCallKeys / kBadCallValues: mismatched shapes, zero sizes, shapes that differ from the first
+/// call, NaN/Inf keys at several positions (also as double), and a double key that overflows T
+/// (`half`: the storage type is Eigen::half).
+std::vector<BadCall> bad_calls(std::mt19937& rng, bool half) {
+  std::vector<BadCall> out;
+  const auto shape_case = [&](std::string name, Shape k, Shape v, bool established) {
+    BadCall c;
+    c.name = std::move(name);
+    c.keys = random_doubles(rng, k[0], k[1], k[2], k[3]);
+    c.values = random_doubles(rng, v[0], v[1], v[2], v[3]);
+    c.needs_established = established;
+    out.push_back(std::move(c));
+  };
+  shape_case("values B differs", kBadCallKeys, {1, 2, 3, 3}, false);
+  shape_case("values H differs", kBadCallKeys, {2, 1, 3, 3}, false);
+  shape_case("values S differs", kBadCallKeys, {2, 2, 2, 3}, false);
+  shape_case("zero key D", {2, 2, 3, 0}, kBadCallValues, false);
+  shape_case("zero value D", kBadCallKeys, {2, 2, 3, 0}, false);
+  shape_case("zero B", {0, 2, 3, 4}, {0, 2, 3, 3}, false);
+  shape_case("B differs from the first call", {1, 2, 1, 4}, {1, 2, 1, 3}, true);
+  shape_case("H differs from the first call", {2, 3, 1, 4}, {2, 3, 1, 3}, true);
+  shape_case("key D differs from the first call", {2, 2, 1, 5}, {2, 2, 1, 3}, true);
+  shape_case("value D differs from the first call", {2, 2, 1, 4}, {2, 2, 1, 4}, true);
+  shape_case("empty call with another H", {2, 5, 0, 4}, {2, 5, 0, 3}, true);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<std::pair<double, Shape>> bad = {
+      {nan, {0, 0, 0, 0}}, {nan, {1, 1, 2, 3}}, {inf, {0, 1, 2, 1}}, {-inf, {1, 0, 1, 2}}};
+  for (const auto& [value, at] : bad) {
+    for (const bool dbl : {false, true}) {
+      BadCall c;
+      c.name = "key " + std::to_string(value) + " at [" + std::to_string(at[0]) + "," +
+               std::to_string(at[1]) + "," + std::to_string(at[2]) + "," + std::to_string(at[3]) +
+               "]" + (dbl ? " as double" : "");
+      c.keys =
+          random_doubles(rng, kBadCallKeys[0], kBadCallKeys[1], kBadCallKeys[2], kBadCallKeys[3]);
+      c.values = random_doubles(rng, kBadCallValues[0], kBadCallValues[1], kBadCallValues[2],
+                                kBadCallValues[3]);
+      c.keys(at[0], at[1], at[2], at[3]) = value;
+      c.as_double = dbl;
+      c.bad_index = at;
+      out.push_back(std::move(c));
+    }
+  }
+  {
+    BadCall c;
+    c.name = "double key overflowing the storage type";
+    c.keys =
+        random_doubles(rng, kBadCallKeys[0], kBadCallKeys[1], kBadCallKeys[2], kBadCallKeys[3]);
+    c.values = random_doubles(rng, kBadCallValues[0], kBadCallValues[1], kBadCallValues[2],
+                              kBadCallValues[3]);
+    c.keys(1, 0, 2, 3) = half ? 1e6 : 1e300;
+    c.as_double = true;
+    c.bad_index = Shape{1, 0, 2, 3};
+    out.push_back(std::move(c));
+  }
+  return out;
 }
 
 }  // namespace veloxquant::test
