@@ -17,6 +17,7 @@
 
 #include "detail/checks.hpp"
 #include "detail/head_store.hpp"
+#include "detail/queries.hpp"
 #include "kv_cache_config.hpp"
 #include "tensor.hpp"
 
@@ -97,7 +98,7 @@ class KVCache {
   /// ascending position. keys: [B, H, S, Dk], values: [B, H, S, Dv]; returns [B, H, n, D].
   virtual KVPair<T> update_and_fetch(const Tensor4<T>& keys, const Tensor4<T>& values) {
     KVPair<T> out;
-    fetch_into(keys, values, out, "update_and_fetch");
+    fetch_into(keys, values, nullptr, out, "update_and_fetch");
     return out;
   }
 
@@ -106,7 +107,7 @@ class KVCache {
   /// tensors cost page faults that can exceed the copy itself). Same result as update_and_fetch.
   /// keys: [B, H, S, Dk], values: [B, H, S, Dv]; out: [B, H, n, Dk] and [B, H, n, Dv]
   void update_and_fetch_into(const Tensor4<T>& keys, const Tensor4<T>& values, KVPair<T>& out) {
-    fetch_into(keys, values, out, "update_and_fetch_into");
+    fetch_into(keys, values, nullptr, out, "update_and_fetch_into");
   }
 
   /// Converting overload: inputs of another element type (half, bfloat16, float, double) are
@@ -119,13 +120,53 @@ class KVCache {
   /// Same work as update_and_fetch, but returns a view into the cache's own storage.
   /// keys: [B, H, S, Dk], values: [B, H, S, Dv]
   KVView<T> update_and_view(const Tensor4<T>& keys, const Tensor4<T>& values) {
-    return update(keys, values, "update_and_view");
+    return update(keys, values, nullptr, "update_and_view");
   }
 
   /// Converting overload of update_and_view.
   template <class U>
   KVView<T> update_and_view(const Tensor4<U>& keys, const Tensor4<U>& values) {
     return update_and_view(to_storage(keys), to_storage(values));
+  }
+
+  /// Real-query scoring ("observed attention", SPEC 4.6): the same call, with the queries the engine
+  /// attends with for these tokens (RoPE applied). Query head j belongs to KV head j / G. The
+  /// scored policies rank rows by this real attention instead of the key-as-query proxy (H2O core:
+  /// mass of each token's G query heads over the rows it attends to, eviction once per call; TOVA:
+  /// the current token's attention; SnapKV: the last obs_window tokens'); StreamingLLM and the
+  /// standard cache validate and ignore them. Keys/values of any input type are converted to T,
+  /// queries to float32. Throws std::invalid_argument (cache unchanged) for a query tensor that is
+  /// not [B, G·H, S, Dk] or holds a non-finite value.
+  /// keys: [B, H, S, Dk], values: [B, H, S, Dv], queries: [B, Hq = G·H, S, Dk]
+  template <class U, class Q>
+  KVPair<T> update_and_fetch(const Tensor4<U>& keys, const Tensor4<U>& values,
+                             const Tensor4<Q>& queries) {
+    KVPair<T> out;
+    with_queries(keys, values, queries, [&](const auto& k, const auto& v, const auto* q) {
+      fetch_into(k, v, q, out, "update_and_fetch");
+    });
+    return out;
+  }
+
+  /// update_and_view with real queries (see update_and_fetch above).
+  /// keys: [B, H, S, Dk], values: [B, H, S, Dv], queries: [B, Hq = G·H, S, Dk]
+  template <class U, class Q>
+  KVView<T> update_and_view(const Tensor4<U>& keys, const Tensor4<U>& values,
+                            const Tensor4<Q>& queries) {
+    return with_queries(keys, values, queries, [&](const auto& k, const auto& v, const auto* q) {
+      return update(k, v, q, "update_and_view");
+    });
+  }
+
+  /// update_and_fetch_into with real queries (see update_and_fetch above).
+  /// keys: [B, H, S, Dk], values: [B, H, S, Dv], queries: [B, Hq = G·H, S, Dk];
+  /// out: [B, H, n, Dk] and [B, H, n, Dv]
+  template <class U, class Q>
+  void update_and_fetch_into(const Tensor4<U>& keys, const Tensor4<U>& values,
+                             const Tensor4<Q>& queries, KVPair<T>& out) {
+    with_queries(keys, values, queries, [&](const auto& k, const auto& v, const auto* q) {
+      fetch_into(k, v, q, out, "update_and_fetch_into");
+    });
   }
 
   /// Position the next token will take (tokens per sequence absorbed since the last reset).
@@ -211,14 +252,16 @@ class KVCache {
   /// Takes the `count` rows just appended at slots [first, first + count) of `head` into the live
   /// set (and evicts). The standard cache keeps them all. Must not throw.
   /// `worker` (0 <= worker < workers()) names the scratch to use; heads may run in parallel.
+  /// `queries` is this head's slice of the call's queries ([G, count, Dk] float32), empty when the
+  /// call brought none.
   virtual void absorb_rows(detail::HeadStore<T>& head, detail::Slot first, Index count,
-                           int /*worker*/) {
+                           int /*worker*/, const detail::QuerySlice& /*queries*/) {
     for (Index i = 0; i < count; ++i) head.push_live(static_cast<detail::Slot>(first + i));
   }
   /// Reserves the policy's scratch of `workers` workers for a call holding up to `rows` rows per
-  /// head, `new_rows` of them new; may throw.
+  /// head, `new_rows` of them new, with `groups` query heads per KV head (0: no queries); may throw.
   virtual void reserve_scratch(Index /*rows*/, Index /*key_dim*/, Index /*new_rows*/,
-                               int /*workers*/) {}
+                               int /*workers*/, Index /*groups*/) {}
   /// Workers the next call may use: the OpenMP thread count when built with OpenMP and
   /// parallel heads are enabled, else 1.
   int workers() const {
@@ -243,26 +286,60 @@ class KVCache {
   const detail::LayerDims& dims() const { return dims_; }
 
  private:
+  // Converts keys and values to T and queries to float32 where their types differ (no copy
+  // otherwise), then returns f(keys, values, &queries).
+  template <class U, class Q, class F>
+  static decltype(auto) with_queries(const Tensor4<U>& keys, const Tensor4<U>& values,
+                                     const Tensor4<Q>& queries, F f) {
+    static_assert(is_input_type_v<U> && is_input_type_v<Q>,
+                  "veloxquant: keys, values and queries must be half, bfloat16, float or double");
+    Tensor4<float> q_converted;
+    const Tensor4<float>* q = &q_converted;
+    if constexpr (std::is_same_v<Q, float>) {
+      q = &queries;
+    } else {
+      q_converted = queries.template cast<float>();
+    }
+    if constexpr (std::is_same_v<U, T>) {
+      return f(keys, values, q);
+    } else {
+      return f(to_storage(keys), to_storage(values), q);
+    }
+  }
+
+  // Validates the call's queries (after the keys and values) and describes them for the kernels.
+  // queries: [B, Hq, S, Dk] or nullptr; keys: [B, H, S, Dk]
+  static detail::CallQueries checked_queries(const Tensor4<float>* queries, const Tensor4<T>& keys,
+                                             const char* api) {
+    if (queries == nullptr) return {};
+    detail::check_queries(*queries, keys, api);
+    return detail::CallQueries{queries->data(), queries->dimension(1) / keys.dimension(1),
+                               keys.dimension(2), keys.dimension(3)};
+  }
+
   // The shared body of every update_*; `api` names the caller in errors.
-  KVView<T> update(const Tensor4<T>& keys, const Tensor4<T>& values, const char* api) {
+  // queries: [B, Hq, S, Dk] or nullptr
+  KVView<T> update(const Tensor4<T>& keys, const Tensor4<T>& values,
+                   const Tensor4<float>* queries, const char* api) {
     detail::check_update(keys, values, dims_, api);
-    return update_checked(keys, values);
+    return update_checked(keys, values, checked_queries(queries, keys, api));
   }
 
   // update() after the input checks passed.
-  KVView<T> update_checked(const Tensor4<T>& keys, const Tensor4<T>& values) {
+  KVView<T> update_checked(const Tensor4<T>& keys, const Tensor4<T>& values,
+                           const detail::CallQueries& queries) {
     const Index S = keys.dimension(2);
     if (S == 0) {
       for (auto& h : heads_) h.compact();
       return make_view(dims_.known ? heads_.front().live() : 0, 0, keys, values);
     }
     inspect_call(keys);
-    reserve_for_call(keys, values);
+    reserve_for_call(keys, values, queries.groups);
     // The call returns the rows retained before it: snapshot them before a re-budget at the start
     // of the call (prepare_call) marks any dead; they stay in their slots until the next call.
     for (auto& h : heads_) h.begin_window();
     prepare_call(keys);
-    absorb_call(keys, values);
+    absorb_call(keys, values, queries);
     offset_ += S;
     tokens_seen_ += dims_.batch * dims_.heads * S;
     return make_view(heads_.front().physical(), S, keys, values);
@@ -271,13 +348,14 @@ class KVCache {
   // update + copy of the returned window into `out`. The output is sized before the cache changes
   // (the window is the rows retained before the call plus the call's rows), so a bad_alloc leaves
   // the cache unchanged. out: [B, H, n, Dk] and [B, H, n, Dv]
-  void fetch_into(const Tensor4<T>& keys, const Tensor4<T>& values, KVPair<T>& out,
-                  const char* api) {
+  void fetch_into(const Tensor4<T>& keys, const Tensor4<T>& values, const Tensor4<float>* queries,
+                  KVPair<T>& out, const char* api) {
     detail::check_update(keys, values, dims_, api);
+    const detail::CallQueries call_queries = checked_queries(queries, keys, api);
     const Index rows = (dims_.known ? heads_.front().live() : 0) + keys.dimension(2);
     resize_pair(out, keys.dimension(0), keys.dimension(1), rows, keys.dimension(3),
                 values.dimension(3));
-    const KVView<T> view = update_checked(keys, values);
+    const KVView<T> view = update_checked(keys, values, call_queries);
     if (view.new_rows() == 0 && !dims_.known) return;  // [B, H, 0, D]
     const bool whole_window = view.new_rows() != 0;
     copy_rows_into(
@@ -300,7 +378,7 @@ class KVCache {
 
   // Compacts every head and reserves room for the call; the logical state is unchanged even if
   // an allocation throws (strong guarantee).
-  void reserve_for_call(const Tensor4<T>& keys, const Tensor4<T>& values) {
+  void reserve_for_call(const Tensor4<T>& keys, const Tensor4<T>& values, Index groups) {
     const Index S = keys.dimension(2);
     if (!dims_.known) {
       const Index n = keys.dimension(0) * keys.dimension(1);
@@ -310,7 +388,7 @@ class KVCache {
         fresh.emplace_back(keys.dimension(3), values.dimension(3));
         fresh.back().reserve(S);
       }
-      reserve_scratch(S, keys.dimension(3), S, workers());
+      reserve_scratch(S, keys.dimension(3), S, workers(), groups);
       heads_.swap(fresh);
       dims_ = detail::LayerDims{keys.dimension(0), keys.dimension(1), keys.dimension(3),
                                 values.dimension(3), true};
@@ -328,12 +406,13 @@ class KVCache {
       }
       max_needed = std::max(max_needed, needed);
     }
-    reserve_scratch(max_needed, dims_.key_dim, S, workers());
+    reserve_scratch(max_needed, dims_.key_dim, S, workers(), groups);
   }
 
   // Appends the call's rows to every head and lets the policy absorb them.
-  // keys: [B, H, S, Dk], values: [B, H, S, Dv]
-  void absorb_call(const Tensor4<T>& keys, const Tensor4<T>& values) {
+  // keys: [B, H, S, Dk], values: [B, H, S, Dv]; queries: [B, G·H, S, Dk] or none
+  void absorb_call(const Tensor4<T>& keys, const Tensor4<T>& values,
+                   const detail::CallQueries& queries) {
     const Index S = keys.dimension(2);
     const Index dk = dims_.key_dim, dv = dims_.value_dim;
     const auto n_heads = static_cast<Index>(heads_.size());
@@ -341,7 +420,9 @@ class KVCache {
     // Heads are independent and each runs the same serial code, so results are bit-identical
     // whatever the number of threads. Small calls stay serial (a fork costs more than they do).
     const bool parallel = n_workers > 1 && n_heads > 1 &&
-                          (heads_.front().live() + S) * S * dk * n_heads >= kParallelWork;
+                          (heads_.front().live() + S) * S * dk * n_heads *
+                                  std::max<Index>(queries.groups, 1) >=
+                              kParallelWork;
     (void)parallel;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(n_workers) if (parallel)
@@ -360,7 +441,7 @@ class KVCache {
 #else
       const int worker = 0;
 #endif
-      absorb_rows(head, first, S, worker);
+      absorb_rows(head, first, S, worker, queries.slice(hi));
     }
   }
 

@@ -46,12 +46,14 @@ class SnapKVCache : public detail::ScoredCache<T> {
     compress_now_ = !compressed_ && keys.dimension(2) > budget_;
     if (compress_now_) compressed_ = true;  // absorb_rows cannot fail from here on
   }
-  Index scratch_block() const override { return std::max<Index>(this->kBlock, obs_window_); }
-  void absorb_rows(detail::HeadStore<T>& head, detail::Slot first, Index count,
-                   int worker) override {
+  Index block_tokens(Index groups) const override {
+    return std::max<Index>(detail::ScoredCache<T>::block_tokens(groups), obs_window_);
+  }
+  void absorb_rows(detail::HeadStore<T>& head, detail::Slot first, Index count, int worker,
+                   const detail::QuerySlice& queries) override {
     if (compress_now_) {
       detail::snapkv_compress(head, first, count, budget_, n_sink_, obs_window_,
-                              this->scratch(worker));
+                              this->scratch(worker), queries);
     } else {
       for (Index i = 0; i < count; ++i) head.push_live(static_cast<detail::Slot>(first + i));
     }

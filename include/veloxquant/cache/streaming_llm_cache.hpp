@@ -30,8 +30,9 @@ class StreamingLLMCache : public KVCache<T> {
   int window_size() const { return window_; }
 
  protected:
-  void absorb_rows(detail::HeadStore<T>& head, detail::Slot first, Index count,
-                   int /*worker*/) override {
+  /// Queries, if the call brought any, are ignored: the policy does not score rows.
+  void absorb_rows(detail::HeadStore<T>& head, detail::Slot first, Index count, int /*worker*/,
+                   const detail::QuerySlice& /*queries*/) override {
     detail::streaming_absorb(head, first, count, n_sink_, window_);
   }
   Index steady_rows() const override { return static_cast<Index>(n_sink_) + window_ + 1; }

@@ -30,16 +30,19 @@ class TOVACache : public detail::ScoredCache<T> {
   int n_sink() const { return n_sink_; }
 
  protected:
-  void absorb_rows(detail::HeadStore<T>& head, detail::Slot first, Index count,
-                   int worker) override {
+  void absorb_rows(detail::HeadStore<T>& head, detail::Slot first, Index count, int worker,
+                   const detail::QuerySlice& queries) override {
     auto& scratch = this->scratch(worker);
-    if (count == 1) {
-      if (!detail::tova_decode(head, first, budget_, n_sink_, scratch, this->kDecodeChunk)) {
-        detail::tova_absorb_token(head, first, budget_, n_sink_, scratch);
-      }
+    if (count == 1 &&
+        detail::tova_decode(head, first, budget_, n_sink_, scratch, this->kDecodeChunk, queries)) {
       return;
     }
-    detail::tova_blocked(head, first, count, budget_, n_sink_, scratch, this->kBlock);
+    if (count == 1 && !queries) {
+      detail::tova_absorb_token(head, first, budget_, n_sink_, scratch);
+      return;
+    }
+    detail::tova_blocked(head, first, count, budget_, n_sink_, scratch,
+                         this->block_tokens(queries.groups), queries);
   }
   Index steady_rows() const override { return static_cast<Index>(budget_) + 1; }
 

@@ -52,16 +52,20 @@ class H2OCore : public ScoredCache<T> {
   /// Forgets the budget (back to "unknown"), e.g. on reset of a deferring cache.
   void clear_budget() noexcept { budget_.reset(); }
 
-  void absorb_rows(HeadStore<T>& head, Slot first, Index count, int worker) override {
+  void absorb_rows(HeadStore<T>& head, Slot first, Index count, int worker,
+                   const QuerySlice& queries) override {
     const int g = protected_recent();
     KernelScratch& scratch = this->scratch(worker);
-    if (count == 1) {
-      if (!absorb_decode(head, first, budget_, n_sink_, g, decay_, scratch, this->kDecodeChunk)) {
-        absorb_token(head, first, budget_, n_sink_, g, decay_, scratch);
-      }
+    if (count == 1 && absorb_decode(head, first, budget_, n_sink_, g, decay_, scratch,
+                                    this->kDecodeChunk, queries)) {
       return;
     }
-    absorb_blocked(head, first, count, budget_, n_sink_, g, decay_, scratch, this->kBlock);
+    if (count == 1 && !queries) {
+      absorb_token(head, first, budget_, n_sink_, g, decay_, scratch);
+      return;
+    }
+    absorb_blocked(head, first, count, budget_, n_sink_, g, decay_, scratch,
+                   this->block_tokens(queries.groups), queries);
   }
   Index steady_rows() const override {
     return budget_ ? static_cast<Index>(*budget_) + 1 : std::numeric_limits<Index>::max();

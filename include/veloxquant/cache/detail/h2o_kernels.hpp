@@ -89,18 +89,23 @@ inline void absorb_token(HeadStore<T>& head, Slot s, std::optional<int> budget, 
   if (budget && head.live() > *budget) evict_lowest(head, n_sink, g);
 }
 
-/// Decode fast path of SPEC 4.2 for one new row at slot `s` == live() when the live rows fill
-/// slots [0, live()) (no holes): one pass of dot products over contiguous storage, a vectorised
-/// score update, and a protected argmin in slot order (ties to the earliest position). Returns
-/// false (nothing done) when the layout does not allow it; the caller then takes absorb_token.
+/// Decode fast path for one new row at slot `s` == live() when the live rows fill slots
+/// [0, live()) (no holes): one pass of dot products over contiguous storage, a vectorised score
+/// update, and a protected argmin in slot order (ties to the earliest position). Without
+/// `queries` (SPEC 4.2) the key attends over the rows before it and joins with score 0; with a
+/// one-token call's queries (SPEC 4.6) the token's G query heads attend over those rows and
+/// itself. Returns false (nothing done) when the layout does not allow it or, without queries, the
+/// head is empty; the caller then takes absorb_token or the blocked path.
 template <class T>
 inline bool absorb_decode(HeadStore<T>& head, Slot s, std::optional<int> budget, int n_sink, int g,
-                          float decay, KernelScratch& scratch, Index chunk) {
+                          float decay, KernelScratch& scratch, Index chunk,
+                          const QuerySlice& queries = {}) {
   const Index n = head.live();
-  if (n == 0 || head.physical() != n + 1 || s != n) return false;
-  const float* w = decode_weights(head, s, n, scratch, chunk);
-  decay_accumulate(&head.score(0), w, n, decay);
+  if (head.physical() != n + 1 || s != n || (n == 0 && !queries)) return false;
   head.score(s) = 0.0f;
+  const Index window = queries ? n + 1 : n;
+  const float* w = decode_weights(head, s, window, scratch, chunk, queries);
+  decay_accumulate(&head.score(0), w, window, decay);
   head.push_live(s);
   if (!budget || head.live() <= *budget) return true;
   // Protected: sinks and the newest g rows (position >= that of the g-th newest).
@@ -112,14 +117,30 @@ inline bool absorb_decode(HeadStore<T>& head, Slot s, std::optional<int> budget,
   return true;
 }
 
-/// Blocked absorption of SPEC 4.2 over the blocked driver: per token, proxy attention over the
-/// live rows (not itself), decay and accumulate, join with score 0, evict one row if over budget.
-/// Same retained sets as the one-token loop.
+/// Blocked absorption over the blocked driver. Without `queries` (SPEC 4.2): per token, proxy
+/// attention over the live rows (not itself), decay and accumulate, join with score 0, evict one
+/// row if over budget -- the same retained sets as the one-token loop. With the call's queries
+/// (SPEC 4.6): per token, the mean attention of its G query heads over the rows retained before
+/// the call and the call's rows up to itself, decay and accumulate; then one re-budget per call
+/// (the lowest-score unprotected rows go, ties earliest: the same rows as evicting one by one).
 template <class T>
 inline void absorb_blocked(HeadStore<T>& head, Slot first, Index count, std::optional<int> budget,
-                           int n_sink, int g, float decay, KernelScratch& scratch, Index block) {
+                           int n_sink, int g, float decay, KernelScratch& scratch, Index block,
+                           const QuerySlice& queries = {}) {
+  if (queries) {
+    for_each_token_blocked(head, first, count, n_sink, scratch, block, queries,
+                           [&](BlockRows& rows, Slot s, const float* logit_rows, std::int32_t col) {
+                             rows.push(s, col, 0.0f);
+                             const Index n = rows.size();
+                             float* w = scratch.weights.data();
+                             rows.weights(logit_rows, n, w);
+                             decay_accumulate(rows.scores.data(), w, n, decay);
+                           });
+    if (budget) rebudget(head, *budget, n_sink, g, scratch);
+    return;
+  }
   for_each_token_blocked(
-      head, first, count, n_sink, scratch, block,
+      head, first, count, n_sink, scratch, block, queries,
       [&](BlockRows& rows, Slot s, const float* logit_row, std::int32_t col) {
         const Index n = rows.size();
         float entry = 1.0f;  // an empty head keeps its first row with score 1

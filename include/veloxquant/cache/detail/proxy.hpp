@@ -91,6 +91,16 @@ inline void decay_accumulate(float* scores, const float* w, Index n, float decay
   }
 }
 
+/// out[c] = mean over the `n` rows of x (row r at x + r * stride) of x[r][c], for c < cols: the
+/// mean attention over a token's G query heads. Row by row, so every column sums in the same order.
+/// x: [n, stride], out: [cols]
+inline void mean_of_rows(const float* x, Index n, Index stride, Index cols, float* out) {
+  Eigen::Map<Eigen::ArrayXf> mean(out, cols);
+  mean = Eigen::Map<const Eigen::ArrayXf>(x, cols);
+  for (Index r = 1; r < n; ++r) mean += Eigen::Map<const Eigen::ArrayXf>(x + r * stride, cols);
+  mean /= static_cast<float>(n);
+}
+
 /// Proxy attention weights of query `q` over the slots `slots` of `head`:
 /// out[i] = softmax_i(dot(K[slots[i]], q) / sqrt(Dk)). q: [Dk], out: [slots.size()]
 template <class T>

@@ -3,6 +3,7 @@
 // says how its rows are absorbed and evicted.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -54,14 +55,19 @@ class ScoredCache : public KVCache<T> {
 
   ScoredCache() = default;
 
-  void reserve_scratch(Index rows, Index key_dim, Index new_rows, int workers) override {
+  void reserve_scratch(Index rows, Index key_dim, Index new_rows, int workers,
+                       Index groups) override {
     if (scratch_.size() < static_cast<std::size_t>(workers)) {
       scratch_.resize(static_cast<std::size_t>(workers));
     }
-    for (auto& s : scratch_) s.reserve(rows, key_dim, new_rows, scratch_block(), kDecodeChunk);
+    const Index lhs_rows = std::min(block_tokens(groups), new_rows) * std::max<Index>(groups, 1);
+    for (auto& s : scratch_) s.reserve(rows, key_dim, new_rows, lhs_rows, kDecodeChunk, groups);
   }
-  /// Rows of a call scored per matrix product (sizes the logits scratch).
-  virtual Index scratch_block() const { return kBlock; }
+  /// Tokens of a call scored per matrix product with `groups` query heads per token (0: the
+  /// key-as-query proxy): about kBlock rows of logits per product. Sizes the logits scratch.
+  virtual Index block_tokens(Index groups) const {
+    return groups > 0 ? std::max<Index>(1, kBlock / groups) : kBlock;
+  }
   /// Worker `w`'s scratch (valid once a call has reserved it).
   KernelScratch& scratch(int w) { return scratch_[static_cast<std::size_t>(w)]; }
   /// True once a call has reserved scratch (so rows may exist).

@@ -15,6 +15,7 @@
 
 #include "head_store.hpp"
 #include "proxy.hpp"
+#include "queries.hpp"
 #include "scratch.hpp"
 
 namespace veloxquant::cache::detail {
@@ -59,33 +60,58 @@ inline void keep_highest(HeadStore<T>& head, std::vector<Slot>& candidates, Inde
   head.drop_dead();
 }
 
-/// Softmax weights of the key in slot `s` (as proxy query) over the rows in slots [0, n_rows), which
-/// must all be live: one pass of dot products over contiguous storage (half/bfloat16 rows converted
-/// in chunks of `chunk`), scaled by 1/sqrt(Dk). Returns scratch.weights.data() ([n_rows]).
+/// Attention weights over the rows in slots [0, n_rows), which must all be live, of one token:
+/// with `queries` empty, the key in slot `s` as proxy query (SPEC 3); else the mean over the
+/// token's G query heads (SPEC 4.6; `queries` is a one-token call's slice, [G, 1, Dk]). One pass
+/// over contiguous storage (half/bfloat16 rows converted in chunks of `chunk`), logits scaled by
+/// 1/sqrt(Dk), one softmax per query head. Returns scratch.weights.data() ([n_rows]).
 template <class T>
 inline float* decode_weights(const HeadStore<T>& head, Slot s, Index n_rows, KernelScratch& scratch,
-                             Index chunk) {
+                             Index chunk, const QuerySlice& queries = {}) {
   const Index d = head.key_dim();
+  const Index groups = queries ? queries.groups : 1;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  scratch.query.resize(static_cast<std::size_t>(d));
   scratch.weights.resize(static_cast<std::size_t>(n_rows));
-  convert_rows(head.key_ptr(s), 1, d, scratch.query.data());
-  const Eigen::Map<const Eigen::VectorXf> q(scratch.query.data(), d);
-  Eigen::Map<Eigen::VectorXf> logits(scratch.weights.data(), n_rows);
+  const float* q = nullptr;  // [G, Dk]
+  if (queries) {
+    q = queries.row(0, 0);
+  } else {
+    scratch.query.resize(static_cast<std::size_t>(d));
+    convert_rows(head.key_ptr(s), 1, d, scratch.query.data());
+    q = scratch.query.data();
+  }
+  float* logits = scratch.weights.data();  // [G, n_rows]
+  if (groups > 1) {
+    scratch.logits.resize(static_cast<std::size_t>(groups * n_rows));
+    logits = scratch.logits.data();
+  }
   using RowsF =
       Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
-  if constexpr (std::is_same_v<T, float>) {
-    logits.noalias() = RowsF(head.key_ptr(0), n_rows, d) * q;
-  } else {
-    scratch.keys.resize(static_cast<std::size_t>(std::min(chunk, n_rows) * d));
-    for (Index r0 = 0; r0 < n_rows; r0 += chunk) {
-      const Index m = std::min(chunk, n_rows - r0);
+  // Float rows need no conversion: one product over all of them when there is one query head,
+  // chunks that stay in L1 while G query heads read them otherwise.
+  const Index step = std::is_same_v<T, float> && groups == 1 ? std::max<Index>(n_rows, 1) : chunk;
+  if constexpr (!std::is_same_v<T, float>) {
+    scratch.keys.resize(static_cast<std::size_t>(std::min(step, n_rows) * d));
+  }
+  for (Index r0 = 0; r0 < n_rows; r0 += step) {
+    const Index m = std::min(step, n_rows - r0);
+    const float* rows = nullptr;  // [m, Dk]
+    if constexpr (std::is_same_v<T, float>) {
+      rows = head.key_ptr(r0);
+    } else {
       convert_rows(head.key_ptr(r0), m, d, scratch.keys.data());
-      logits.segment(r0, m).noalias() = RowsF(scratch.keys.data(), m, d) * q;
+      rows = scratch.keys.data();
+    }
+    for (Index g = 0; g < groups; ++g) {
+      Eigen::Map<Eigen::VectorXf>(logits + g * n_rows + r0, m).noalias() =
+          RowsF(rows, m, d) * Eigen::Map<const Eigen::VectorXf>(q + g * d, d);
     }
   }
-  logits *= scale;
-  softmax_inplace(logits.data(), n_rows);
+  for (Index g = 0; g < groups; ++g) {
+    Eigen::Map<Eigen::VectorXf>(logits + g * n_rows, n_rows) *= scale;
+    softmax_inplace(logits + g * n_rows, n_rows);
+  }
+  if (groups > 1) mean_of_rows(logits, groups, n_rows, n_rows, scratch.weights.data());
   return scratch.weights.data();
 }
 
@@ -121,6 +147,9 @@ struct BlockRows {
   std::vector<std::int32_t>& column;   // [n] its column in the block's logits
   std::vector<float>& scores;          // [n] its score
   Index sinks = 0;                     // leading rows with position < n_sink
+  Index groups = 1;                    // logit rows per token: G with queries, else 1
+  Index stride = 0;                    // distance between a token's logit rows
+  std::vector<float>* group = nullptr; // [n] scratch for one head's weights when groups > 1
 
   Index size() const { return static_cast<Index>(slots.size()); }
   void push(Slot s, std::int32_t col, float score) {
@@ -142,31 +171,49 @@ struct BlockRows {
     column.erase(column.begin() + k);
     scores.erase(scores.begin() + k);
   }
-  /// Softmax of the logits `row` over the first n live rows, into `out` ([n]).
+  /// A token's attention over the first n live rows, into `out` ([n]): the softmax of its logit
+  /// row, or with G query heads the mean of the softmax of each of its G rows (`stride` apart).
   void weights(const float* row, Index n, float* out) const {
     const std::int32_t* col = column.data();
-    for (Index k = 0; k < n; ++k) out[k] = row[col[k]];
-    softmax_inplace(out, n);
+    if (groups == 1) {
+      for (Index k = 0; k < n; ++k) out[k] = row[col[k]];
+      softmax_inplace(out, n);
+      return;
+    }
+    float* one = group->data();
+    for (Index g = 0; g < groups; ++g) {
+      const float* r = row + g * stride;
+      float* dst = g == 0 ? out : one;
+      for (Index k = 0; k < n; ++k) dst[k] = r[col[k]];
+      softmax_inplace(dst, n);
+      if (g > 0) Eigen::Map<Eigen::ArrayXf>(out, n) += Eigen::Map<const Eigen::ArrayXf>(one, n);
+    }
+    Eigen::Map<Eigen::ArrayXf>(out, n) /= static_cast<float>(groups);
   }
 };
 
 /// Blocked driver (SPEC 7): absorbs the `count` appended rows at slots [first, first + count) in
-/// blocks of `block` tokens. Per block, the float32 logits of the block's keys against the live
-/// rows and the block's own rows come from one matrix product (scaled by 1/sqrt(Dk)); then
-/// `on_token(rows, s, logit_row, column_of_s)` runs for each token in arrival order over dense
-/// arrays (see BlockRows); it must push the token and may evict (mark_dead + rows.erase). Scores
-/// and the live order are written back at the end of each block.
+/// blocks of `block` tokens. Per block, the float32 logits (scaled by 1/sqrt(Dk)) of the block's
+/// tokens against the live rows and the block's own rows come from one matrix product: one row
+/// per token whose key is its proxy query, or with `queries` (the call's slice, [G, count, Dk])
+/// G rows per token, one per query head. Then `on_token(rows, s, logit_row, column_of_s)` runs for
+/// each token in arrival order over dense arrays (see BlockRows; rows.weights averages the G rows);
+/// it must push the token and may evict (mark_dead + rows.erase). Scores and the live order are
+/// written back at the end of each block.
 template <class T, class OnToken>
 inline void for_each_token_blocked(HeadStore<T>& head, Slot first, Index count, int n_sink,
-                                   KernelScratch& scratch, Index block, OnToken on_token) {
+                                   KernelScratch& scratch, Index block, const QuerySlice& queries,
+                                   OnToken on_token) {
   const Index d = head.key_dim();
+  const Index groups = queries ? queries.groups : 1;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   using RowsF = Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
-  BlockRows rows{scratch.slots, scratch.column, scratch.scores, 0};
+  BlockRows rows{scratch.slots, scratch.column, scratch.scores, 0, groups, 0, &scratch.group};
   for (Index i0 = 0; i0 < count; i0 += block) {
     const Index nb = std::min(block, count - i0);
     const Index nc = head.live();
     const Index cols = padded_columns(nc + nb);  // real columns, then zero keys
+    rows.stride = cols;
     rows.slots.assign(head.order().begin(), head.order().end());
     rows.column.resize(static_cast<std::size_t>(nc));
     rows.scores.resize(static_cast<std::size_t>(nc));
@@ -180,15 +227,28 @@ inline void for_each_token_blocked(HeadStore<T>& head, Slot first, Index count, 
     convert_rows(head.key_ptr(first + i0), nb, d, scratch.keys.data() + nc * d);
     std::fill(scratch.keys.begin() + (nc + nb) * d, scratch.keys.end(), 0.0f);
     const RowsF all(scratch.keys.data(), cols, d);
-    scratch.logits.resize(static_cast<std::size_t>(nb * cols));
-    RowsF logits(scratch.logits.data(), nb, cols);
-    logits.noalias() = all.middleRows(nc, nb) * all.transpose();
+    scratch.logits.resize(static_cast<std::size_t>(nb * groups * cols));
+    RowsF logits(scratch.logits.data(), nb * groups, cols);
+    if (queries) {
+      // The block's queries, token-major: row t * G + g is query head g of token i0 + t.
+      scratch.query.resize(static_cast<std::size_t>(nb * groups * d));
+      for (Index t = 0; t < nb; ++t) {
+        for (Index g = 0; g < groups; ++g) {
+          std::memcpy(scratch.query.data() + (t * groups + g) * d, queries.row(g, i0 + t),
+                      sizeof(float) * static_cast<std::size_t>(d));
+        }
+      }
+      logits.noalias() = RowsF(scratch.query.data(), nb * groups, d) * all.transpose();
+    } else {
+      logits.noalias() = all.middleRows(nc, nb) * all.transpose();
+    }
     logits *= scale;
     rows.sinks = count_sinks_of(head, n_sink);  // rows.slots is the live order here
     for (Index t = 0; t < nb; ++t) {
       const auto s = static_cast<Slot>(first + i0 + t);
       scratch.weights.resize(static_cast<std::size_t>(rows.size() + 1));
-      on_token(rows, s, scratch.logits.data() + t * cols, static_cast<std::int32_t>(nc + t));
+      on_token(rows, s, scratch.logits.data() + t * groups * cols,
+               static_cast<std::int32_t>(nc + t));
     }
     for (std::size_t k = 0; k < rows.slots.size(); ++k) head.score(rows.slots[k]) = rows.scores[k];
     head.replace_order(rows.slots);

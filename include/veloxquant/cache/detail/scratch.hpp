@@ -33,36 +33,42 @@ inline void fit_capacity(V& v, std::size_t n) {
 
 /// Scratch buffers of the scoring kernels of one worker, sized before a call mutates anything.
 struct KernelScratch {
-  std::vector<float> weights;         // [n] proxy attention of one token over the live rows
-  std::vector<float> query;           // [Dk] the proxy query in float32
+  std::vector<float> weights;         // [n] attention of one token over the rows (mean over G)
+  std::vector<float> query;           // [Dk] proxy query, or [lhs_rows, Dk] a block's real queries
   std::vector<Slot> picks;            // [n] candidates of a re-budget
   std::vector<float> keys;            // [rows, Dk] keys converted to float32 (block or chunk)
-  std::vector<float> logits;          // [block, rows] logits of a block of new tokens
+  std::vector<float> logits;          // [lhs_rows, rows] logits of a block (or [G, rows] decode)
   std::vector<std::int32_t> column;   // [rows] live row (ascending position) -> column of `logits`
   std::vector<Slot> slots;            // [rows] live row (ascending position) -> slot
   std::vector<float> scores;          // [rows] live row (ascending position) -> score
+  std::vector<float> group;           // [rows] one query head's weights while averaging over G
 
-  /// Room for a call that holds up to `rows` rows per head with `new_rows` new ones.
-  void reserve(Index rows, Index dk, Index new_rows, Index block, Index chunk) {
+  /// Room for a call that holds up to `rows` rows per head with `new_rows` new ones. `lhs_rows`:
+  /// rows of the left operand of one scoring product (block tokens, times G with queries);
+  /// `groups`: G query heads per KV head, 0 when the call brings no queries.
+  void reserve(Index rows, Index dk, Index new_rows, Index lhs_rows, Index chunk, Index groups) {
     const auto r = static_cast<std::size_t>(rows);
     const auto d = static_cast<std::size_t>(dk);
+    const auto lhs = static_cast<std::size_t>(lhs_rows);
     fit_capacity(weights, r);
-    fit_capacity(query, d);
     fit_capacity(picks, r);
     if (new_rows > 1) {
-      const auto b = static_cast<std::size_t>(std::min(block, new_rows));
       const auto padded = static_cast<std::size_t>(padded_columns(rows));
+      fit_capacity(query, groups > 0 ? lhs * d : d);
       fit_capacity(keys, padded * d);
-      fit_capacity(logits, b * padded);
+      fit_capacity(logits, lhs * padded);
       fit_capacity(column, r);
       fit_capacity(slots, r);
       fit_capacity(scores, r);
+      fit_capacity(group, groups > 1 ? r : 0);
     } else {
+      fit_capacity(query, d);
       fit_capacity(keys, static_cast<std::size_t>(std::min(chunk, rows)) * d);
-      fit_capacity(logits, 0);
+      fit_capacity(logits, groups > 1 ? static_cast<std::size_t>(groups) * r : 0);
       fit_capacity(column, 0);
       fit_capacity(slots, 0);
       fit_capacity(scores, r);  // the one-token path gathers scores here
+      fit_capacity(group, 0);
     }
   }
 
@@ -70,7 +76,8 @@ struct KernelScratch {
     return weights.capacity() * sizeof(float) + query.capacity() * sizeof(float) +
            picks.capacity() * sizeof(Slot) + keys.capacity() * sizeof(float) +
            logits.capacity() * sizeof(float) + column.capacity() * sizeof(std::int32_t) +
-           slots.capacity() * sizeof(Slot) + scores.capacity() * sizeof(float);
+           slots.capacity() * sizeof(Slot) + scores.capacity() * sizeof(float) +
+           group.capacity() * sizeof(float);
   }
 };
 
