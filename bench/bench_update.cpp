@@ -2,6 +2,7 @@
 // in the same binary, so each figure reads as a ratio (see BENCHMARKS.md).
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -307,6 +308,159 @@ void BM_PolicyPrefill(benchmark::State& state) {
 }
 BENCHMARK_TEMPLATE(BM_PolicyPrefill, Eigen::half)
     ->ArgsProduct({{0, 1, 2, 3}, {2048, 8192}})->Unit(benchmark::kMillisecond);
+
+// ---- real-query scoring (SPEC 4.6): a Llama-3-8B layer, G = 4 query heads per KV head ----
+// H = 8 KV heads, Hq = 32 query heads, D = 128. Each comparison point runs the same shapes.
+
+constexpr Index kKvHeads = 8;
+
+// Decode steps of an H2O cache prefilled to its budget. range(0): budget; range(1): G, or 0 for
+// the key-as-query proxy (no queries passed).
+template <class T>
+void BM_QueryDecode(benchmark::State& state) {
+  const int budget = static_cast<int>(state.range(0));
+  const Index groups = state.range(1);
+  vc::H2OCache<T> cache(h2o_config(budget));
+  const auto prompt = random_tokens<T>(kKvHeads, budget, 1);
+  cache.update_and_view(prompt, prompt);
+  const auto pool = token_pool<T>(kKvHeads, 64);
+  std::vector<vc::Tensor4<float>> queries;
+  for (int i = 0; i < 64; ++i) {
+    queries.push_back(random_tokens<float>(kKvHeads * std::max<Index>(groups, 1), 1,
+                                           2000u + static_cast<unsigned>(i)));
+  }
+  std::size_t i = 0;
+  for (auto _ : state) {
+    const std::size_t j = i++ % pool.size();
+    if (groups > 0) {
+      auto view = cache.update_and_view(pool[j], pool[j], queries[j]);
+      benchmark::DoNotOptimize(view.rows());
+    } else {
+      auto view = cache.update_and_view(pool[j], pool[j]);
+      benchmark::DoNotOptimize(view.rows());
+    }
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+
+// The engine's own decode attention with grouped queries: for each KV head, its G query heads
+// attend over n rows (logits, softmax, weighted sum of values), half rows converted in chunks.
+// range(0): rows - 1 (the budget); range(1): G.
+template <class T>
+void BM_DenseGQAAttention(benchmark::State& state) {
+  const Index n = state.range(0) + 1;
+  const Index groups = state.range(1);
+  const auto k = random_tokens<T>(kKvHeads, n, 2);
+  const auto v = random_tokens<T>(kKvHeads, n, 3);
+  const auto q = random_tokens<float>(kKvHeads * groups, 1, 4);
+  using RowsF = Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+  using MatF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  constexpr Index kChunk = 64;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  for (auto _ : state) {
+#pragma omp parallel
+    {
+    std::vector<float> buf(static_cast<std::size_t>(kChunk * kHeadDim));
+    MatF logits(groups, n), out(groups, kHeadDim);
+#pragma omp for schedule(static)
+    for (Index h = 0; h < kKvHeads; ++h) {
+      const T* kh = k.data() + h * n * kHeadDim;
+      const T* vh = v.data() + h * n * kHeadDim;
+      const RowsF qh(q.data() + h * groups * kHeadDim, groups, kHeadDim);
+      for (Index r0 = 0; r0 < n; r0 += kChunk) {
+        const Index m = std::min(kChunk, n - r0);
+        vc::detail::convert_rows(kh + r0 * kHeadDim, m, kHeadDim, buf.data());
+        logits.middleCols(r0, m).noalias() = qh * RowsF(buf.data(), m, kHeadDim).transpose();
+      }
+      logits *= scale;
+      for (Index g = 0; g < groups; ++g) vc::detail::softmax_inplace(logits.row(g).data(), n);
+      out.setZero();
+      for (Index r0 = 0; r0 < n; r0 += kChunk) {
+        const Index m = std::min(kChunk, n - r0);
+        vc::detail::convert_rows(vh + r0 * kHeadDim, m, kHeadDim, buf.data());
+        out.noalias() += logits.middleCols(r0, m) * RowsF(buf.data(), m, kHeadDim);
+      }
+      benchmark::DoNotOptimize(out.data());
+    }
+    }
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+
+// Prefill of S tokens into an H2O cache of budget 512. range(0): S; range(1): G, or 0 for the
+// proxy.
+template <class T>
+void BM_QueryPrefill(benchmark::State& state) {
+  const Index S = state.range(0);
+  const Index groups = state.range(1);
+  const auto prompt = random_tokens<T>(kKvHeads, S, 5);
+  const auto queries = random_tokens<float>(kKvHeads * std::max<Index>(groups, 1), S, 6);
+  for (auto _ : state) {
+    vc::H2OCache<T> cache(h2o_config(512));
+    if (groups > 0) {
+      auto view = cache.update_and_view(prompt, prompt, queries);
+      benchmark::DoNotOptimize(view.rows());
+    } else {
+      auto view = cache.update_and_view(prompt, prompt);
+      benchmark::DoNotOptimize(view.rows());
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * S);
+}
+
+// The engine's causal prefill attention scores with grouped queries: per KV head, blocks of 16
+// tokens x G = 4 query heads (64 rows) against the keys up to the block's end, then the softmax
+// of each row over its causal prefix. range(0): S; range(1): G.
+template <class T>
+void BM_CausalGQAScores(benchmark::State& state) {
+  const Index S = state.range(0);
+  const Index groups = state.range(1);
+  const Index tokens = std::max<Index>(1, 64 / groups);
+  const auto k = random_tokens<T>(kKvHeads, S, 5);
+  const auto q = random_tokens<float>(kKvHeads * groups, S, 6);
+  using RowsF = Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  for (auto _ : state) {
+#pragma omp parallel
+    {
+    std::vector<float> kf(static_cast<std::size_t>(S * kHeadDim));
+    std::vector<float> qb(static_cast<std::size_t>(tokens * groups * kHeadDim));
+    Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> logits(tokens * groups, S);
+#pragma omp for schedule(static)
+    for (Index h = 0; h < kKvHeads; ++h) {
+      vc::detail::convert_rows(k.data() + h * S * kHeadDim, S, kHeadDim, kf.data());
+      const RowsF kh(kf.data(), S, kHeadDim);
+      for (Index i0 = 0; i0 < S; i0 += tokens) {
+        const Index nb = std::min(tokens, S - i0);
+        const Index cols = i0 + nb;  // causal: rows up to the block's last token
+        for (Index t = 0; t < nb; ++t) {
+          for (Index g = 0; g < groups; ++g) {
+            std::memcpy(qb.data() + (t * groups + g) * kHeadDim,
+                        q.data() + ((h * groups + g) * S + i0 + t) * kHeadDim,
+                        sizeof(float) * static_cast<std::size_t>(kHeadDim));
+          }
+        }
+        logits.topLeftCorner(nb * groups, cols).noalias() =
+            RowsF(qb.data(), nb * groups, kHeadDim) * kh.topRows(cols).transpose() * scale;
+        for (Index r = 0; r < nb * groups; ++r) {
+          vc::detail::softmax_inplace(logits.row(r).data(), i0 + r / groups + 1);
+        }
+      }
+      benchmark::DoNotOptimize(logits.data());
+    }
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * S);
+}
+
+BENCHMARK_TEMPLATE(BM_QueryDecode, Eigen::half)->ArgsProduct({{512, 2048}, {0, 1, 4}});
+BENCHMARK_TEMPLATE(BM_QueryDecode, float)->ArgsProduct({{512, 2048}, {0, 4}});
+BENCHMARK_TEMPLATE(BM_DenseGQAAttention, Eigen::half)->ArgsProduct({{512, 2048}, {4}});
+BENCHMARK_TEMPLATE(BM_DenseGQAAttention, float)->ArgsProduct({{512, 2048}, {4}});
+BENCHMARK_TEMPLATE(BM_QueryPrefill, Eigen::half)
+    ->ArgsProduct({{512, 2048, 8192}, {0, 4}})->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_CausalGQAScores, Eigen::half)
+    ->ArgsProduct({{512, 2048, 8192}, {4}})->Unit(benchmark::kMillisecond);
 
 // ---- machine yardsticks for a roofline reading: float32 GEMM throughput and copy bandwidth ----
 
