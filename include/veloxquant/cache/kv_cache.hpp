@@ -23,6 +23,29 @@
 
 namespace veloxquant::cache {
 
+namespace detail {
+
+/// While alive, Eigen products started on this thread (and in OpenMP teams it forks) run
+/// single-threaded: OpenMP's thread-count setting is per thread, so the caller's own setting and
+/// other threads are untouched, and it is restored on destruction.
+class OneEigenThread {
+ public:
+#ifdef _OPENMP
+  OneEigenThread() : saved_(omp_get_max_threads()) { omp_set_num_threads(1); }
+  ~OneEigenThread() { omp_set_num_threads(saved_); }
+
+ private:
+  int saved_;
+#else
+  OneEigenThread() = default;
+#endif
+ public:
+  OneEigenThread(const OneEigenThread&) = delete;
+  OneEigenThread& operator=(const OneEigenThread&) = delete;
+};
+
+}  // namespace detail
+
 /// Zero-copy view of the rows a call hands back: one block of `rows()` rows per (b, h), living in
 /// the cache's own storage. Valid until the next non-const call on the cache. Rows retained before
 /// the call may come in any order (positions() says which is which); the rows of the call come
@@ -424,6 +447,10 @@ class KVCache {
                                   std::max<Index>(queries.groups, 1) >=
                               kParallelWork;
     (void)parallel;
+    // Every product of a head runs on the thread that owns the head: Eigen would otherwise spread
+    // a serial call's GEMMs over OpenMP threads of its own (measured 5-25x slower, and far worse
+    // on a loaded machine), since it parallelises whenever it is not inside a team of several.
+    const detail::OneEigenThread one_eigen_thread;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(n_workers) if (parallel)
 #endif
