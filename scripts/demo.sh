@@ -1,9 +1,20 @@
 #!/usr/bin/env bash
-# Builds and runs the demo (installs missing build dependencies first).
+# Builds and runs the demo (installs missing build dependencies first): a story from the real
+# stories260K model with SqueezeAttention caches when the fixtures are found (../shared/fixtures,
+# VELOXQUANT_FIXTURES, or --fixtures DIR); otherwise it says where to get them and runs the
+# synthetic six-layer demo. Arguments go to the story demo (e.g. --budget 32 --prompt "...").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh --demo-only
 BUILD=${BUILD_DIR:-build-demo}
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DVELOXQUANT_BUILD_TESTS=OFF >/dev/null
-cmake --build "$BUILD" -j"$(nproc)" --target squeeze_demo
-"$BUILD"/examples/squeeze_demo "$@"
+cmake --build "$BUILD" -j"$(nproc)" --target llama2c_story_demo squeeze_demo
+status=0
+"$BUILD"/examples/llama2c_story_demo "$@" || status=$?
+if [ "$status" -eq 2 ]; then
+  echo "Running the synthetic demo instead."
+  echo
+  "$BUILD"/examples/squeeze_demo
+elif [ "$status" -ne 0 ]; then
+  exit "$status"
+fi
