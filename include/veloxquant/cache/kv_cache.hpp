@@ -345,6 +345,7 @@ class KVCache {
   KVView<T> update(const Tensor4<T>& keys, const Tensor4<T>& values,
                    const Tensor4<float>* queries, const char* api) {
     detail::check_update(keys, values, dims_, api);
+    detail::check_rows_fit(live_rows(), keys.dimension(2), api);
     return update_checked(keys, values, checked_queries(queries, keys, api));
   }
 
@@ -374,8 +375,9 @@ class KVCache {
   void fetch_into(const Tensor4<T>& keys, const Tensor4<T>& values, const Tensor4<float>* queries,
                   KVPair<T>& out, const char* api) {
     detail::check_update(keys, values, dims_, api);
+    detail::check_rows_fit(live_rows(), keys.dimension(2), api);
     const detail::CallQueries call_queries = checked_queries(queries, keys, api);
-    const Index rows = (dims_.known ? heads_.front().live() : 0) + keys.dimension(2);
+    const Index rows = live_rows() + keys.dimension(2);
     resize_pair(out, keys.dimension(0), keys.dimension(1), rows, keys.dimension(3),
                 values.dimension(3));
     const KVView<T> view = update_checked(keys, values, call_queries);
@@ -387,6 +389,9 @@ class KVCache {
         },
         out);
   }
+
+  // Rows each head holds (the same for all heads), 0 before the first call.
+  Index live_rows() const { return dims_.known ? heads_.front().live() : 0; }
 
   static void resize_pair(KVPair<T>& out, Index b, Index h, Index n, Index dk, Index dv) {
     const Eigen::array<Index, 4> kshape{b, h, n, dk};

@@ -49,6 +49,18 @@ bool all_finite(const T* x, Eigen::Index n) {
   return bad == 0;
 }
 
+/// Throws std::invalid_argument when a head that holds `live` rows cannot take `new_rows` more:
+/// rows are addressed by 32-bit slots, so a head holds at most 2^31 - 1 rows.
+inline void check_rows_fit(Eigen::Index live, Eigen::Index new_rows, const char* api) {
+  constexpr Eigen::Index kMaxRows = 2147483647;  // std::numeric_limits<std::int32_t>::max()
+  if (new_rows > kMaxRows - live) {
+    std::ostringstream os;
+    os << api << ": a head holding " << live << " rows cannot take " << new_rows
+       << " more (at most " << kMaxRows << " rows per head)";
+    throw std::invalid_argument(os.str());
+  }
+}
+
 /// Throws std::invalid_argument for keys/values whose shapes disagree with each other or with the
 /// dims of the first call, for a zero B, H or D, and for a non-finite key (first bad index).
 /// keys: [B, H, S, Dk], values: [B, H, S, Dv]
