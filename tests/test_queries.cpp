@@ -90,17 +90,6 @@ TokenQueries queries_of(const vc::Tensor4<Q>& q, Index b, Index h, Index G) {
   return out;
 }
 
-/// Tokens [s0, s0 + n) of a [B, H, S, D] tensor.
-template <class X>
-vc::Tensor4<X> tokens(const vc::Tensor4<X>& t, Index s0, Index n) {
-  vc::Tensor4<X> out(t.dimension(0), t.dimension(1), n, t.dimension(3));
-  for (Index b = 0; b < t.dimension(0); ++b)
-    for (Index h = 0; h < t.dimension(1); ++h)
-      for (Index s = 0; s < n; ++s)
-        for (Index d = 0; d < t.dimension(3); ++d) out(b, h, s, d) = t(b, h, s0 + s, d);
-  return out;
-}
-
 template <class X>
 std::string fmt(const std::vector<X>& v) {
   std::ostringstream os;
@@ -141,31 +130,6 @@ vc::KVCacheConfig pyramid_config(int budget, int n_sink, double ratio, double de
   c.pyramid_n_sink = n_sink;
   c.pyramid_recent_ratio = ratio;
   c.pyramid_decay = decay;
-  return c;
-}
-
-vc::KVCacheConfig tova_config(int budget, int n_sink) {
-  vc::KVCacheConfig c;
-  c.method = "tova";
-  c.tova_budget = budget;
-  c.tova_n_sink = n_sink;
-  return c;
-}
-
-vc::KVCacheConfig snap_config(int budget, int n_sink, int obs_window) {
-  vc::KVCacheConfig c;
-  c.method = "snapkv";
-  c.snap_budget = budget;
-  c.snap_n_sink = n_sink;
-  c.snap_obs_window = obs_window;
-  return c;
-}
-
-vc::KVCacheConfig stream_config(int n_sink, int window) {
-  vc::KVCacheConfig c;
-  c.method = "streaming_llm";
-  c.stream_n_sink = n_sink;
-  c.stream_window_size = window;
   return c;
 }
 
@@ -858,9 +822,9 @@ TEST(QueryHandExampleTest, IssueExampleAsThreeOneTokenCalls) {
         {1.0}, {11.0 / 12.0, 7.0 / 12.0}, kIssueScores};
     for (Index s = 0; s < 3; ++s) {
       const vc::KVPair<float> got = cache->update_and_fetch(
-          tokens(kIssueKeys, s, 1), tokens(value_tensor(3), s, 1), tokens(kIssueQueries, s, 1));
+          slice_s(kIssueKeys, s, 1), slice_s(value_tensor(3), s, 1), slice_s(kIssueQueries, s, 1));
       // Returned: the rows retained before (positions 0 .. s - 1) then this token.
-      EXPECT_TRUE(bitwise_equal(got.first, tokens(kIssueKeys, 0, s + 1))) << "token " << s;
+      EXPECT_TRUE(bitwise_equal(got.first, slice_s(kIssueKeys, 0, s + 1))) << "token " << s;
       expect_scores_near(cache->scores(0, 0), after[static_cast<std::size_t>(s)],
                          "after token " + std::to_string(s));
     }
@@ -910,7 +874,7 @@ TEST(QueryHandExampleTest, OneTokenCallsEvictAfterEachToken) {
   const std::vector<Positions> after = {{0}, {0, 1}, {0, 1, 2}, {0, 2, 3}, {0, 2, 4}};
   for (Index s = 0; s < 5; ++s) {
     const vc::KVPair<float> got = cache.update_and_fetch(
-        tokens(kEvictKeys, s, 1), tokens(value_tensor(5), s, 1), tokens(kEvictQueries, s, 1));
+        slice_s(kEvictKeys, s, 1), slice_s(value_tensor(5), s, 1), slice_s(kEvictQueries, s, 1));
     EXPECT_EQ(got.first.dimension(2), std::min<Index>(s, 3) + 1);
     EXPECT_EQ(cache.positions(0, 0), after[static_cast<std::size_t>(s)]) << "after token " << s;
   }
@@ -930,8 +894,8 @@ TEST(QueryHandExampleTest, TovaOneTokenCallsAndOneCall) {
   const std::vector<Positions> after = {{0}, {0, 1}, {0, 1}, {0, 3}, {0, 4}};
   vc::TOVACache<float> stepped(tova_config(2, 1));
   for (Index s = 0; s < 5; ++s) {
-    (void)stepped.update_and_fetch(tokens(kTovaKeys, s, 1), tokens(value_tensor(5), s, 1),
-                                   tokens(kTovaQueries, s, 1));
+    (void)stepped.update_and_fetch(slice_s(kTovaKeys, s, 1), slice_s(value_tensor(5), s, 1),
+                                   slice_s(kTovaQueries, s, 1));
     EXPECT_EQ(stepped.positions(0, 0), after[static_cast<std::size_t>(s)]) << "after token " << s;
     if (s == 2) expect_scores_near(stepped.scores(0, 0), {7.0 / 24.0, 10.0 / 24.0}, "t2");
   }
@@ -945,7 +909,7 @@ TEST(QueryHandExampleTest, TovaOneTokenCallsAndOneCall) {
 
   // Contrast: without queries (key-as-query) t2 evicts row 1.
   vc::TOVACache<float> proxy(tova_config(2, 1));
-  (void)proxy.update_and_fetch(tokens(kTovaKeys, 0, 3), tokens(value_tensor(5), 0, 3));
+  (void)proxy.update_and_fetch(slice_s(kTovaKeys, 0, 3), slice_s(value_tensor(5), 0, 3));
   EXPECT_EQ(proxy.positions(0, 0), (Positions{0, 2}));
 }
 
@@ -2004,7 +1968,7 @@ TYPED_TEST(QueryTieTest, H2OCoreDecodeEvictsTheEarliestOfEqualScores) {
   values.setConstant(T(1.0f));
   for (Subject<T>& s : tie_caches<T>()) {
     for (Index i = 0; i < 8; ++i) {
-      (void)s.cache->update_and_fetch(tokens(keys, i, 1), tokens(values, i, 1), tokens(queries, i, 1));
+      (void)s.cache->update_and_fetch(slice_s(keys, i, 1), slice_s(values, i, 1), slice_s(queries, i, 1));
       EXPECT_EQ(s.scored->positions(0, 0), after[static_cast<std::size_t>(i)]) << "after token " << i;
       EXPECT_EQ(s.scored->scores(0, 0), scores_after[static_cast<std::size_t>(i)]) << "after token " << i;
     }
@@ -2023,11 +1987,11 @@ TYPED_TEST(QueryTieTest, TovaAndSnapKVTiesGoToTheEarliest) {
   QTensor zero(1, 1, 6, 8);
   zero.setZero();
   vc::TOVACache<T> one_call(tova_config(3, 1));
-  (void)one_call.update_and_fetch(tokens(keys, 0, 5), tokens(values, 0, 5), tokens(zero, 0, 5));
+  (void)one_call.update_and_fetch(slice_s(keys, 0, 5), slice_s(values, 0, 5), slice_s(zero, 0, 5));
   EXPECT_EQ(one_call.positions(0, 0), (Positions{0, 3, 4}));
   vc::TOVACache<T> stepped(tova_config(3, 1));
   for (Index i = 0; i < 5; ++i) {
-    (void)stepped.update_and_fetch(tokens(keys, i, 1), tokens(values, i, 1), tokens(zero, i, 1));
+    (void)stepped.update_and_fetch(slice_s(keys, i, 1), slice_s(values, i, 1), slice_s(zero, i, 1));
   }
   EXPECT_EQ(stepped.positions(0, 0), (Positions{0, 3, 4}));
   EXPECT_EQ(stepped.scores(0, 0), (std::vector<float>{0.25f, 0.25f, 0.25f}));

@@ -40,16 +40,6 @@ using Positions = std::vector<std::int64_t>;
 
 using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 
-/// A SnapKV config (method "snapkv").
-vc::KVCacheConfig snap_config(int budget, int n_sink, int obs_window) {
-  vc::KVCacheConfig c;
-  c.method = "snapkv";
-  c.snap_budget = budget;
-  c.snap_n_sink = n_sink;
-  c.snap_obs_window = obs_window;
-  return c;
-}
-
 /// SnapKV scores of a call's rows (SPEC 6), from the oracle's proxy_softmax: the mean over the
 /// last min(obs, S) keys of their softmax over all S rows, or (causal) over rows 0..j only (rows
 /// after the proxy get 0). keys: [S][D]; returns [S]

@@ -40,14 +40,6 @@ using Positions = std::vector<std::int64_t>;
 
 using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 
-vc::KVCacheConfig stream_config(int n_sink, int window) {
-  vc::KVCacheConfig c;
-  c.method = "streaming_llm";
-  c.stream_n_sink = n_sink;
-  c.stream_window_size = window;
-  return c;
-}
-
 /// The closed form (SPEC 6): positions p < offset with p < n_sink or p >= offset - window.
 Positions closed_form(std::int64_t offset, int n_sink, int window) {
   Positions out;

@@ -52,17 +52,6 @@ vc::Tensor4<T> uniform_tensor(std::mt19937& rng, Index B, Index H, Index S, Inde
   return t;
 }
 
-/// Rows [s0, s0 + n) of a [B, H, S, D] tensor (a slice along S).
-template <class T>
-vc::Tensor4<T> slice_s(const vc::Tensor4<T>& t, Index s0, Index n) {
-  vc::Tensor4<T> out(t.dimension(0), t.dimension(1), n, t.dimension(3));
-  for (Index b = 0; b < t.dimension(0); ++b)
-    for (Index h = 0; h < t.dimension(1); ++h)
-      for (Index s = 0; s < n; ++s)
-        for (Index d = 0; d < t.dimension(3); ++d) out(b, h, s, d) = t(b, h, s0 + s, d);
-  return out;
-}
-
 /// A [B, H, S, D] tensor whose every row is `row` (converted to T).
 template <class T>
 vc::Tensor4<T> repeated_rows(Index B, Index H, Index S, const std::vector<double>& row) {
@@ -74,14 +63,6 @@ vc::Tensor4<T> repeated_rows(Index B, Index H, Index S, const std::vector<double
         for (Index d = 0; d < D; ++d)
           t(b, h, s, d) = static_cast<T>(row[static_cast<std::size_t>(d)]);
   return t;
-}
-
-vc::KVCacheConfig tova_config(int budget, int n_sink) {
-  vc::KVCacheConfig c;
-  c.method = "tova";
-  c.tova_budget = budget;
-  c.tova_n_sink = n_sink;
-  return c;
 }
 
 /// Relative gap between the two lowest evictable weights of an eviction the oracle just ran:

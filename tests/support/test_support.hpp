@@ -269,6 +269,45 @@ std::string compare_returned(const cache::KVPair<T>& got,
   return compare_returned(got, before, keys, values, rc.B, rc.H, rc.Dk, rc.Dv);
 }
 
+/// Tokens [s0, s0 + n) of a [B, H, S, D] tensor (a slice along S).
+template <class T>
+cache::Tensor4<T> slice_s(const cache::Tensor4<T>& t, Index s0, Index n) {
+  cache::Tensor4<T> out(t.dimension(0), t.dimension(1), n, t.dimension(3));
+  for (Index b = 0; b < t.dimension(0); ++b)
+    for (Index h = 0; h < t.dimension(1); ++h)
+      for (Index s = 0; s < n; ++s)
+        for (Index d = 0; d < t.dimension(3); ++d) out(b, h, s, d) = t(b, h, s0 + s, d);
+  return out;
+}
+
+/// A TOVA config (method "tova").
+inline cache::KVCacheConfig tova_config(int budget, int n_sink) {
+  cache::KVCacheConfig c;
+  c.method = "tova";
+  c.tova_budget = budget;
+  c.tova_n_sink = n_sink;
+  return c;
+}
+
+/// A SnapKV config (method "snapkv").
+inline cache::KVCacheConfig snap_config(int budget, int n_sink, int obs_window) {
+  cache::KVCacheConfig c;
+  c.method = "snapkv";
+  c.snap_budget = budget;
+  c.snap_n_sink = n_sink;
+  c.snap_obs_window = obs_window;
+  return c;
+}
+
+/// A StreamingLLM config (method "streaming_llm").
+inline cache::KVCacheConfig stream_config(int n_sink, int window) {
+  cache::KVCacheConfig c;
+  c.method = "streaming_llm";
+  c.stream_n_sink = n_sink;
+  c.stream_window_size = window;
+  return c;
+}
+
 /// One invalid call for the strong-guarantee tests (SPEC 8).
 struct BadCall {
   std::string name;
