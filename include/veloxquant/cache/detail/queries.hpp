@@ -14,6 +14,8 @@
 
 namespace veloxquant::cache::detail {
 
+using Index = Eigen::Index;
+
 /// The G query heads of one KV head for one call, float32: [G, S, D] contiguous (query head
 /// h * G + g of the call belongs to KV head h). Empty (data == nullptr) when the call brought no
 /// queries: the policy then scores with the key-as-query proxy.

@@ -1,0 +1,176 @@
+# Driver of the packaging tests, run by CTest as `cmake -D... -P run_consumer.cmake`.
+#
+#   MODE                   install | find_package | add_subdirectory | fetchcontent | pkg-config
+#   VELOXQUANT_SOURCE_DIR  the library's source tree
+#   VELOXQUANT_BINARY_DIR  the library's build tree (MODE install: what `cmake --install` installs)
+#   CONFIG                 configuration of that build tree (multi-config generators)
+#   PREFIX                 install prefix shared by install, find_package and pkg-config
+#   WORK_DIR               scratch directory of this test (wiped first)
+#   GENERATOR, MAKE_PROGRAM, CXX_COMPILER, EIGEN3_DIR
+#                          how the consumer is configured: same generator, compiler and Eigen as the
+#                          library's build (Eigen through its CMake package, Eigen3_DIR)
+#   EXPECTED_VERSION       the project version the package must report
+#   EXPECT_OPENMP          whether the library was configured with OpenMP
+#
+# Consumers are built in Release in their own tree: a few seconds of configure plus one compile.
+
+cmake_minimum_required(VERSION 3.20)
+
+foreach(var MODE VELOXQUANT_SOURCE_DIR WORK_DIR)
+  if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
+    message(FATAL_ERROR "run_consumer.cmake: ${var} is not set")
+  endif()
+endforeach()
+set(consumers_dir "${CMAKE_CURRENT_LIST_DIR}")
+
+# Runs a command, echoing it; stops the test with its output when it fails.
+function(run_step)
+  execute_process(COMMAND ${ARGN} COMMAND_ECHO STDOUT RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "step failed (${rc}): ${ARGN}")
+  endif()
+endfunction()
+
+# Fails when `file` mentions the source or build tree (the installed package must be relocatable).
+function(check_no_tree_paths file)
+  file(READ "${file}" text)
+  foreach(dir IN ITEMS "${VELOXQUANT_SOURCE_DIR}" "${VELOXQUANT_BINARY_DIR}")
+    if(NOT dir STREQUAL "")
+      string(FIND "${text}" "${dir}" at)
+      if(NOT at EQUAL -1)
+        message(FATAL_ERROR "${file} refers to ${dir}")
+      endif()
+    endif()
+  endforeach()
+endfunction()
+
+# Configures, builds and runs the CMake consumer project in ${consumers_dir}/<project>.
+function(build_and_run_cmake_consumer project)
+  set(build "${WORK_DIR}/build")
+  set(args -S "${consumers_dir}/${project}" -B "${build}" -DCMAKE_BUILD_TYPE=Release
+           -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF)
+  if(GENERATOR)
+    list(APPEND args -G "${GENERATOR}")
+  endif()
+  if(MAKE_PROGRAM)
+    list(APPEND args "-DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM}")
+  endif()
+  if(CXX_COMPILER)
+    list(APPEND args "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}")
+  endif()
+  if(EIGEN3_DIR)
+    list(APPEND args "-DEigen3_DIR=${EIGEN3_DIR}")
+  endif()
+  if(DEFINED EXPECT_OPENMP)
+    list(APPEND args "-DVELOXQUANT_EXPECT_OPENMP=${EXPECT_OPENMP}")
+  endif()
+  if(EXPECTED_VERSION)
+    list(APPEND args "-DVELOXQUANT_EXPECTED_VERSION=${EXPECTED_VERSION}")
+  endif()
+  list(APPEND args ${ARGN})
+  run_step("${CMAKE_COMMAND}" ${args})
+  run_step("${CMAKE_COMMAND}" --build "${build}" --config Release)
+
+  find_program(consumer_exe consumer PATHS "${build}" "${build}/Release" NO_DEFAULT_PATH
+               NO_CACHE)
+  if(NOT consumer_exe)
+    message(FATAL_ERROR "the consumer executable was not built under ${build}")
+  endif()
+  run_step("${consumer_exe}")
+endfunction()
+
+file(REMOVE_RECURSE "${WORK_DIR}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
+
+if(MODE STREQUAL "install")
+  # Fresh install of the current build tree into PREFIX.
+  file(REMOVE_RECURSE "${PREFIX}")
+  set(args --install "${VELOXQUANT_BINARY_DIR}" --prefix "${PREFIX}")
+  if(CONFIG)
+    list(APPEND args --config "${CONFIG}")
+  endif()
+  run_step("${CMAKE_COMMAND}" ${args})
+  foreach(rel IN ITEMS include/veloxquant/cache.hpp include/veloxquant/cache/detail/scoring.hpp
+                       share/cmake/veloxquant/veloxquantConfig.cmake
+                       share/cmake/veloxquant/veloxquantConfigVersion.cmake
+                       share/cmake/veloxquant/veloxquantTargets.cmake
+                       share/pkgconfig/veloxquant.pc)
+    if(NOT EXISTS "${PREFIX}/${rel}")
+      message(FATAL_ERROR "not installed: ${PREFIX}/${rel}")
+    endif()
+  endforeach()
+  file(GLOB_RECURSE package_files "${PREFIX}/share/*.cmake" "${PREFIX}/share/*.pc")
+  foreach(f IN LISTS package_files)
+    check_no_tree_paths("${f}")
+  endforeach()
+  message(STATUS "installed into ${PREFIX}")
+
+elseif(MODE STREQUAL "find_package")
+  build_and_run_cmake_consumer(find_package "-DCMAKE_PREFIX_PATH=${PREFIX}")
+  # It must have used the fresh install, not some other copy of the package.
+  file(STRINGS "${WORK_DIR}/build/CMakeCache.txt" dir_line REGEX "^veloxquant_DIR:")
+  string(REGEX REPLACE "^[^=]*=" "" found_dir "${dir_line}")
+  file(REAL_PATH "${found_dir}" found_dir)
+  file(REAL_PATH "${PREFIX}/share/cmake/veloxquant" expected_dir)
+  if(NOT found_dir STREQUAL expected_dir)
+    message(FATAL_ERROR "find_package used ${found_dir}, expected ${expected_dir}")
+  endif()
+
+elseif(MODE STREQUAL "add_subdirectory")
+  build_and_run_cmake_consumer(add_subdirectory "-DVELOXQUANT_SOURCE_DIR=${VELOXQUANT_SOURCE_DIR}")
+
+elseif(MODE STREQUAL "fetchcontent")
+  build_and_run_cmake_consumer(fetchcontent "-DVELOXQUANT_SOURCE_DIR=${VELOXQUANT_SOURCE_DIR}"
+                               -DFETCHCONTENT_QUIET=OFF)
+
+elseif(MODE STREQUAL "pkg-config")
+  find_program(pkg_config NAMES pkg-config pkgconf NO_CACHE)
+  if(NOT pkg_config)
+    # Matched by the test's SKIP_REGULAR_EXPRESSION (Debian: apt-get install pkg-config).
+    message(STATUS "veloxquant-packaging: SKIPPED: pkg-config is not installed")
+    return()
+  endif()
+  if(NOT CXX_COMPILER)
+    message(FATAL_ERROR "run_consumer.cmake: CXX_COMPILER is not set")
+  endif()
+  set(ENV{PKG_CONFIG_PATH} "${PREFIX}/share/pkgconfig:$ENV{PKG_CONFIG_PATH}")
+
+  execute_process(COMMAND "${pkg_config}" --modversion veloxquant
+                  OUTPUT_VARIABLE version OUTPUT_STRIP_TRAILING_WHITESPACE
+                  COMMAND_ERROR_IS_FATAL ANY)
+  if(EXPECTED_VERSION AND NOT version STREQUAL EXPECTED_VERSION)
+    message(FATAL_ERROR "pkg-config reports veloxquant ${version}, expected ${EXPECTED_VERSION}")
+  endif()
+  execute_process(COMMAND "${pkg_config}" --cflags veloxquant
+                  OUTPUT_VARIABLE cflags OUTPUT_STRIP_TRAILING_WHITESPACE
+                  COMMAND_ERROR_IS_FATAL ANY)
+  message(STATUS "pkg-config ${version}: --cflags veloxquant = ${cflags}")
+  execute_process(COMMAND "${pkg_config}" --libs veloxquant
+                  OUTPUT_VARIABLE libs OUTPUT_STRIP_TRAILING_WHITESPACE
+                  COMMAND_ERROR_IS_FATAL ANY)
+  separate_arguments(cflags UNIX_COMMAND "${cflags}")
+  separate_arguments(libs UNIX_COMMAND "${libs}")
+
+  # One -I must be the installed include directory (not the source tree).
+  file(REAL_PATH "${PREFIX}/include" expected_include)
+  set(found_include FALSE)
+  foreach(flag IN LISTS cflags)
+    if(flag MATCHES "^-I(.+)$")
+      file(REAL_PATH "${CMAKE_MATCH_1}" dir)
+      if(dir STREQUAL expected_include)
+        set(found_include TRUE)
+      endif()
+    endif()
+  endforeach()
+  if(NOT found_include)
+    message(FATAL_ERROR "pkg-config --cflags veloxquant lacks -I${expected_include}")
+  endif()
+
+  set(exe "${WORK_DIR}/consumer")
+  run_step("${CXX_COMPILER}" -std=c++17 -O2 -DNDEBUG ${cflags} "${consumers_dir}/main.cpp"
+           -o "${exe}" ${libs})
+  run_step("${exe}")
+
+else()
+  message(FATAL_ERROR "run_consumer.cmake: unknown MODE '${MODE}'")
+endif()
