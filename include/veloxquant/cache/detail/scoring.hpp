@@ -247,6 +247,7 @@ inline void for_each_token_blocked(HeadStore<T>& head, Slot first, Index count, 
     for (Index t = 0; t < nb; ++t) {
       const auto s = static_cast<Slot>(first + i0 + t);
       scratch.weights.resize(static_cast<std::size_t>(rows.size() + 1));
+      if (groups > 1) scratch.group.resize(static_cast<std::size_t>(rows.size() + 1));
       on_token(rows, s, scratch.logits.data() + t * groups * cols,
                static_cast<std::int32_t>(nc + t));
     }

@@ -52,7 +52,9 @@ struct KernelScratch {
     const auto lhs = static_cast<std::size_t>(lhs_rows);
     fit_capacity(weights, r);
     fit_capacity(picks, r);
-    if (new_rows > 1) {
+    // Blocked sizes also for a one-token call with queries: when the call adopts a budget, the
+    // re-budget leaves holes in the slots and that token goes through the blocked driver.
+    if (new_rows > 1 || groups > 0) {
       const auto padded = static_cast<std::size_t>(padded_columns(rows));
       fit_capacity(query, groups > 0 ? lhs * d : d);
       fit_capacity(keys, padded * d);
