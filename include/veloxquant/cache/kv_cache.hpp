@@ -72,23 +72,30 @@ class KVView {
 
   /// Keys of head (b, h): [rows(), Dk].
   RowsMap keys(Eigen::Index b, Eigen::Index h) const {
+    check(b, h);
     return RowsMap(rows_ ? head(b, h).keys_data() : nullptr, rows_, key_dim_);
   }
   /// Values of head (b, h): [rows(), Dv].
   RowsMap values(Eigen::Index b, Eigen::Index h) const {
+    check(b, h);
     return RowsMap(rows_ ? head(b, h).values_data() : nullptr, rows_, value_dim_);
   }
   /// Position of each row of head (b, h): [rows()].
   PositionsMap positions(Eigen::Index b, Eigen::Index h) const {
+    check(b, h);
     return PositionsMap(rows_ ? head(b, h).positions_data() : nullptr, rows_);
   }
 
  private:
-  const detail::HeadStore<T>& head(Eigen::Index b, Eigen::Index h) const {
+  // Throws std::out_of_range for a head outside [0, B) x [0, H) (also on an empty view).
+  void check(Eigen::Index b, Eigen::Index h) const {
     if (b < 0 || b >= batch_ || h < 0 || h >= n_heads_) {
       throw std::out_of_range("KVView: head (" + std::to_string(b) + ", " + std::to_string(h) +
                               ") out of range");
     }
+  }
+  const detail::HeadStore<T>& head(Eigen::Index b, Eigen::Index h) const {
+    check(b, h);
     return (*heads_)[static_cast<std::size_t>(b * n_heads_ + h)];
   }
 
@@ -455,7 +462,7 @@ class KVCache {
     // Every product of a head runs on the thread that owns the head: Eigen would otherwise spread
     // a serial call's GEMMs over OpenMP threads of its own (measured 5-25x slower, and far worse
     // on a loaded machine), since it parallelises whenever it is not inside a team of several.
-    const detail::OneEigenThread one_eigen_thread;
+    [[maybe_unused]] const detail::OneEigenThread one_eigen_thread;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(n_workers) if (parallel)
 #endif

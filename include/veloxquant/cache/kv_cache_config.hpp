@@ -40,6 +40,10 @@ template <class V>
   throw std::invalid_argument(os.str());
 }
 
+/// Largest accepted PyramidKV beta: beyond it the taper's arithmetic loses the average (and at
+/// infinity turns into NaN); every beta this large already gives the bottom layer everything.
+inline constexpr double kMaxPyramidBeta = 1e6;
+
 inline void check_budget(const char* field, long long v) {
   if (v < 1) config_error(field, v, "must be >= 1");
 }
@@ -50,7 +54,10 @@ inline void check_unit_interval(const char* field, double v) {
   if (!(v >= 0.0 && v <= 1.0)) config_error(field, v, "must be in [0, 1]");
 }
 inline void check_decay(const char* field, double v) {
-  if (!(v > 0.0 && v <= 1.0)) config_error(field, v, "must be in (0, 1]");
+  // Scores decay in float32: a decay that rounds to 0 there would silently mean "no memory".
+  if (!(v > 0.0 && v <= 1.0) || !(static_cast<float>(v) > 0.0f)) {
+    config_error(field, v, "must be in (0, 1] and above 0 in float32");
+  }
 }
 inline void check_sink_below(const char* sink_field, int n_sink, const char* budget_field,
                              long long budget) {
@@ -126,8 +133,8 @@ struct KVCacheConfig {
 
     check_budget("pyramid_budget", pyramid_budget);
     check_non_negative("pyramid_n_sink", pyramid_n_sink);
-    if (!(pyramid_beta >= 1.0) || !std::isfinite(pyramid_beta)) {
-      config_error("pyramid_beta", pyramid_beta, "must be a finite value >= 1");
+    if (!(pyramid_beta >= 1.0 && pyramid_beta <= kMaxPyramidBeta)) {
+      config_error("pyramid_beta", pyramid_beta, "must be in [1, 1e6]");
     }
     if (pyramid_resolved_budget) check_budget("pyramid_resolved_budget", *pyramid_resolved_budget);
     check_unit_interval("pyramid_recent_ratio", pyramid_recent_ratio);
@@ -138,6 +145,10 @@ struct KVCacheConfig {
 
     check_non_negative("stream_n_sink", stream_n_sink);
     if (stream_window_size < 1) config_error("stream_window_size", stream_window_size, "must be >= 1");
+    if (static_cast<long long>(stream_n_sink) + stream_window_size > 2147483647LL) {
+      config_error("stream_window_size", stream_window_size,
+                   "plus stream_n_sink must fit in an int (rows per head)");
+    }
 
     check_budget("snap_budget", snap_budget);
     if (snap_obs_window < 1) config_error("snap_obs_window", snap_obs_window, "must be >= 1");

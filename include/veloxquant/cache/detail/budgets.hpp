@@ -20,6 +20,11 @@ inline double round_half_even(double x) {
   return std::fmod(f, 2.0) == 0.0 ? f : f + 1.0;
 }
 
+/// n_sink + 1 without overflow (the smallest budget a layer can get).
+inline int floor_budget_of(int n_sink) {
+  return n_sink >= std::numeric_limits<int>::max() ? std::numeric_limits<int>::max() : n_sink + 1;
+}
+
 /// Clamp a rounded budget to int range and apply the floor.
 inline int to_budget(double v, int floor_budget) {
   const double r = round_half_even(v);
@@ -46,7 +51,7 @@ inline std::vector<int> squeeze_budgets(const std::vector<double>& concentration
       throw std::invalid_argument(os.str());
     }
   }
-  const int floor_budget = n_sink + 1;
+  const int floor_budget = floor_budget_of(n_sink);
   if (n == 1) return {std::max(avg_budget, floor_budget)};
   std::vector<double> raw(n);
   double sum = 0.0;
@@ -67,13 +72,13 @@ inline std::vector<int> squeeze_budgets(const std::vector<double>& concentration
 
 /// PyramidKV taper with water-filling to the average (SPEC 6).
 inline std::vector<int> pyramid_budgets(int n_layers, int avg_budget, int n_sink, double beta) {
-  if (!(beta >= 1.0)) {
+  if (!(beta >= 1.0 && beta <= 1e6)) {  // kMaxPyramidBeta (kv_cache_config.hpp)
     std::ostringstream os;
-    os << "pyramid_budgets: beta (" << beta << ") must be >= 1";
+    os << "pyramid_budgets: beta (" << beta << ") must be in [1, 1e6]";
     throw std::invalid_argument(os.str());
   }
   if (n_layers <= 0) return {};
-  const int floor_budget = n_sink + 1;
+  const int floor_budget = floor_budget_of(n_sink);
   if (n_layers == 1) return {std::max(avg_budget, floor_budget)};
   const auto n = static_cast<std::size_t>(n_layers);
   const double avg = avg_budget;

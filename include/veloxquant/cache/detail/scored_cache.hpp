@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "../kv_cache.hpp"
@@ -26,7 +28,7 @@ class ScoredCache : public KVCache<T> {
   std::vector<float> scores(Index b, Index h) const {
     std::vector<float> out;
     if (this->head_stores().empty()) return out;
-    const auto& head = this->head_stores().at(static_cast<std::size_t>(b * this->heads() + h));
+    const auto& head = head_at(b, h);
     out.reserve(head.order().size());
     for (const Slot s : head.order()) out.push_back(head.score(s));
     return out;
@@ -35,7 +37,7 @@ class ScoredCache : public KVCache<T> {
   std::vector<std::int64_t> positions(Index b, Index h) const {
     std::vector<std::int64_t> out;
     if (this->head_stores().empty()) return out;
-    const auto& head = this->head_stores().at(static_cast<std::size_t>(b * this->heads() + h));
+    const auto& head = head_at(b, h);
     out.reserve(head.order().size());
     for (const Slot s : head.order()) out.push_back(head.position(s));
     return out;
@@ -74,6 +76,15 @@ class ScoredCache : public KVCache<T> {
   bool has_scratch() const { return !scratch_.empty(); }
 
  private:
+  // Head (b, h); std::out_of_range outside [0, B) x [0, H).
+  const HeadStore<T>& head_at(Index b, Index h) const {
+    if (b < 0 || b >= this->batch() || h < 0 || h >= this->heads()) {
+      throw std::out_of_range("scores/positions: head (" + std::to_string(b) + ", " +
+                              std::to_string(h) + ") out of range");
+    }
+    return this->head_stores()[static_cast<std::size_t>(b * this->heads() + h)];
+  }
+
   std::vector<KernelScratch> scratch_;  // one per worker
 };
 
