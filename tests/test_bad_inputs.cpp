@@ -1,0 +1,1324 @@
+// clang-format off
+#include "support/checked_asserts.hpp"  // must precede every veloxquant header
+// clang-format on
+
+// Bad input at every public entry point, beyond what test_errors.cpp, test_config.cpp,
+// test_budgets.cpp, test_squeeze_coordinator.cpp, test_queries.cpp and the per-policy tests
+// already cover:
+//  * KVCacheConfig::validate at the extremes (INT_MIN / INT_MAX, +-inf, -0, denormals), and caches
+//    built from huge but valid values (INT_MAX budgets, windows, grace) behaving without overflow;
+//  * non-finite keys at every element of a call, for every policy, through every API (fetch, view,
+//    fetch_into, each with and without queries, and the converting double overloads), with the
+//    strong guarantee (SPEC 8) and a following valid call equal to an untouched twin's;
+//  * mismatched shapes and shape changes between calls through the same table of policies/APIs;
+//  * coordinator wiring mistakes through caches: a duplicate layer id (SPEC 5.4.1: the first
+//    report per layer wins), a layer id the coordinator does not know (README design decision h);
+//  * squeeze_budgets / pyramid_budgets / concentration_score edge arguments; trim of a negative or
+//    extreme count on every policy; KVView accessors out of range on every policy; the builder
+//    with bad layer counts, head dims and methods.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <regex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+#include <veloxquant/cache.hpp>
+
+#include "support/test_support.hpp"
+
+namespace {
+
+namespace vc = veloxquant::cache;
+using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kDblMax = std::numeric_limits<double>::max();
+constexpr double kDenorm = std::numeric_limits<double>::denorm_min();
+
+/// Runs `f`, expecting std::invalid_argument; returns its message (and records a failure if
+/// nothing or something else was thrown).
+std::string invalid_argument_message(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "threw something other than std::invalid_argument: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "did not throw std::invalid_argument";
+  return "";
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Caches of every policy
+// ---------------------------------------------------------------------------------------------
+
+enum class Kind {
+  kStandard,
+  kSqueeze,             // no coordinator: uniform budget
+  kSqueezeCoordinated,  // one-layer coordinator: adopts in its first call
+  kSqueezeDefer,        // deferring, two-layer coordinator that never finalises (falls back)
+  kH2O,
+  kPyramid,
+  kTova,
+  kStreaming,
+  kSnap,
+};
+constexpr Kind kKinds[] = {Kind::kStandard,     Kind::kSqueeze,   Kind::kSqueezeCoordinated,
+                           Kind::kSqueezeDefer, Kind::kH2O,       Kind::kPyramid,
+                           Kind::kTova,         Kind::kStreaming, Kind::kSnap};
+
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::kStandard:
+      return "standard";
+    case Kind::kSqueeze:
+      return "squeeze";
+    case Kind::kSqueezeCoordinated:
+      return "squeeze+coordinator";
+    case Kind::kSqueezeDefer:
+      return "squeeze+defer";
+    case Kind::kH2O:
+      return "h2o";
+    case Kind::kPyramid:
+      return "pyramidkv";
+    case Kind::kTova:
+      return "tova";
+    case Kind::kStreaming:
+      return "streaming_llm";
+    case Kind::kSnap:
+      return "snapkv";
+  }
+  return "?";
+}
+
+/// Budget 6 everywhere (StreamingLLM: 1 sink + window 5; squeeze before adoption: 8).
+vc::KVCacheConfig small_config() {
+  vc::KVCacheConfig c;
+  c.squeeze_budget = 8;
+  c.h2o_budget = c.pyramid_budget = c.tova_budget = c.snap_budget = 6;
+  c.squeeze_n_sink = c.h2o_n_sink = c.pyramid_n_sink = c.tova_n_sink = c.snap_n_sink = 1;
+  c.stream_n_sink = 1;
+  c.stream_window_size = 5;
+  c.h2o_grace = 2;
+  c.snap_obs_window = 2;
+  return c;
+}
+
+template <class T>
+struct Subject {
+  std::shared_ptr<vc::SqueezeCoordinator> coordinator;
+  std::unique_ptr<vc::KVCache<T>> cache;
+};
+
+template <class T>
+Subject<T> make_subject(Kind kind, vc::KVCacheConfig c = small_config()) {
+  Subject<T> s;
+  switch (kind) {
+    case Kind::kStandard:
+      c.method = "standard";
+      break;
+    case Kind::kSqueeze:
+      c.method = "squeeze";
+      c.squeeze_budget = 6;
+      break;
+    case Kind::kSqueezeCoordinated:
+      s.coordinator = std::make_shared<vc::SqueezeCoordinator>(1, 6, 1, 1.0);
+      s.cache = std::make_unique<vc::SqueezeAttentionCache<T>>(c, 0, s.coordinator);
+      break;
+    case Kind::kSqueezeDefer:
+      c.squeeze_defer = true;
+      s.coordinator = std::make_shared<vc::SqueezeCoordinator>(2, 6, 1, 1.0);
+      s.cache = std::make_unique<vc::SqueezeAttentionCache<T>>(c, 1, s.coordinator);
+      break;
+    case Kind::kH2O:
+      c.method = "h2o";
+      break;
+    case Kind::kPyramid:
+      c.method = "pyramidkv";
+      break;
+    case Kind::kTova:
+      c.method = "tova";
+      break;
+    case Kind::kStreaming:
+      c.method = "streaming_llm";
+      break;
+    case Kind::kSnap:
+      c.method = "snapkv";
+      break;
+  }
+  if (!s.cache) s.cache = vc::KVCacheFactory::create<T>(c);
+  s.cache->set_parallel_heads(false);
+  return s;
+}
+
+/// Everything observable about a cache and its coordinator.
+struct Snapshot : BasicSnapshot {
+  std::size_t heap = 0;
+  // Scores bitwise: a NaN score (see FiniteKeysWhoseProductsOverflow...) equals itself here.
+  std::vector<std::vector<unsigned char>> scores;
+  std::vector<std::vector<std::int64_t>> positions;
+  std::optional<int> budget;
+  int protected_recent = -1;
+  int layer_budget = -1;
+  bool adopted = false;
+  double concentration = 0.0;
+  bool compressed = false;
+  std::map<int, double> reports;
+  bool finalized = false;
+
+  bool operator==(const Snapshot& o) const {
+    return BasicSnapshot::operator==(o) && heap == o.heap && scores == o.scores &&
+           positions == o.positions && budget == o.budget &&
+           protected_recent == o.protected_recent && layer_budget == o.layer_budget &&
+           adopted == o.adopted && concentration == o.concentration && compressed == o.compressed &&
+           reports == o.reports && finalized == o.finalized;
+  }
+};
+
+template <class T>
+Snapshot snapshot(const Subject<T>& s) {
+  const vc::KVCache<T>& c = *s.cache;
+  Snapshot out;
+  take_basic_snapshot(c, out);
+  out.heap = c.heap_bytes();
+  if (const auto* scored = dynamic_cast<const vc::detail::ScoredCache<T>*>(&c)) {
+    for (Index b = 0; b < c.batch(); ++b) {
+      for (Index h = 0; h < c.heads(); ++h) {
+        const std::vector<float> sc = scored->scores(b, h);
+        std::vector<unsigned char> bytes(sc.size() * sizeof(float));
+        if (!sc.empty()) std::memcpy(bytes.data(), sc.data(), bytes.size());
+        out.scores.push_back(std::move(bytes));
+        out.positions.push_back(scored->positions(b, h));
+      }
+    }
+  }
+  if (const auto* core = dynamic_cast<const vc::detail::H2OCore<T>*>(&c)) {
+    out.budget = core->budget();
+    out.protected_recent = core->protected_recent();
+  }
+  if (const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(&c)) {
+    out.layer_budget = sq->layer_budget();
+    out.adopted = sq->budget_adopted();
+    out.concentration = sq->concentration();
+  }
+  if (const auto* snap = dynamic_cast<const vc::SnapKVCache<T>*>(&c)) {
+    out.compressed = snap->compressed();
+  }
+  if (s.coordinator) {
+    out.reports = s.coordinator->reports();
+    out.finalized = s.coordinator->is_finalized();
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The APIs a call can go through
+// ---------------------------------------------------------------------------------------------
+
+enum class Api {
+  kFetch,
+  kView,
+  kFetchInto,
+  kFetchQ,
+  kViewQ,
+  kFetchIntoQ,
+  kFetchDouble,
+  kViewDouble,
+  kFetchIntoDoubleQ,
+};
+constexpr Api kApis[] = {Api::kFetch,       Api::kView,       Api::kFetchInto,
+                         Api::kFetchQ,      Api::kViewQ,      Api::kFetchIntoQ,
+                         Api::kFetchDouble, Api::kViewDouble, Api::kFetchIntoDoubleQ};
+
+const char* api_name(Api a) {
+  switch (a) {
+    case Api::kFetch:
+      return "update_and_fetch";
+    case Api::kView:
+      return "update_and_view";
+    case Api::kFetchInto:
+      return "update_and_fetch_into";
+    case Api::kFetchQ:
+      return "update_and_fetch(queries)";
+    case Api::kViewQ:
+      return "update_and_view(queries)";
+    case Api::kFetchIntoQ:
+      return "update_and_fetch_into(queries)";
+    case Api::kFetchDouble:
+      return "update_and_fetch(double)";
+    case Api::kViewDouble:
+      return "update_and_view(double)";
+    case Api::kFetchIntoDoubleQ:
+      return "update_and_fetch_into(double, double queries)";
+  }
+  return "?";
+}
+
+/// One call's inputs: double keys/values (converted to T for the storage-type APIs) and queries
+/// [B, 2H, S, Dk] (valid, so any error is about the keys and values).
+struct Call {
+  vc::Tensor4<double> keys, values, queries;
+};
+
+Call random_call(std::mt19937& rng, const Shape& k, const Shape& v) {
+  Call c{random_doubles(rng, k), random_doubles(rng, v),
+         random_doubles(rng, {k[0], 2 * k[1], k[2], k[3]})};
+  return c;
+}
+
+/// What a call gave back, comparable between a cache and its twin: fetched tensors, or a view's
+/// rows keyed by position (the order of earlier rows in a view is free, SPEC 2.3) with the
+/// positions of the call's own rows, which come last in arrival order.
+struct Returned {
+  std::vector<unsigned char> keys, values;
+  Shape key_shape{}, value_shape{};
+  std::map<std::int64_t, std::vector<unsigned char>> view_rows;
+  std::vector<std::int64_t> view_tail;
+
+  bool operator==(const Returned& o) const {
+    return keys == o.keys && values == o.values && key_shape == o.key_shape &&
+           value_shape == o.value_shape && view_rows == o.view_rows && view_tail == o.view_tail;
+  }
+};
+
+template <class T>
+Returned from_view(const vc::KVView<T>& v) {
+  Returned r;
+  for (Index b = 0; b < v.batch(); ++b) {
+    for (Index h = 0; h < v.heads(); ++h) {
+      for (Index i = 0; i < v.rows(); ++i) {
+        std::vector<unsigned char> bytes(static_cast<std::size_t>(v.key_dim() + v.value_dim()) *
+                                         sizeof(T));
+        std::memcpy(bytes.data(), v.keys(b, h).row(i).data(),
+                    static_cast<std::size_t>(v.key_dim()) * sizeof(T));
+        std::memcpy(bytes.data() + static_cast<std::size_t>(v.key_dim()) * sizeof(T),
+                    v.values(b, h).row(i).data(),
+                    static_cast<std::size_t>(v.value_dim()) * sizeof(T));
+        const std::int64_t pos = v.positions(b, h)(i);
+        r.view_rows[(b * v.heads() + h) * 1000000 + pos] = std::move(bytes);
+        if (i >= v.rows() - v.new_rows()) r.view_tail.push_back(pos);
+      }
+    }
+  }
+  return r;
+}
+
+template <class T>
+Returned from_pair(const vc::KVPair<T>& p) {
+  Returned r;
+  r.keys = bytes_of(p.first);
+  r.values = bytes_of(p.second);
+  r.key_shape = shape_of(p.first);
+  r.value_shape = shape_of(p.second);
+  return r;
+}
+
+/// Runs one call through `api`. `into` is the reused output of the fetch_into APIs.
+template <class T>
+Returned invoke(vc::KVCache<T>& cache, Api api, const Call& c, vc::KVPair<T>& into) {
+  const vc::Tensor4<T> k = c.keys.template cast<T>();
+  const vc::Tensor4<T> v = c.values.template cast<T>();
+  const vc::Tensor4<float> q = c.queries.template cast<float>();
+  switch (api) {
+    case Api::kFetch:
+      return from_pair(cache.update_and_fetch(k, v));
+    case Api::kView:
+      return from_view(cache.update_and_view(k, v));
+    case Api::kFetchInto:
+      cache.update_and_fetch_into(k, v, into);
+      return from_pair(into);
+    case Api::kFetchQ:
+      return from_pair(cache.update_and_fetch(k, v, q));
+    case Api::kViewQ:
+      return from_view(cache.update_and_view(k, v, q));
+    case Api::kFetchIntoQ:
+      cache.update_and_fetch_into(k, v, q, into);
+      return from_pair(into);
+    case Api::kFetchDouble:
+      return from_pair(cache.update_and_fetch(c.keys, c.values));
+    case Api::kViewDouble:
+      return from_view(cache.update_and_view(c.keys, c.values));
+    case Api::kFetchIntoDoubleQ:
+      cache.update_and_fetch_into(c.keys, c.values, c.queries, into);
+      return from_pair(into);
+  }
+  return {};
+}
+
+constexpr Shape kKeys{2, 2, 3, 4};
+constexpr Shape kValues{2, 2, 3, 3};
+
+Shape with_s(Shape s, Index S) {
+  s[2] = S;
+  return s;
+}
+
+/// The same valid call on subject and twin through `api`: same return, same state afterwards.
+template <class T>
+void valid_call_on_both(Subject<T>& subject, Subject<T>& twin, std::mt19937& rng, Index S, Api api,
+                        const std::string& ctx) {
+  const Call c = random_call(rng, with_s(kKeys, S), with_s(kValues, S));
+  vc::KVPair<T> into_a, into_b;
+  const Returned a = invoke(*subject.cache, api, c, into_a);
+  const Returned b = invoke(*twin.cache, api, c, into_b);
+  EXPECT_TRUE(a == b) << ctx << ": " << api_name(api) << " returned something else than the twin";
+  EXPECT_TRUE(snapshot(subject) == snapshot(twin)) << ctx << ": state differs from the twin's";
+}
+
+/// Brings subject and twin past their budgets: a 9-token prefill and three decode steps.
+template <class T>
+void establish(Subject<T>& subject, Subject<T>& twin, std::mt19937& rng, const std::string& ctx) {
+  valid_call_on_both(subject, twin, rng, 9, Api::kFetch, ctx + ": prefill");
+  for (const Api api : {Api::kView, Api::kFetchInto, Api::kFetchQ}) {
+    valid_call_on_both(subject, twin, rng, 1, api, ctx + ": decode");
+  }
+}
+
+/// Parses "b=.., h=.., s=.., d=.." out of an error message; nullopt if absent.
+std::optional<Shape> named_index(const std::string& what) {
+  Shape out{};
+  std::size_t at = 0;
+  const char* keys[] = {"b=", "h=", "s=", "d="};
+  for (int i = 0; i < 4; ++i) {
+    at = what.find(keys[i], at);
+    if (at == std::string::npos) return std::nullopt;
+    at += 2;
+    std::size_t used = 0;
+    try {
+      out[static_cast<std::size_t>(i)] = std::stoll(what.substr(at), &used);
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+    at += used;
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Non-finite keys at every element, every policy, every API
+// ---------------------------------------------------------------------------------------------
+
+/// For every element of a [2, 2, 3, 4] call, NaN, +Inf and -Inf there, through every API: the
+/// call throws std::invalid_argument naming that [b, h, s, d], nothing observable changes (nor the
+/// caller's fetch_into output), the coordinator records nothing, and the next valid calls equal
+/// those of a twin that never saw the bad calls.
+template <class T>
+void non_finite_keys_everywhere(Kind kind) {
+  std::mt19937 rng(1234u + static_cast<unsigned>(kind));
+  int thrown = 0, expected = 0;
+  for (const bool established : {false, true}) {
+    const std::string ctx =
+        std::string(kind_name(kind)) + (established ? " (established)" : " (first call)");
+    Subject<T> subject = make_subject<T>(kind);
+    Subject<T> twin = make_subject<T>(kind);
+    if (established) establish(subject, twin, rng, ctx);
+    const Snapshot before = snapshot(subject);
+    vc::KVPair<T> into;
+    if (established) {
+      // A fetch_into output of an earlier call must survive the bad calls untouched.
+      into = subject.cache->state();
+    }
+    const std::vector<unsigned char> into_keys = bytes_of(into.first);
+    Call call = random_call(rng, kKeys, kValues);
+    for (Index i = 0; i < call.keys.size(); ++i) {
+      const Index d = i % kKeys[3], s = (i / kKeys[3]) % kKeys[2];
+      const Index h = (i / (kKeys[3] * kKeys[2])) % kKeys[1],
+                  b = i / (kKeys[3] * kKeys[2] * kKeys[1]);
+      const Shape at{b, h, s, d};
+      const double good = call.keys.data()[i];
+      for (const double bad : {kNaN, kInf, -kInf}) {
+        call.keys.data()[i] = bad;
+        for (const Api api : kApis) {
+          ++expected;
+          try {
+            (void)invoke(*subject.cache, api, call, into);
+            ADD_FAILURE() << ctx << ": key " << bad << " at element " << i << " through "
+                          << api_name(api) << " did not throw";
+          } catch (const std::invalid_argument& e) {
+            ++thrown;
+            const std::optional<Shape> named = named_index(e.what());
+            if (!named || *named != at) {
+              ADD_FAILURE() << ctx << ": " << api_name(api) << " key " << bad << " at [" << b << ","
+                            << h << "," << s << "," << d << "]: message " << e.what();
+            }
+          }
+          if (subject.cache->offset() != before.offset ||
+              subject.cache->kept_bytes() != before.kept_bytes ||
+              subject.cache->tokens_seen() != before.tokens_seen) {
+            ADD_FAILURE() << ctx << ": " << api_name(api) << " changed the cache at element " << i;
+          }
+        }
+      }
+      call.keys.data()[i] = good;
+      if (i % 8 == 7 || i + 1 == call.keys.size()) {
+        ASSERT_TRUE(snapshot(subject) == before) << ctx << ": cache changed (element " << i << ")";
+        ASSERT_TRUE(bytes_of(into.first) == into_keys) << ctx << ": fetch_into output changed";
+      }
+    }
+    // The very call, repaired, now goes through and behaves as on the twin.
+    {
+      vc::KVPair<T> a_out, b_out;
+      const Returned a = invoke(*subject.cache, Api::kFetch, call, a_out);
+      const Returned b = invoke(*twin.cache, Api::kFetch, call, b_out);
+      EXPECT_TRUE(a == b) << ctx << ": repaired call differs from the twin's";
+      EXPECT_TRUE(snapshot(subject) == snapshot(twin)) << ctx;
+    }
+    for (const Api api : kApis) valid_call_on_both(subject, twin, rng, 1, api, ctx + ": next");
+    valid_call_on_both(subject, twin, rng, 4, Api::kViewQ, ctx + ": next multi-token call");
+  }
+  EXPECT_EQ(thrown, expected);
+  EXPECT_EQ(expected, 2 * 48 * 3 * 9);
+}
+
+template <class T>
+class BadInputTypedTest : public ::testing::Test {};
+using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
+TYPED_TEST_SUITE(BadInputTypedTest, StorageTypes);
+
+TYPED_TEST(BadInputTypedTest, NonFiniteKeyAtEveryElementEveryPolicyEveryApi) {
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    non_finite_keys_everywhere<TypeParam>(kind);
+  }
+}
+
+/// A finite double key that overflows the storage type becomes infinite on conversion: rejected
+/// as non-finite by every policy through both converting overloads, nothing changed.
+TYPED_TEST(BadInputTypedTest, DoubleKeyOverflowingTheStorageTypeOnEveryPolicy) {
+  using T = TypeParam;
+  const double huge = std::is_same_v<T, Eigen::half> ? 65520.0 : 3.5e38;  // just past T's max
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    std::mt19937 rng(77u);
+    Subject<T> subject = make_subject<T>(kind);
+    Subject<T> twin = make_subject<T>(kind);
+    establish(subject, twin, rng, kind_name(kind));
+    const Snapshot before = snapshot(subject);
+    Call call = random_call(rng, kKeys, kValues);
+    call.keys(1, 1, 2, 3) = huge;
+    call.keys(0, 1, 0, 2) = -huge;
+    for (const Api api : {Api::kFetchDouble, Api::kViewDouble, Api::kFetchIntoDoubleQ}) {
+      vc::KVPair<T> into;
+      const std::string what =
+          invalid_argument_message([&] { (void)invoke(*subject.cache, api, call, into); });
+      EXPECT_EQ(named_index(what), std::optional<Shape>(Shape{0, 1, 0, 2}))
+          << api_name(api) << ": " << what;
+      EXPECT_TRUE(snapshot(subject) == before) << api_name(api);
+    }
+    // The largest finite value of T is accepted (its scores may overflow: see HugeKeys below).
+    call.keys(1, 1, 2, 3) = std::is_same_v<T, Eigen::half> ? 65504.0 : 3.0e38;
+    call.keys(0, 1, 0, 2) = 1.0;
+    vc::KVPair<T> a_out, b_out;
+    EXPECT_TRUE(invoke(*subject.cache, Api::kFetchDouble, call, a_out) ==
+                invoke(*twin.cache, Api::kFetchDouble, call, b_out));
+    EXPECT_TRUE(snapshot(subject) == snapshot(twin));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mismatched shapes and shape changes between calls, every policy, every API
+// ---------------------------------------------------------------------------------------------
+
+struct ShapeCase {
+  std::string name;
+  Shape keys, values;
+  bool needs_established;
+};
+
+std::vector<ShapeCase> shape_cases() {
+  return {
+      {"values B differs", kKeys, {1, 2, 3, 3}, false},
+      {"values H differs", kKeys, {2, 3, 3, 3}, false},
+      {"values S differs", kKeys, {2, 2, 4, 3}, false},
+      {"zero key D", {2, 2, 3, 0}, kValues, false},
+      {"zero value D", kKeys, {2, 2, 3, 0}, false},
+      {"zero B", {0, 2, 3, 4}, {0, 2, 3, 3}, false},
+      {"zero H", {2, 0, 3, 4}, {2, 0, 3, 3}, false},
+      {"zero B and S", {0, 2, 0, 4}, {0, 2, 0, 3}, false},
+      {"B changes", {3, 2, 1, 4}, {3, 2, 1, 3}, true},
+      {"H changes", {2, 1, 1, 4}, {2, 1, 1, 3}, true},
+      {"key D changes", {2, 2, 1, 8}, {2, 2, 1, 3}, true},
+      {"value D changes", {2, 2, 1, 4}, {2, 2, 1, 1}, true},
+      {"key and value D swap", {2, 2, 1, 3}, {2, 2, 1, 4}, true},
+      {"empty call with another D", {2, 2, 0, 5}, {2, 2, 0, 3}, true},
+      {"empty call with another B", {1, 2, 0, 4}, {1, 2, 0, 3}, true},
+  };
+}
+
+/// Every shape error through every API on every policy: std::invalid_argument whose message
+/// names the API and both shapes; nothing changes; the next valid calls equal the twin's.
+TYPED_TEST(BadInputTypedTest, ShapeErrorsEveryPolicyEveryApi) {
+  using T = TypeParam;
+  for (const Kind kind : kKinds) {
+    for (const bool established : {false, true}) {
+      const std::string ctx =
+          std::string(kind_name(kind)) + (established ? " (established)" : " (first call)");
+      std::mt19937 rng(31u + static_cast<unsigned>(kind));
+      Subject<T> subject = make_subject<T>(kind);
+      Subject<T> twin = make_subject<T>(kind);
+      if (established) establish(subject, twin, rng, ctx);
+      const Snapshot before = snapshot(subject);
+      for (const ShapeCase& sc : shape_cases()) {
+        if (sc.needs_established && !established) continue;
+        const Call call = random_call(rng, sc.keys, sc.values);
+        const std::regex keys_shape = shape_regex(sc.keys), values_shape = shape_regex(sc.values);
+        for (const Api api : kApis) {
+          vc::KVPair<T> into;
+          const std::string what =
+              invalid_argument_message([&] { (void)invoke(*subject.cache, api, call, into); });
+          const std::string where = ctx + ", " + sc.name + ", " + api_name(api);
+          EXPECT_TRUE(std::regex_search(what, keys_shape)) << where << ": " << what;
+          EXPECT_TRUE(std::regex_search(what, values_shape)) << where << ": " << what;
+          const std::string full_api = api_name(api);
+          const std::string short_api = full_api.substr(0, full_api.find('('));
+          EXPECT_TRUE(contains(what, short_api))
+              << where << ": message does not name the API: " << what;
+          EXPECT_TRUE(snapshot(subject) == before) << where << ": the cache changed";
+          EXPECT_EQ(into.first.size(), 0) << where << ": fetch_into output was touched";
+        }
+      }
+      for (const Api api : kApis) valid_call_on_both(subject, twin, rng, 2, api, ctx + ": next");
+    }
+  }
+}
+
+/// After reset() a cache may take new B, H and D (SPEC 2.2: the next call starts a new
+/// sequence); the old shape is then the wrong one.
+TYPED_TEST(BadInputTypedTest, ResetAllowsNewShapesAndThenRejectsTheOldOnes) {
+  using T = TypeParam;
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    std::mt19937 rng(5u);
+    Subject<T> s = make_subject<T>(kind);
+    vc::KVPair<T> into;
+    (void)invoke(*s.cache, Api::kFetch, random_call(rng, kKeys, kValues), into);
+    if (s.coordinator) s.coordinator->reset();
+    s.cache->reset();
+    const Shape k2{1, 3, 2, 5}, v2{1, 3, 2, 2};
+    const Returned r = invoke(*s.cache, Api::kFetch, random_call(rng, k2, v2), into);
+    EXPECT_EQ(r.key_shape, k2);
+    EXPECT_EQ(r.value_shape, v2);
+    EXPECT_EQ(s.cache->offset(), 2);
+    const Snapshot before = snapshot(s);
+    const Call old = random_call(rng, with_s(kKeys, 1), with_s(kValues, 1));
+    const std::string what =
+        invalid_argument_message([&] { (void)invoke(*s.cache, Api::kView, old, into); });
+    EXPECT_TRUE(contains(what, "first call")) << what;
+    EXPECT_TRUE(snapshot(s) == before);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// KVCacheConfig at the extremes
+// ---------------------------------------------------------------------------------------------
+
+struct ExtremeCase {
+  std::string field;
+  std::string value;  // as the message prints it ("" when not checked)
+  std::function<void(vc::KVCacheConfig&)> apply;
+};
+
+std::vector<ExtremeCase> extreme_rejections() {
+  std::vector<ExtremeCase> out;
+  const auto add_int = [&](const std::string& field, int v,
+                           std::function<void(vc::KVCacheConfig&, int)> set) {
+    out.push_back({field, std::to_string(v), [set, v](vc::KVCacheConfig& c) { set(c, v); }});
+  };
+  for (const int v : {INT_MIN, -1000000, -1}) {
+    add_int("squeeze_budget", v, [](vc::KVCacheConfig& c, int x) { c.squeeze_budget = x; });
+    add_int("h2o_budget", v, [](vc::KVCacheConfig& c, int x) { c.h2o_budget = x; });
+    add_int("pyramid_budget", v, [](vc::KVCacheConfig& c, int x) { c.pyramid_budget = x; });
+    add_int("tova_budget", v, [](vc::KVCacheConfig& c, int x) { c.tova_budget = x; });
+    add_int("snap_budget", v, [](vc::KVCacheConfig& c, int x) { c.snap_budget = x; });
+    add_int("squeeze_resolved_budget", v,
+            [](vc::KVCacheConfig& c, int x) { c.squeeze_resolved_budget = x; });
+    add_int("pyramid_resolved_budget", v,
+            [](vc::KVCacheConfig& c, int x) { c.pyramid_resolved_budget = x; });
+    add_int("squeeze_n_sink", v, [](vc::KVCacheConfig& c, int x) { c.squeeze_n_sink = x; });
+    add_int("h2o_n_sink", v, [](vc::KVCacheConfig& c, int x) { c.h2o_n_sink = x; });
+    add_int("pyramid_n_sink", v, [](vc::KVCacheConfig& c, int x) { c.pyramid_n_sink = x; });
+    add_int("tova_n_sink", v, [](vc::KVCacheConfig& c, int x) { c.tova_n_sink = x; });
+    add_int("stream_n_sink", v, [](vc::KVCacheConfig& c, int x) { c.stream_n_sink = x; });
+    add_int("snap_n_sink", v, [](vc::KVCacheConfig& c, int x) { c.snap_n_sink = x; });
+    add_int("h2o_grace", v, [](vc::KVCacheConfig& c, int x) { c.h2o_grace = x; });
+    add_int("stream_window_size", v, [](vc::KVCacheConfig& c, int x) { c.stream_window_size = x; });
+    add_int("snap_obs_window", v, [](vc::KVCacheConfig& c, int x) { c.snap_obs_window = x; });
+  }
+  const auto add_double = [&](const std::string& field, double v, const std::string& printed,
+                              std::function<void(vc::KVCacheConfig&, double)> set) {
+    out.push_back({field, printed, [set, v](vc::KVCacheConfig& c) { set(c, v); }});
+  };
+  // Fractions in [0, 1]: strength and the recent ratios.
+  const std::vector<std::pair<double, std::string>> bad_unit = {
+      {kInf, "inf"},       {-kInf, "-inf"},    {kDblMax, "e+308"},
+      {-kDenorm, "-4.94"}, {1.0 + 1e-15, "1"}, {-kNaN, "nan"}};
+  for (const auto& [v, printed] : bad_unit) {
+    add_double("squeeze_strength", v, printed,
+               [](vc::KVCacheConfig& c, double x) { c.squeeze_strength = x; });
+    add_double("squeeze_recent_ratio", v, printed,
+               [](vc::KVCacheConfig& c, double x) { c.squeeze_recent_ratio = x; });
+    add_double("pyramid_recent_ratio", v, printed,
+               [](vc::KVCacheConfig& c, double x) { c.pyramid_recent_ratio = x; });
+  }
+  // Decays in (0, 1].
+  const std::vector<std::pair<double, std::string>> bad_decay = {
+      {kInf, "inf"}, {-kInf, "-inf"}, {-0.0, "0"}, {-kDenorm, "-4.94"}, {kDblMax, "e+308"}};
+  for (const auto& [v, printed] : bad_decay) {
+    add_double("squeeze_decay", v, printed,
+               [](vc::KVCacheConfig& c, double x) { c.squeeze_decay = x; });
+    add_double("h2o_decay", v, printed, [](vc::KVCacheConfig& c, double x) { c.h2o_decay = x; });
+    add_double("pyramid_decay", v, printed,
+               [](vc::KVCacheConfig& c, double x) { c.pyramid_decay = x; });
+  }
+  // pyramid_beta: >= 1 and finite.
+  for (const auto& [v, printed] : std::vector<std::pair<double, std::string>>{
+           {kInf, "inf"}, {-kInf, "-inf"}, {-kDblMax, "e+308"}, {1.0 - 1e-15, "1"}}) {
+    add_double("pyramid_beta", v, printed,
+               [](vc::KVCacheConfig& c, double x) { c.pyramid_beta = x; });
+  }
+  return out;
+}
+
+const std::vector<std::string> kMethods = {"squeeze",       "h2o",    "pyramidkv", "tova",
+                                           "streaming_llm", "snapkv", "standard"};
+
+/// Every extreme value is rejected by validate(), the factory and the builder, for every method,
+/// with std::invalid_argument naming the field and its value.
+TEST(BadInputConfigTest, ExtremeValuesThrowNamingTheField) {
+  for (const ExtremeCase& ec : extreme_rejections()) {
+    for (const std::string& m : kMethods) {
+      SCOPED_TRACE(m + ": " + ec.field + " = " + ec.value);
+      vc::KVCacheConfig c;
+      c.method = m;
+      ec.apply(c);
+      for (const auto& f : std::vector<std::function<void()>>{
+               [&] { c.validate(); }, [&] { (void)vc::KVCacheFactory::create<float>(c); },
+               [&] { (void)vc::KVCacheBuilder::for_model<float>(3, c); },
+               [&] {
+                 (void)vc::KVCacheBuilder::for_model<Eigen::half>({8, std::nullopt}, c);
+               }}) {
+        const std::string what = invalid_argument_message(f);
+        const std::size_t at = what.find(ec.field);
+        ASSERT_NE(at, std::string::npos) << what;
+        EXPECT_NE(what.find(ec.value, at), std::string::npos) << "value missing: " << what;
+      }
+    }
+  }
+}
+
+/// Runs the same calls on `cache` and on a standard cache: with a budget larger than everything
+/// it sees, an eviction cache keeps and returns exactly what the standard cache does.
+template <class T>
+void behaves_like_standard(vc::KVCache<T>& cache, const std::string& ctx) {
+  cache.set_parallel_heads(false);
+  vc::KVCache<T> standard;
+  std::mt19937 rng(8u);
+  for (const Index S : {Index{7}, Index{1}, Index{3}, Index{1}, Index{1}}) {
+    const Call c = random_call(rng, with_s(kKeys, S), with_s(kValues, S));
+    vc::KVPair<T> a_out, b_out;
+    const Returned a = invoke(cache, Api::kFetch, c, a_out);
+    const Returned b = invoke(standard, Api::kFetch, c, b_out);
+    EXPECT_TRUE(a == b) << ctx << " S=" << S;
+    EXPECT_TRUE(bitwise_equal(cache.state().first, standard.state().first)) << ctx;
+    EXPECT_EQ(cache.offset(), standard.offset()) << ctx;
+    EXPECT_EQ(cache.kept_bytes(), standard.kept_bytes()) << ctx;
+    EXPECT_EQ(cache.full_seq_bytes(), standard.full_seq_bytes()) << ctx;
+    EXPECT_EQ(cache.compression_ratio(), 1.0) << ctx;
+  }
+  EXPECT_EQ(cache.tokens_kept(), 13) << ctx;
+}
+
+/// SPEC 2.1 sets no upper bound: INT_MAX budgets, windows, grace and sinks just below them are
+/// valid, and such caches behave (no overflow) like the standard cache. The one exception: a
+/// StreamingLLM head holds stream_n_sink + stream_window_size rows, which must fit in an int.
+TEST(BadInputConfigTest, IntMaxBudgetsAreValidAndBehaveLikeTheStandardCache) {
+  const int big = INT_MAX;
+  vc::KVCacheConfig c;
+  c.squeeze_budget = c.h2o_budget = c.pyramid_budget = c.tova_budget = c.snap_budget = big;
+  c.squeeze_resolved_budget = big;
+  c.pyramid_resolved_budget = big;
+  c.stream_window_size = big;
+  {
+    c.method = "streaming_llm";
+    const std::string what = invalid_argument_message([&] { c.validate(); });
+    EXPECT_TRUE(contains(what, "stream_window_size")) << what;
+  }
+  c.stream_window_size = big - c.stream_n_sink;
+  c.snap_obs_window = big;
+  c.h2o_grace = big;
+  for (const std::string& m : kMethods) {
+    c.method = m;
+    EXPECT_NO_THROW(c.validate()) << m;
+  }
+  using T = float;
+  behaves_like_standard(*vc::KVCacheFactory::create<T>([&] {
+    auto x = c;
+    x.method = "squeeze";
+    return x;
+  }()),
+                        "squeeze");
+  for (const std::string m : {"h2o", "pyramidkv", "tova", "snapkv", "streaming_llm"}) {
+    vc::KVCacheConfig x = c;
+    x.method = m;
+    behaves_like_standard(*vc::KVCacheFactory::create<T>(x), m);
+  }
+  // Sinks just below an INT_MAX budget: every row is a sink.
+  vc::KVCacheConfig sinks = c;
+  sinks.squeeze_n_sink = sinks.h2o_n_sink = sinks.pyramid_n_sink = sinks.tova_n_sink =
+      sinks.snap_n_sink = big - 1;
+  for (const std::string m : {"squeeze", "h2o", "pyramidkv", "tova", "snapkv"}) {
+    vc::KVCacheConfig x = sinks;
+    x.method = m;
+    behaves_like_standard(*vc::KVCacheFactory::create<T>(x), m + " with INT_MAX - 1 sinks");
+  }
+  // The H2O core's protected window is clamped to budget - n_sink - 1 without overflow.
+  vc::H2OCache<T> h2o([&] {
+    auto x = c;
+    x.method = "h2o";
+    return x;
+  }());
+  EXPECT_EQ(h2o.protected_recent(), big - 4 - 1);
+  vc::PyramidKVCache<T> pyr([&] {
+    auto x = c;
+    x.pyramid_recent_ratio = 1.0;
+    return x;
+  }());
+  EXPECT_EQ(pyr.protected_recent(), big - 4 - 1);
+  EXPECT_EQ(pyr.layer_budget(), big);
+}
+
+/// The builder with INT_MAX average budgets: the coordinator's and the pyramid's budgets stay in
+/// [n_sink + 1, INT_MAX] (no overflow) and are what squeeze_budgets / pyramid_budgets give.
+TEST(BadInputConfigTest, BuilderWithIntMaxAverageBudgets) {
+  using T = float;
+  vc::KVCacheConfig c;
+  c.squeeze_budget = INT_MAX;
+  auto caches = vc::KVCacheBuilder::for_model<T>(3, c);
+  std::mt19937 rng(3u);
+  std::vector<double> conc;
+  for (std::size_t l = 0; l < caches.size(); ++l) {
+    caches[l]->set_parallel_heads(false);
+    vc::Tensor4<double> k = random_doubles(rng, kKeys);
+    for (Index i = 0; i < k.size(); i += kKeys[3]) k.data()[i] += 2.0 * static_cast<double>(l);
+    (void)caches[l]->update_and_fetch(k, random_doubles(rng, kValues));
+    conc.push_back(dynamic_cast<vc::SqueezeAttentionCache<T>&>(*caches[l]).concentration());
+  }
+  const std::vector<int> want = vc::squeeze_budgets(conc, INT_MAX, 4, 1.0);
+  for (std::size_t l = 0; l < caches.size(); ++l) {
+    (void)caches[l]->update_and_fetch(random_doubles(rng, with_s(kKeys, 1)),
+                                      random_doubles(rng, with_s(kValues, 1)));
+    const auto& sq = dynamic_cast<vc::SqueezeAttentionCache<T>&>(*caches[l]);
+    EXPECT_TRUE(sq.budget_adopted());
+    EXPECT_EQ(sq.layer_budget(), want[l]);
+    EXPECT_GE(sq.layer_budget(), 5);
+    EXPECT_EQ(sq.tokens_kept(), 4);
+  }
+  c.method = "pyramidkv";
+  c.pyramid_budget = INT_MAX;
+  const std::vector<int> pyr = vc::pyramid_budgets(4, INT_MAX, 4, 2.0);
+  auto pcaches = vc::KVCacheBuilder::for_model<T>(4, c);
+  for (std::size_t l = 0; l < pcaches.size(); ++l) {
+    const auto& p = dynamic_cast<vc::PyramidKVCache<T>&>(*pcaches[l]);
+    EXPECT_EQ(p.layer_budget(), pyr[l]);
+    EXPECT_GE(p.layer_budget(), 5);
+  }
+  EXPECT_EQ(pyr.front(), INT_MAX);
+  EXPECT_EQ(pyr.back(), 5);
+}
+
+/// A decay that is valid as a double but rounds to 0 in float32 (the scores' precision) is
+/// rejected, naming the field; the smallest decays that survive float32 are accepted, the caches
+/// still run, scores stay finite and budgets hold.
+TEST(BadInputConfigTest, DenormalDecaysAreAcceptedAndKeepScoresFinite) {
+  for (const double decay : {1e-300, 1e-50}) {
+    vc::KVCacheConfig c = small_config();
+    c.h2o_decay = decay;
+    const std::string what = invalid_argument_message([&] { c.validate(); });
+    EXPECT_TRUE(contains(what, "h2o_decay")) << decay << ": " << what;
+  }
+  for (const double decay : {static_cast<double>(std::numeric_limits<float>::denorm_min()), 1e-40,
+                             1e-30}) {
+    vc::KVCacheConfig c = small_config();
+    c.squeeze_decay = c.h2o_decay = c.pyramid_decay = decay;
+    for (const Kind kind : {Kind::kSqueeze, Kind::kH2O, Kind::kPyramid}) {
+      SCOPED_TRACE(std::string(kind_name(kind)) + " decay " + std::to_string(decay));
+      ASSERT_NO_THROW(c.validate());
+      Subject<float> s = make_subject<float>(kind, c);
+      std::mt19937 rng(4u);
+      vc::KVPair<float> into;
+      for (const Index S : {Index{9}, Index{1}, Index{1}, Index{4}, Index{1}}) {
+        (void)invoke(*s.cache, Api::kFetch, random_call(rng, with_s(kKeys, S), with_s(kValues, S)),
+                     into);
+      }
+      const auto& core = dynamic_cast<const vc::detail::H2OCore<float>&>(*s.cache);
+      EXPECT_EQ(s.cache->tokens_kept(), 6);
+      for (Index b = 0; b < 2; ++b) {
+        for (Index h = 0; h < 2; ++h) {
+          for (const float x : core.scores(b, h)) EXPECT_TRUE(std::isfinite(x) && x >= 0.0f) << x;
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Huge finite keys
+// ---------------------------------------------------------------------------------------------
+
+/// Keys that are finite but so large that their dot products overflow float32 are valid input
+/// (SPEC 8 rejects only non-finite keys). Every policy keeps its contract: each call returns the
+/// rows retained before it plus its own, heads stay within budget, sinks and the newest rows
+/// survive, positions stay ascending.
+TEST(BadInputHugeKeysTest, FiniteKeysWhoseProductsOverflowKeepThePolicyContract) {
+  using T = float;
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    Subject<T> s = make_subject<T>(kind);
+    std::mt19937 rng(6u);
+    vc::KVPair<T> into;
+    std::int64_t offset = 0;
+    for (const Index S : {Index{9}, Index{1}, Index{1}, Index{3}, Index{1}, Index{1}}) {
+      Call c = random_call(rng, with_s(kKeys, S), with_s(kValues, S));
+      for (Index i = 0; i < c.keys.size(); ++i) c.keys.data()[i] *= 1e30;
+      const Index before = s.cache->tokens_kept();
+      const vc::KVPair<T> state_before = s.cache->state();
+      vc::KVPair<T> out;
+      ASSERT_NO_THROW(out = s.cache->update_and_fetch(c.keys, c.values));
+      offset += S;
+      EXPECT_EQ(s.cache->offset(), offset);
+      ASSERT_EQ(out.first.dimension(2), before + S);
+      // The returned window is the previous state followed by the call's rows.
+      for (Index b = 0; b < kKeys[0]; ++b) {
+        for (Index h = 0; h < kKeys[1]; ++h) {
+          for (Index r = 0; r < before; ++r) {
+            for (Index d = 0; d < kKeys[3]; ++d) {
+              ASSERT_EQ(out.first(b, h, r, d), state_before.first(b, h, r, d));
+            }
+          }
+          for (Index r = 0; r < S; ++r) {
+            for (Index d = 0; d < kKeys[3]; ++d) {
+              ASSERT_EQ(out.first(b, h, before + r, d), static_cast<T>(c.keys(b, h, r, d)));
+            }
+          }
+        }
+      }
+      if (const auto* scored = dynamic_cast<const vc::detail::ScoredCache<T>*>(s.cache.get())) {
+        for (Index b = 0; b < kKeys[0]; ++b) {
+          for (Index h = 0; h < kKeys[1]; ++h) {
+            const std::vector<std::int64_t> p = scored->positions(b, h);
+            ASSERT_FALSE(p.empty());
+            EXPECT_EQ(p.front(), 0) << "the sink was evicted";
+            EXPECT_TRUE(std::is_sorted(p.begin(), p.end()));
+            EXPECT_TRUE(std::adjacent_find(p.begin(), p.end()) == p.end());
+            // TOVA may evict the current token itself (SPEC 6); the others protect it.
+            if (kind != Kind::kSnap && kind != Kind::kTova) {
+              EXPECT_EQ(p.back(), offset - 1) << "the newest row was evicted";
+            }
+          }
+        }
+      }
+    }
+    if (kind != Kind::kStandard && kind != Kind::kSnap) {
+      EXPECT_LE(s.cache->tokens_kept(), 8);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The coordinator wired wrongly through caches (SPEC 5.4, SPEC 8, README design decision h)
+// ---------------------------------------------------------------------------------------------
+
+/// Keys whose concentration rises with `alpha` (alpha * e_0 + N(0, 1)). [B, H, S, D]
+vc::Tensor4<double> keys_with_alpha(std::mt19937& rng, Shape sh, double alpha) {
+  vc::Tensor4<double> k = random_doubles(rng, sh);
+  for (Index i = 0; i < k.size(); i += sh[3]) k.data()[i] += alpha;
+  return k;
+}
+
+/// Two caches built with the same layer id: the first one's report wins (SPEC 5.4.1), the second
+/// is ignored, the coordinator waits for a second distinct layer, and once it comes both caches
+/// adopt the budget computed from the first report.
+TEST(BadInputCoordinatorTest, DuplicateLayerIdOnTwoCachesFirstReportWins) {
+  using T = float;
+  for (const bool defer : {false, true}) {
+    SCOPED_TRACE(defer ? "defer" : "no defer");
+    vc::KVCacheConfig c = small_config();
+    c.squeeze_budget = 12;
+    c.squeeze_defer = defer;
+    auto coord = std::make_shared<vc::SqueezeCoordinator>(2, 10, 1, 1.0);
+    vc::SqueezeAttentionCache<T> first(c, 0, coord), duplicate(c, 0, coord), other(c, 1, coord);
+    for (auto* x : {&first, &duplicate, &other}) x->set_parallel_heads(false);
+    std::mt19937 rng(9u);
+    const Shape k16{1, 2, 16, 4}, v16{1, 2, 16, 4};
+    (void)first.update_and_fetch(keys_with_alpha(rng, k16, 4.0), random_doubles(rng, v16));
+    (void)duplicate.update_and_fetch(keys_with_alpha(rng, k16, 0.0), random_doubles(rng, v16));
+    ASSERT_NE(first.concentration(), duplicate.concentration());
+    EXPECT_EQ(coord->reports(), (std::map<int, double>{{0, first.concentration()}}));
+    EXPECT_FALSE(coord->is_finalized());
+    EXPECT_FALSE(duplicate.budget_adopted());
+    EXPECT_EQ(duplicate.layer_budget(), 12);
+    EXPECT_EQ(duplicate.tokens_kept(), defer ? 16 : 12);
+    // A second call before finalisation: a deferring cache falls back (SPEC 5.4.4).
+    (void)duplicate.update_and_fetch(random_doubles(rng, {1, 2, 1, 4}),
+                                     random_doubles(rng, {1, 2, 1, 4}));
+    EXPECT_EQ(duplicate.tokens_kept(), 12);
+
+    (void)other.update_and_fetch(keys_with_alpha(rng, k16, 1.0), random_doubles(rng, v16));
+    ASSERT_TRUE(coord->is_finalized());
+    const std::vector<int> want =
+        vc::squeeze_budgets({first.concentration(), other.concentration()}, 10, 1, 1.0);
+    const std::vector<int> had_duplicate_won =
+        vc::squeeze_budgets({duplicate.concentration(), other.concentration()}, 10, 1, 1.0);
+    ASSERT_NE(want, had_duplicate_won);
+    for (auto* x : {&first, &duplicate}) {
+      const std::int64_t kept_before = x->tokens_kept();
+      (void)x->update_and_fetch(random_doubles(rng, {1, 2, 1, 4}),
+                                random_doubles(rng, {1, 2, 1, 4}));
+      EXPECT_TRUE(x->budget_adopted());
+      EXPECT_EQ(x->layer_budget(), want[0]);
+      EXPECT_EQ(x->tokens_kept(), std::min<std::int64_t>(want[0], kept_before + 1));
+    }
+    EXPECT_EQ(other.layer_budget(), want[1]);
+    EXPECT_EQ(coord->reports().size(), 2u);
+  }
+}
+
+/// A cache whose layer id the coordinator does not know, reporting after finalisation: its report
+/// is ignored (README design decision h), it never adopts and runs on its fallback budget; the
+/// coordinator is unchanged. Before finalisation such an id counts as a layer of its own.
+TEST(BadInputCoordinatorTest, UnknownLayerIdAfterFinalisationRunsOnTheFallbackBudget) {
+  using T = float;
+  for (const bool defer : {false, true}) {
+    SCOPED_TRACE(defer ? "defer" : "no defer");
+    vc::KVCacheConfig c = small_config();
+    c.squeeze_budget = 7;
+    c.squeeze_defer = defer;
+    auto coord = std::make_shared<vc::SqueezeCoordinator>(1, 10, 1, 1.0);
+    vc::SqueezeAttentionCache<T> known(c, 0, coord), unknown(c, 1, coord), far(c, INT_MAX, coord);
+    std::mt19937 rng(10u);
+    const Shape k12{1, 2, 12, 4};
+    (void)known.update_and_fetch(random_doubles(rng, k12), random_doubles(rng, k12));
+    ASSERT_TRUE(coord->is_finalized());
+    const auto reports = coord->reports();
+    for (auto* x : {&unknown, &far}) {
+      x->set_parallel_heads(false);
+      (void)x->update_and_fetch(random_doubles(rng, k12), random_doubles(rng, k12));
+      EXPECT_EQ(x->tokens_kept(), defer ? 12 : 7);
+      for (int i = 0; i < 3; ++i) {
+        (void)x->update_and_fetch(random_doubles(rng, {1, 2, 1, 4}),
+                                  random_doubles(rng, {1, 2, 1, 4}));
+      }
+      EXPECT_FALSE(x->budget_adopted());
+      EXPECT_EQ(x->layer_budget(), 7);
+      EXPECT_EQ(x->budget(), std::optional<int>(7));
+      EXPECT_EQ(x->tokens_kept(), 7);
+      EXPECT_EQ(x->offset(), 15);
+    }
+    EXPECT_EQ(coord->reports(), reports);
+    EXPECT_FALSE(coord->resolved_budget(1).has_value());
+    EXPECT_FALSE(coord->resolved_budget(INT_MAX).has_value());
+    EXPECT_EQ(coord->resolved_budget(0), std::optional<int>(10));
+
+    // Before finalisation an id >= n_layers is a distinct layer (SPEC 5.4.2 counts distinct ids).
+    auto coord2 = std::make_shared<vc::SqueezeCoordinator>(2, 10, 1, 1.0);
+    vc::SqueezeAttentionCache<T> a(c, 0, coord2), b(c, INT_MAX, coord2);
+    (void)a.update_and_fetch(keys_with_alpha(rng, k12, 3.0), random_doubles(rng, k12));
+    (void)b.update_and_fetch(keys_with_alpha(rng, k12, 0.0), random_doubles(rng, k12));
+    ASSERT_TRUE(coord2->is_finalized());
+    const std::vector<int> want =
+        vc::squeeze_budgets({a.concentration(), b.concentration()}, 10, 1, 1.0);
+    EXPECT_TRUE(b.budget_adopted());
+    EXPECT_EQ(b.layer_budget(), want[1]);
+    EXPECT_EQ(coord2->resolved_budget(INT_MAX), std::optional<int>(want[1]));
+  }
+}
+
+/// SPEC 8 / README h at the coordinator: negative ids (down to INT_MIN) throw naming the id and
+/// record nothing; extreme but finite concentrations are accepted (clamped by squeeze_budgets);
+/// non-finite ones throw even for an id that already reported and after finalisation.
+TEST(BadInputCoordinatorTest, ExtremeReports) {
+  vc::SqueezeCoordinator coord(2, 50, 2, 1.0);
+  for (const int id : {INT_MIN, -1000}) {
+    const std::string what = invalid_argument_message([&] { coord.report_concentration(id, 0.5); });
+    EXPECT_TRUE(contains(what, std::to_string(id))) << what;
+  }
+  EXPECT_TRUE(coord.reports().empty());
+  coord.report_concentration(0, -kDblMax);
+  EXPECT_THROW(coord.report_concentration(0, kNaN), std::invalid_argument);
+  coord.report_concentration(INT_MAX, kDblMax);
+  ASSERT_TRUE(coord.is_finalized());
+  // Clamped to 0 and 1: {0, 1} -> weights {2, 0} -> {100, floor 3}.
+  EXPECT_EQ(coord.resolved_budget(0), std::optional<int>(100));
+  EXPECT_EQ(coord.resolved_budget(INT_MAX), std::optional<int>(3));
+  EXPECT_THROW(coord.report_concentration(1, -kInf), std::invalid_argument);
+  EXPECT_THROW(coord.report_concentration(INT_MIN, 0.1), std::invalid_argument);
+  EXPECT_EQ(coord.reports().size(), 2u);
+  EXPECT_FALSE(coord.resolved_budget(INT_MIN).has_value());
+  EXPECT_FALSE(coord.resolved_budget(-1, coord.generation()).has_value());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Free functions
+// ---------------------------------------------------------------------------------------------
+
+TEST(BadInputFunctionsTest, SqueezeBudgetsRejectsNonFiniteConcentrationsNamingTheIndex) {
+  for (const double bad : {kNaN, kInf, -kInf}) {
+    for (const std::size_t at : {std::size_t{0}, std::size_t{2}, std::size_t{4}}) {
+      std::vector<double> c = {0.1, 0.2, 0.3, 0.4, 0.5};
+      c[at] = bad;
+      for (const double strength : {0.0, 0.5, 1.0}) {  // even where the result ignores them
+        const std::string what =
+            invalid_argument_message([&] { (void)vc::squeeze_budgets(c, 100, 4, strength); });
+        EXPECT_TRUE(contains(what, "concentration " + std::to_string(at))) << what;
+      }
+    }
+    const std::string one =
+        invalid_argument_message([&] { (void)vc::squeeze_budgets({bad}, 100, 4); });
+    EXPECT_TRUE(contains(one, "concentration")) << one;
+  }
+  // Strength is checked first, even on empty input (README design decision l).
+  for (const double s : {kNaN, -kInf, kInf, -1e-300}) {
+    const std::string what =
+        invalid_argument_message([&] { (void)vc::squeeze_budgets({}, 100, 4, s); });
+    EXPECT_TRUE(contains(what, "strength")) << what;
+    const std::string both =
+        invalid_argument_message([&] { (void)vc::squeeze_budgets({kNaN}, 100, 4, s); });
+    EXPECT_TRUE(contains(both, "strength")) << both;
+  }
+}
+
+/// Huge averages and out-of-range concentrations: budgets clamped to [n_sink + 1, INT_MAX].
+TEST(BadInputFunctionsTest, SqueezeBudgetsAtTheExtremesStayInRange) {
+  const std::vector<int> b = vc::squeeze_budgets({0.1, 0.5, 0.99}, INT_MAX, 4, 1.0);
+  EXPECT_EQ(b, (std::vector<int>{INT_MAX, INT_MAX, 45691141}));
+  const std::vector<int> clamped = vc::squeeze_budgets({-kDblMax, kDblMax}, 100, 4, 1.0);
+  EXPECT_EQ(clamped, (std::vector<int>{200, 5}));
+  for (const int avg : {0, -5, INT_MIN}) {
+    EXPECT_EQ(vc::squeeze_budgets({0.2, 0.8}, avg, 4, 1.0), (std::vector<int>{5, 5})) << avg;
+    EXPECT_EQ(vc::squeeze_budgets({0.2}, avg, 4, 1.0), (std::vector<int>{5})) << avg;
+  }
+  EXPECT_EQ(vc::squeeze_budgets({0.0, 0.0}, INT_MAX, 0, 0.0), (std::vector<int>{INT_MAX, INT_MAX}));
+}
+
+TEST(BadInputFunctionsTest, PyramidBudgetsBadBetaWhateverTheLayerCount) {
+  for (const int n : {INT_MIN, -1, 0, 1, 2, 7}) {
+    for (const double beta : {-kInf, -kDblMax, 0.0, 1.0 - 1e-12, kNaN}) {
+      const std::string what =
+          invalid_argument_message([&] { (void)vc::pyramid_budgets(n, 100, 4, beta); });
+      EXPECT_TRUE(contains(what, "beta")) << n << " " << beta << ": " << what;
+    }
+  }
+  EXPECT_TRUE(vc::pyramid_budgets(INT_MIN, 100, 4, 2.0).empty());
+  EXPECT_EQ(vc::pyramid_budgets(1, INT_MAX, 4, 2.0), (std::vector<int>{INT_MAX}));
+  EXPECT_EQ(vc::pyramid_budgets(1, -7, 4, 2.0), (std::vector<int>{5}));
+  // Betas above 1e6 are rejected (the taper's arithmetic would lose the average, and turn into
+  // NaN at infinity).
+  for (const double beta : {1e6 * (1 + 1e-12), 1e12, kDblMax, kInf}) {
+    const std::string what =
+        invalid_argument_message([&] { (void)vc::pyramid_budgets(4, 100, 4, beta); });
+    EXPECT_TRUE(contains(what, "beta")) << beta << ": " << what;
+  }
+  // Large but moderate betas: the schedule stays within [floor, INT_MAX] and keeps the average.
+  for (const double beta : {10.0, 1e3, 1e6}) {
+    const std::vector<int> b = vc::pyramid_budgets(4, 100, 4, beta);
+    ASSERT_EQ(b.size(), 4u);
+    long sum = 0;
+    for (const int x : b) {
+      EXPECT_GE(x, 5);
+      sum += x;
+    }
+    EXPECT_NEAR(static_cast<double>(sum) / 4.0, 100.0, 1.0) << beta;
+    EXPECT_TRUE(std::is_sorted(b.rbegin(), b.rend())) << beta;
+  }
+}
+
+TEST(BadInputFunctionsTest, ConcentrationScoreDegenerateInputs) {
+  EXPECT_EQ(vc::concentration_score(Eigen::MatrixXd(0, 4)), 0.0);
+  EXPECT_EQ(vc::concentration_score(Eigen::MatrixXd(0, 0)), 0.0);
+  EXPECT_EQ(vc::concentration_score(Eigen::MatrixXf::Ones(1, 8)), 0.0);
+  EXPECT_EQ(vc::concentration_score(Eigen::MatrixXd(5, 0)), 0.0);  // no dimensions: no similarity
+  EXPECT_EQ(vc::concentration_score(Eigen::MatrixXd::Zero(4, 3)), 0.0);  // zero rows: u_i = 0
+  // Heap path (D > 256) with one zero row among parallel ones: of the 4 * 3 ordered pairs, 6 are
+  // parallel (cosine 1 up to the 1e-8 of the normalisation), the rest involve the zero row (0).
+  Eigen::MatrixXd m = Eigen::MatrixXd::Ones(4, 300);
+  m.row(2).setZero();
+  EXPECT_NEAR(vc::concentration_score(m), 0.5, 1e-8);
+  // Non-finite rows give a non-finite score (what the cache rejects as a layer concentration).
+  Eigen::MatrixXd bad = Eigen::MatrixXd::Ones(3, 4);
+  bad(1, 2) = kNaN;
+  EXPECT_TRUE(std::isnan(vc::concentration_score(bad)));
+  bad(1, 2) = kInf;
+  EXPECT_FALSE(std::isfinite(vc::concentration_score(bad)));
+  // The largest half and float values are fine (accumulated in double).
+  const Eigen::Matrix<Eigen::half, 3, 2> h =
+      Eigen::Matrix<Eigen::half, 3, 2>::Constant(Eigen::half(65504.0f));
+  EXPECT_NEAR(vc::concentration_score(h), 1.0, 1e-12);
+  const Eigen::MatrixXf f = Eigen::MatrixXf::Constant(3, 2, std::numeric_limits<float>::max());
+  EXPECT_NEAR(vc::concentration_score(f), 1.0, 1e-12);
+}
+
+// ---------------------------------------------------------------------------------------------
+// trim, views, factory, builder
+// ---------------------------------------------------------------------------------------------
+
+/// trim(n < 0) throws naming n on every policy, before and after calls, changing nothing
+/// (README design decision d); a huge n trims at most offset() on the standard cache and nothing
+/// on the others.
+TEST(BadInputTrimTest, NegativeAndExtremeCountsOnEveryPolicy) {
+  using T = Eigen::half;
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    Subject<T> s = make_subject<T>(kind);
+    for (const std::int64_t n : {std::int64_t{-1}, std::numeric_limits<std::int64_t>::min()}) {
+      const std::string what = invalid_argument_message([&] { (void)s.cache->trim(n); });
+      EXPECT_TRUE(contains(what, std::to_string(n))) << what;
+    }
+    std::mt19937 rng(2u);
+    vc::KVPair<T> into;
+    (void)invoke(*s.cache, Api::kFetch, random_call(rng, with_s(kKeys, 9), with_s(kValues, 9)),
+                 into);
+    const Snapshot before = snapshot(s);
+    for (const std::int64_t n :
+         {std::int64_t{-1}, std::int64_t{-9}, std::numeric_limits<std::int64_t>::min()}) {
+      EXPECT_THROW((void)s.cache->trim(n), std::invalid_argument);
+      EXPECT_TRUE(snapshot(s) == before);
+    }
+    const std::int64_t trimmed = s.cache->trim(std::numeric_limits<std::int64_t>::max());
+    if (kind == Kind::kStandard) {
+      EXPECT_EQ(trimmed, 9);
+      EXPECT_EQ(s.cache->offset(), 0);
+      EXPECT_EQ(s.cache->kept_bytes(), 0u);
+      EXPECT_EQ(s.cache->trim(std::numeric_limits<std::int64_t>::max()), 0);
+    } else {
+      EXPECT_EQ(trimmed, 0);
+      EXPECT_TRUE(snapshot(s) == before);
+    }
+  }
+}
+
+/// KVView accessors with a head out of range throw std::out_of_range on every policy; in range
+/// they do not. An empty view (S = 0 before any call) holds no rows whatever is asked.
+TEST(BadInputViewTest, AccessorsOutOfRangeOnEveryPolicy) {
+  using T = float;
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    Subject<T> s = make_subject<T>(kind);
+    std::mt19937 rng(3u);
+    const Call empty = random_call(rng, with_s(kKeys, 0), with_s(kValues, 0));
+    const vc::KVView<T> none = s.cache->update_and_view(empty.keys, empty.values);
+    EXPECT_EQ(none.rows(), 0);
+    for (const auto& [b, h] : std::vector<std::pair<Index, Index>>{{0, 0}, {2, 0}, {-1, 5}}) {
+      // Either out_of_range or an empty block: never a read of storage that does not exist.
+      try {
+        EXPECT_EQ(none.keys(b, h).rows(), 0);
+        EXPECT_EQ(none.values(b, h).rows(), 0);
+        EXPECT_EQ(none.positions(b, h).rows(), 0);
+      } catch (const std::out_of_range&) {
+      }
+    }
+    const Call c = random_call(rng, kKeys, kValues);
+    const vc::KVView<T> v = s.cache->update_and_view(c.keys, c.values);
+    ASSERT_EQ(v.rows(), 3);
+    const std::vector<std::pair<Index, Index>> bad = {{-1, 0},
+                                                      {0, -1},
+                                                      {2, 0},
+                                                      {0, 2},
+                                                      {2, 2},
+                                                      {-1, -1},
+                                                      {1, 2},
+                                                      {-1, 2},
+                                                      {std::numeric_limits<Index>::max(), 0},
+                                                      {0, std::numeric_limits<Index>::min()}};
+    for (const auto& [b, h] : bad) {
+      EXPECT_THROW((void)v.keys(b, h), std::out_of_range) << b << "," << h;
+      EXPECT_THROW((void)v.values(b, h), std::out_of_range) << b << "," << h;
+      EXPECT_THROW((void)v.positions(b, h), std::out_of_range) << b << "," << h;
+    }
+    for (Index b = 0; b < 2; ++b) {
+      for (Index h = 0; h < 2; ++h) {
+        EXPECT_EQ(v.keys(b, h).rows(), 3);
+        EXPECT_EQ(v.values(b, h).cols(), 3);
+        EXPECT_EQ(v.positions(b, h)(2), 2);
+      }
+    }
+  }
+}
+
+TEST(BadInputFactoryTest, UnknownMethodsThroughFactoryAndBuilder) {
+  const std::vector<std::string> unknown = {
+      std::string("h2o\0", 4), "tova\n", " squeeze", "pyramid", "SnapKV", "standard_",
+      std::string(1000, 'x')};
+  for (const std::string& m : unknown) {
+    vc::KVCacheConfig c;
+    c.method = m;
+    for (const auto& f : std::vector<std::function<void()>>{
+             [&] { (void)vc::KVCacheFactory::create<float>(c); },
+             [&] { (void)vc::KVCacheFactory::create<Eigen::bfloat16>(c); },
+             [&] { (void)vc::KVCacheBuilder::for_model<float>(2, c); },
+             [&] { (void)vc::KVCacheBuilder::for_model<float>({std::nullopt}, c); },
+             [&] { (void)vc::KVCacheBuilder::for_model<float>(0, c); }}) {
+      const std::string what = invalid_argument_message(f);
+      EXPECT_TRUE(contains(what, "method")) << what;
+      // what() is a C string: a method name with a NUL cuts the message there.
+      if (m.find('\0') != std::string::npos) continue;
+      for (const std::string& valid : kMethods) EXPECT_TRUE(contains(what, valid)) << what;
+    }
+  }
+}
+
+TEST(BadInputBuilderTest, BadLayerCountsAndHeadDims) {
+  for (const int n : {-1, -100, INT_MIN}) {
+    const std::string what = invalid_argument_message(
+        [&] { (void)vc::KVCacheBuilder::for_model<float>(n, vc::KVCacheConfig{}); });
+    EXPECT_TRUE(contains(what, "n_layers")) << what;
+    EXPECT_TRUE(contains(what, std::to_string(n))) << what;
+  }
+  for (const std::string& m : kMethods) {
+    SCOPED_TRACE(m);
+    vc::KVCacheConfig c;
+    c.method = m;
+    EXPECT_TRUE(vc::KVCacheBuilder::for_model<float>(0, c).empty());
+    EXPECT_TRUE(vc::KVCacheBuilder::for_model<float>(std::vector<std::optional<int>>{}, c).empty());
+    // Only non-attention layers: standard caches, no coordinator needed.
+    const auto plain = vc::KVCacheBuilder::for_model<float>({std::nullopt, std::nullopt}, c);
+    ASSERT_EQ(plain.size(), 2u);
+    for (const auto& p : plain) {
+      EXPECT_TRUE(p->is_trimmable());
+      EXPECT_EQ(dynamic_cast<vc::detail::ScoredCache<float>*>(p.get()), nullptr);
+    }
+    // A head dim < 1 anywhere: the first bad layer is named with its value, nothing is built.
+    const std::vector<std::pair<std::vector<std::optional<int>>, std::pair<int, int>>> bad = {
+        {{0}, {0, 0}},
+        {{64, std::nullopt, -1, 0}, {2, -1}},
+        {{std::nullopt, INT_MIN}, {1, INT_MIN}},
+        {{8, 8, 8, 0}, {3, 0}}};
+    for (const auto& [dims, first_bad] : bad) {
+      const std::string what =
+          invalid_argument_message([&] { (void)vc::KVCacheBuilder::for_model<float>(dims, c); });
+      EXPECT_TRUE(contains(what, "layer " + std::to_string(first_bad.first))) << what;
+      EXPECT_TRUE(contains(what, std::to_string(first_bad.second))) << what;
+    }
+  }
+}
+
+}  // namespace
