@@ -1,0 +1,252 @@
+#!/usr/bin/env python3
+"""Writes the hand-designed seed corpus of the veloxquant fuzzer into fuzz/corpus/.
+
+Each seed spells out, byte by byte, what fuzz_ops.hpp reads (see the comments there): storage
+type, policy, configuration, sequence dims and query mode, then operations. The seeds cover every
+policy, every entry point, queries, resets, trims, coordinator reports and every kind of bad
+input, so the fuzzer starts from deep states instead of from empty calls.
+
+Run from anywhere: python3 fuzz/make_corpus.py   (rewrites fuzz/corpus/seed-*.bin)
+
+The corpus also holds found-*.bin: inputs found by search or by the fuzzer that reach states the
+hand seeds do not (e.g. an exact score tie at the first eviction after a deferred re-budget); this
+script leaves them alone.
+"""
+import os
+import struct
+
+STORAGE = {"float": 0, "half": 1, "bf16": 2}
+POLICY = {"standard": 0, "squeeze": 1, "squeeze_builder": 2, "h2o": 3, "pyramid": 4,
+          "pyramid_builder": 5, "tova": 6, "streaming": 7, "snapkv": 8}
+RATIO = [0.5, 0.0, 0.25, 0.75, 1.0, 0.3]
+DECAY = [0.98, 1.0, 0.9, 0.5, 0.25]
+STRENGTH = [1.0, 0.0, 0.5, 0.25]
+BETA = [2.0, 1.0, 1.5, 3.0]
+BAD = ["none", "nan-key", "inf-key", "overflow-key", "values-B", "values-H", "values-S", "zero-B",
+       "zero-H", "zero-Dk", "zero-Dv", "change-B", "change-H", "change-Dk", "change-Dv", "query-Hq",
+       "query-B", "query-S", "query-D", "query-nan", "query-inf", "query-overflow"]
+API = {"fetch": 0, "view": 1, "into": 2}
+MODE = {"uniform": 0, "ternary": 1, "sparse": 2, "palette": 3, "constant": 4}
+
+
+def rng(lo, hi, v):
+    """The byte that Bytes::range(lo, hi) reads as v."""
+    assert lo <= v <= hi, (lo, v, hi)
+    return v - lo
+
+
+class Seed:
+    def __init__(self, storage, policy, budget=8, n_sink=2, ratio=0.5, decay=0.98, direct=False,
+                 defer=False, resolved=None, strength=1.0, layers=1, layer=0, grace=4, beta=2.0,
+                 window=6, obs=4, invalid=None):
+        b = [STORAGE[storage], POLICY[policy], rng(1, 24, budget),
+             rng(0, min(budget - 1, 5), n_sink), RATIO.index(ratio), DECAY.index(decay)]
+        flags = (1 if direct else 0) | (2 if defer else 0) | (4 if resolved is not None else 0)
+        if policy == "snapkv" and obs > 8:
+            flags |= 16
+        b.append(flags)
+        if policy in ("squeeze", "squeeze_builder"):
+            b.append(STRENGTH.index(strength))
+            if resolved is not None:
+                b.append(rng(n_sink + 1, 24, resolved))
+            if policy == "squeeze_builder":
+                b += [rng(1, 3, layers), rng(0, layers - 1, layer)]
+        elif policy == "h2o":
+            b.append(rng(0, 10, grace))
+        elif policy in ("pyramid", "pyramid_builder"):
+            b.append(BETA.index(beta))
+            if policy == "pyramid" and resolved is not None:
+                b.append(rng(n_sink + 1, 24, resolved))
+            if policy == "pyramid_builder":
+                b += [rng(1, 4, layers), rng(0, layers - 1, layer)]
+        elif policy == "streaming":
+            b += [rng(0, 5, n_sink), rng(1, 16, window)]
+        elif policy == "snapkv":
+            b.append(rng(1, 40, obs) if obs > 8 else rng(1, 8, obs))
+        if invalid is None:
+            b.append(1)  # pick(12) != 0: a valid config
+        else:
+            b += [0] + list(invalid)  # pick(12) == 0, then break_config's bytes
+        self.b = b
+
+    def sequence(self, B=1, H=2, Dk=4, Dv=None, queries="none", palette_seed=7, one_hot=False):
+        self.b += [rng(1, 2, B), rng(1, 3, H), rng(1, 8, Dk)]
+        if Dv is None or Dv == Dk:
+            self.b.append(0)
+        else:
+            self.b += [1, rng(1, 8, Dv)]
+        self.b.append({"none": 0, "always": 2, "mixed": 3}[queries] | (0x30 if one_hot else 0))
+        self.b += list(struct.pack(">I", palette_seed))
+        return self
+
+    def _call_bytes(self, api, as_double, qtype, G, with_q, kmode, qmode, seed):
+        f = API[api] | (4 if as_double else 0) | (qtype << 3) | ((G - 1) << 5) | (128 if with_q else 0)
+        return [f, MODE[kmode] | (MODE[qmode] << 3)] + list(struct.pack(">I", seed))
+
+    def next_seed(self):
+        self.seed_counter = getattr(self, "seed_counter", 0) + 1
+        return 1000 + 7919 * self.seed_counter + self.b[1] * 104729
+
+    def call(self, S, api="fetch", as_double=False, qtype=0, G=1, with_q=True, kmode="uniform",
+             qmode="uniform", seed=None):
+        """A valid call of S tokens (with_q only matters in mixed query mode)."""
+        if S == 1:
+            self.b.append(0)
+        elif S == 0:
+            self.b.append(5)
+        else:
+            self.b += [4, rng(0, 40, S)]
+        if seed is None:
+            seed = self.next_seed()
+        self.b += self._call_bytes(api, as_double, qtype, G, with_q, kmode, qmode, seed)
+        return self
+
+    def bad(self, what, S=3, api="fetch", as_double=False, qtype=0, G=1, seed=None):
+        self.b += [6, BAD.index(what) - 1, rng(0, 6, S)]
+        if seed is None:
+            seed = self.next_seed()
+        self.b += self._call_bytes(api, as_double, qtype, G, True, "uniform", "uniform", seed)
+        return self
+
+    def reset(self, whole=False, **seq):
+        self.b.append(7)
+        if self.b[1] == POLICY["squeeze_builder"]:
+            self.b.append(1 if whole else 0)
+        return self.sequence(**seq)
+
+    def trim(self, k):
+        self.b += [8, rng(-2, 60, k)]
+        return self
+
+    def report(self, layer, c_index):
+        self.b += [9, layer + 1, c_index]
+        return self
+
+    def parallel(self, on):
+        self.b += [10, 1 if on else 0]
+        return self
+
+    def scramble_out(self):
+        self.b += [11, 3, 1, 2, 5, 0, 1, 3]
+        return self
+
+    def bytes(self):
+        return bytes(self.b)
+
+
+def seeds():
+    s = {}
+    s["standard-trim"] = (Seed("float", "standard").sequence(B=2, H=2, Dk=3, Dv=5)
+                          .call(7).call(1, api="view").trim(3).call(2, api="into").trim(-1)
+                          .trim(50).call(4).bad("change-Dv").call(1, api="view"))
+    s["squeeze-prefill-decode"] = (Seed("half", "squeeze", budget=10, n_sink=2).sequence(H=2, Dk=8)
+                                   .call(30).call(1).call(1, api="view").call(1, api="into")
+                                   .call(12, api="view").call(1))
+    s["squeeze-ties"] = (Seed("float", "squeeze", budget=6, n_sink=1, ratio=0.0, decay=1.0)
+                         .sequence(H=3, Dk=2).call(20, kmode="palette").call(1, kmode="constant")
+                         .call(1, kmode="palette").call(9, kmode="ternary"))
+    s["squeeze-queries"] = (Seed("bf16", "squeeze", budget=9, n_sink=3, resolved=7)
+                            .sequence(B=2, H=1, Dk=5, queries="always")
+                            .call(25, G=2).call(1, G=3, qtype=1).call(1, api="view", G=1, qtype=2)
+                            .call(6, api="into", as_double=True, G=2))
+    s["squeeze-builder-defer"] = (Seed("float", "squeeze_builder", budget=8, n_sink=1, defer=True,
+                                       layers=3, layer=1, strength=1.0)
+                                  .sequence(H=2, Dk=4).call(14).report(0, 3).call(1)
+                                  .report(2, 2).call(1).call(3, api="view")
+                                  .reset(whole=True).call(12).report(0, 1).report(2, 4).call(2))
+    s["squeeze-builder-reports"] = (Seed("half", "squeeze_builder", budget=12, n_sink=2,
+                                         resolved=5, layers=2, layer=0, strength=0.5)
+                                    .sequence(B=2, H=1, Dk=3, queries="mixed").report(-1, 0)
+                                    .report(1, 8).call(16, with_q=False).report(1, 5).call(1)
+                                    .call(1, with_q=False).reset(whole=False).call(9).report(3, 2))
+    s["squeeze-builder-one-layer"] = (Seed("bf16", "squeeze_builder", budget=5, n_sink=0,
+                                           defer=True, layers=1, layer=0)
+                                      .sequence(H=3, Dk=1).call(11).call(1).call(1))
+    s["h2o-decode"] = (Seed("float", "h2o", budget=12, n_sink=2, grace=3, decay=0.9)
+                       .sequence(B=2, H=2, Dk=6, Dv=2).call(5).call(1).call(1).call(1).call(1)
+                       .call(1).call(1).call(1).call(1).call(1).call(1, api="view").call(1))
+    s["h2o-queries-g3"] = (Seed("half", "h2o", budget=7, n_sink=1, grace=10, decay=1.0)
+                           .sequence(H=3, Dk=7, queries="always").call(18, G=3)
+                           .call(1, G=3, api="view").call(3, G=2, api="into", qtype=2))
+    s["pyramid-single"] = (Seed("float", "pyramid", budget=16, n_sink=4, resolved=6, ratio=0.75,
+                                decay=0.5).sequence(H=1, Dk=8).call(40, kmode="sparse")
+                           .call(1, api="view").call(1))
+    s["pyramid-builder"] = (Seed("bf16", "pyramid_builder", budget=10, n_sink=2, beta=3.0,
+                                 layers=4, layer=3).sequence(B=2, H=2, Dk=2)
+                            .call(20).call(1).call(1, api="into"))
+    s["tova-proxy"] = (Seed("float", "tova", budget=5, n_sink=1).sequence(H=2, Dk=3)
+                       .call(12, kmode="palette").call(1).call(1, api="view").call(4, api="into"))
+    s["tova-queries"] = (Seed("half", "tova", budget=9, n_sink=0)
+                         .sequence(B=2, H=2, Dk=4, queries="always").call(15, G=2)
+                         .call(1, G=2).call(1, G=1, api="view"))
+    s["streaming"] = (Seed("bf16", "streaming", n_sink=3, window=4).sequence(H=3, Dk=5, Dv=1)
+                      .call(9).call(1).call(1, api="view").call(0).call(6, api="into").trim(4)
+                      .call(2))
+    s["snapkv-proxy"] = (Seed("float", "snapkv", budget=6, n_sink=2, obs=3)
+                         .sequence(B=2, H=1, Dk=4).call(3).call(14, kmode="palette").call(1)
+                         .call(9, api="view"))
+    s["snapkv-queries"] = (Seed("half", "snapkv", budget=10, n_sink=1, obs=20)
+                           .sequence(H=2, Dk=6, queries="always").call(33, G=2).call(1, G=2)
+                           .call(1, G=1, api="into"))
+    s["snapkv-mixed"] = (Seed("float", "snapkv", budget=4, n_sink=0, obs=2)
+                         .sequence(H=1, Dk=2, queries="mixed").call(2, with_q=False)
+                         .call(8, with_q=True, G=3).call(5, with_q=False))
+    s["bad-keys"] = (Seed("half", "h2o", budget=6, n_sink=1, grace=2).sequence(B=2, H=2, Dk=3, Dv=4)
+                     .bad("nan-key").bad("inf-key", api="view").bad("overflow-key", as_double=True)
+                     .bad("values-B").bad("values-H").bad("values-S").bad("zero-B").bad("zero-H")
+                     .bad("zero-Dk").bad("zero-Dv").call(8).bad("change-B").bad("change-H")
+                     .bad("change-Dk").bad("change-Dv", S=0).bad("nan-key", api="into")
+                     .call(1))
+    s["bad-queries"] = (Seed("float", "squeeze", budget=5, n_sink=1).sequence(B=1, H=2, Dk=4)
+                        .call(6).bad("query-Hq", G=2).bad("query-B").bad("query-S", S=0)
+                        .bad("query-D", api="view").bad("query-nan", api="into")
+                        .bad("query-inf", G=3).bad("query-overflow", qtype=1).call(1))
+    s["bad-queries-tova"] = (Seed("bf16", "tova", budget=4, n_sink=1).sequence(H=3, Dk=2)
+                             .bad("query-Hq").call(5).bad("query-nan", qtype=2).call(1))
+    s["reset-redims"] = (Seed("float", "snapkv", budget=3, n_sink=1, obs=2).sequence(H=1, Dk=2)
+                         .call(0).call(5).reset(B=2, H=3, Dk=7, Dv=1).call(4).call(1)
+                         .parallel(False).call(2).parallel(True).scramble_out()
+                         .call(1, api="into"))
+    s["standard-queries"] = (Seed("half", "standard", direct=True)
+                             .sequence(B=2, H=3, Dk=2, queries="always")
+                             .call(3, G=2).call(0, G=3).call(1, api="view", G=1, qtype=1)
+                             .scramble_out().call(2, api="into", G=2).trim(1))
+    # One-hot sequences (keys/queries in {-64, 0, 64}): exact ties on every scored path.
+    s["onehot-h2o"] = (Seed("float", "h2o", budget=6, n_sink=1, grace=1, decay=1.0)
+                       .sequence(H=2, Dk=1, one_hot=True).call(9, kmode="ternary").call(1).call(1)
+                       .call(1, api="view").call(1).call(5).call(1).call(1))
+    s["onehot-squeeze-defer-trim"] = (Seed("half", "squeeze_builder", budget=5, n_sink=1,
+                                           defer=True, layers=2, layer=0, ratio=0.25)
+                                      .sequence(B=2, H=1, Dk=2, one_hot=True).call(12).call(1)
+                                      .call(1).report(1, 2).call(1).call(1).call(3))
+    s["onehot-queries"] = (Seed("bf16", "pyramid", budget=7, n_sink=2, ratio=0.0, decay=0.5)
+                           .sequence(H=1, Dk=3, queries="always", one_hot=True).call(14, G=2)
+                           .call(1, G=3).call(1, G=1).call(4, G=2, api="into"))
+    s["onehot-tova-snapkv"] = (Seed("float", "snapkv", budget=5, n_sink=1, obs=3)
+                               .sequence(H=3, Dk=2, one_hot=True).call(11).call(1)
+                               .reset(H=2, Dk=1, one_hot=True).call(7).call(1))
+    s["invalid-config-field"] = Seed("float", "h2o", invalid=[8, 1])         # h2o_grace < 0
+    s["invalid-config-sink"] = Seed("half", "snapkv", budget=3, n_sink=2, invalid=[23, 1])
+    s["invalid-config-method"] = Seed("float", "tova", invalid=[24, 0])      # factory, "SQUEEZE"
+    s["invalid-config-beta"] = Seed("bf16", "pyramid_builder", layers=2, layer=1,
+                                    invalid=[12, 1])                          # pyramid_beta NaN
+    return s
+
+
+def main():
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(out):
+        if name.startswith("seed-"):
+            os.remove(os.path.join(out, name))
+    total = 0
+    for name, seed in seeds().items():
+        data = seed.bytes()
+        total += len(data)
+        with open(os.path.join(out, "seed-" + name + ".bin"), "wb") as f:
+            f.write(data)
+    print("wrote", len(seeds()), "seeds,", total, "bytes, into", out)
+
+
+if __name__ == "__main__":
+    main()

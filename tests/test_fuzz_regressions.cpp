@@ -1,0 +1,151 @@
+// clang-format off
+#include "support/checked_asserts.hpp"  // must precede every veloxquant header
+// clang-format on
+
+// Replays every input of the fuzzer's seed corpus (fuzz/corpus/) and every saved regression
+// (fuzz/regressions/) through the fuzz harness (fuzz/fuzz_ops.hpp), built with the project's
+// compiler and warning flags, so a violation found once by `bash scripts/fuzz.sh` stays fixed.
+// Each input drives one cache through a sequence of calls, resets, trims and bad inputs, checked
+// against the naive oracles of tests/reference/ and the SPEC invariants (see fuzz_ops.hpp).
+//
+// The directories are found from this file's path (__FILE__ is absolute under CMake); the
+// environment variable VELOXQUANT_FUZZ_DIR overrides it (the directory holding corpus/ and
+// regressions/).
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "../fuzz/fuzz_ops.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace fz = veloxquant::fuzz;
+
+fs::path fuzz_dir() {
+  if (const char* env = std::getenv("VELOXQUANT_FUZZ_DIR")) return fs::path(env);
+  return fs::path(__FILE__).parent_path().parent_path() / "fuzz";
+}
+
+/// The regular files of `dir` (sorted), without README files; none if it does not exist.
+std::vector<fs::path> inputs_in(const fs::path& dir) {
+  std::vector<fs::path> out;
+  if (!fs::is_directory(dir)) return out;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (!e.is_regular_file()) continue;
+    if (e.path().filename().string().rfind("README", 0) == 0) continue;
+    out.push_back(e.path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<std::uint8_t> read_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::vector<std::uint8_t>((std::istreambuf_iterator<char>(in)),
+                                   std::istreambuf_iterator<char>());
+}
+
+/// Replays every input of `dir`; returns the number replayed. Counters go to `stats`.
+std::size_t replay(const fs::path& dir, fz::Stats& stats) {
+  fz::Options options;
+  options.stats = &stats;
+  std::size_t n = 0;
+  for (const fs::path& p : inputs_in(dir)) {
+    const std::vector<std::uint8_t> data = read_bytes(p);
+    const std::string violation = fz::run_ops(data.data(), data.size(), options);
+    EXPECT_EQ(violation, "") << "input " << p.string();
+    ++n;
+  }
+  return n;
+}
+
+TEST(FuzzRegressions, SeedCorpusReplaysCleanAndReachesEveryPolicy) {
+  const fs::path dir = fuzz_dir() / "corpus";
+  ASSERT_TRUE(fs::is_directory(dir)) << "no corpus at " << dir.string();
+  fz::Stats stats;
+  const std::size_t n = replay(dir, stats);
+  ASSERT_GE(n, 10u) << "the seed corpus at " << dir.string() << " looks incomplete";
+  // The corpus really exercises what it is meant to: a harness that silently did nothing would
+  // pass the loop above, so check the counters too.
+  for (int p = 0; p < 9; ++p)
+    EXPECT_GT(stats.policy_runs[p], 0u) << "policy " << p << " not reached";
+  EXPECT_GT(stats.invalid_configs, 0u);
+  EXPECT_GT(stats.rejected, 10u);
+  EXPECT_GT(stats.query_calls, 10u);
+  EXPECT_GT(stats.resets, 0u);
+  EXPECT_GT(stats.trims, 0u);
+  EXPECT_GT(stats.decisions, 100u);
+  EXPECT_GT(stats.tokens, 300u);
+}
+
+TEST(FuzzRegressions, SavedRegressionsReplayClean) {
+  const fs::path dir = fuzz_dir() / "regressions";
+  ASSERT_TRUE(fs::is_directory(dir)) << "no regressions directory at " << dir.string();
+  fz::Stats stats;
+  const std::size_t n = replay(dir, stats);
+  EXPECT_EQ(stats.runs, n);
+}
+
+TEST(FuzzRegressions, RunsAreDeterministic) {
+  // The same input gives the same run (the harness and the corpus replay rely on it).
+  const std::vector<fs::path> files = inputs_in(fuzz_dir() / "corpus");
+  ASSERT_FALSE(files.empty());
+  for (std::size_t i = 0; i < files.size(); i += 5) {
+    const std::vector<std::uint8_t> data = read_bytes(files[i]);
+    fz::Stats a, b;
+    fz::Options oa, ob;
+    oa.stats = &a;
+    ob.stats = &b;
+    EXPECT_EQ(fz::run_ops(data.data(), data.size(), oa), "");
+    EXPECT_EQ(fz::run_ops(data.data(), data.size(), ob), "");
+    EXPECT_EQ(a.calls, b.calls) << files[i].string();
+    EXPECT_EQ(a.decisions, b.decisions) << files[i].string();
+    EXPECT_EQ(a.tokens, b.tokens) << files[i].string();
+  }
+}
+
+TEST(FuzzRegressions, ShortAndEmptyInputsAreValidRuns) {
+  // Every byte string is a valid run (missing bytes read as 0).
+  const std::uint8_t none[1] = {0};
+  EXPECT_EQ(fz::run_ops(none, 0), "");
+  for (int b = 0; b < 256; b += 17) {
+    const std::uint8_t one[1] = {static_cast<std::uint8_t>(b)};
+    EXPECT_EQ(fz::run_ops(one, 1), "");
+  }
+}
+
+TEST(FuzzRegressions, NearTieRuleExcusesOnlyCloseScoresAndCoincidentalTies) {
+  using fz::detail::Candidate;
+  using fz::detail::near_tie;
+  const std::set<std::int64_t> evict_3{3};
+  // Ties exact by construction are decided by the tie rule: never ambiguous. Both scores 0 ...
+  EXPECT_FALSE(near_tie({{0.0, 3}, {0.0, 4}, {0.9, 5}}, evict_3));
+  // ... or identical keys in one softmax (TOVA, SnapKV).
+  const auto same = [](std::int64_t, std::int64_t) { return true; };
+  const auto differ = [](std::int64_t, std::int64_t) { return false; };
+  EXPECT_FALSE(near_tie({{0.5, 3}, {0.5, 4}, {0.9, 5}}, evict_3, same));
+  // Equal doubles from different computations: float32 may split them.
+  EXPECT_TRUE(near_tie({{0.5, 3}, {0.5, 4}, {0.9, 5}}, evict_3, differ));
+  EXPECT_TRUE(near_tie({{0.5, 3}, {0.5, 4}, {0.9, 5}}, evict_3));
+  // ... unless the scores are one softmax row (TOVA with one query head).
+  EXPECT_FALSE(near_tie({{0.5, 3}, {0.5, 4}, {0.9, 5}}, evict_3, differ, true));
+  // Different by 1e-6 relative: float32 may order them either way.
+  EXPECT_TRUE(near_tie({{0.5, 3}, {0.5 * (1 + 1e-6), 4}, {0.9, 5}}, evict_3));
+  // Different by 1e-3 relative: a real decision.
+  EXPECT_FALSE(near_tie({{0.5, 3}, {0.5 * (1 + 1e-3), 4}, {0.9, 5}}, evict_3));
+  // Only evicted-vs-kept pairs count.
+  EXPECT_FALSE(near_tie({{0.5, 3}, {0.5 * (1 + 1e-6), 4}}, {3, 4}));
+  EXPECT_FALSE(near_tie({{0.5, 3}, {0.7, 4}}, {}));
+}
+
+}  // namespace
