@@ -309,7 +309,7 @@ void BM_PolicyPrefill(benchmark::State& state) {
 BENCHMARK_TEMPLATE(BM_PolicyPrefill, Eigen::half)
     ->ArgsProduct({{0, 1, 2, 3}, {2048, 8192}})->Unit(benchmark::kMillisecond);
 
-// ---- real-query scoring (SPEC 4.6): a Llama-3-8B layer, G = 4 query heads per KV head ----
+// ---- real-query scoring (docs/design.md 4.6): a Llama-3-8B layer, G = 4 per KV head ----
 // H = 8 KV heads, Hq = 32 query heads, D = 128. Each comparison point runs the same shapes.
 
 constexpr Index kKvHeads = 8;

@@ -6,7 +6,7 @@
 // same story is generated with the full cache for comparison. Without the fixture files it says
 // where to get them and exits with status 2 (scripts/demo.sh then runs the synthetic demo).
 //
-//   llama2c_story [--fixtures DIR] [--prompt "text"] [--budget N] [--steps N] [--proxy]
+//   llama2c_story_demo [--fixtures DIR] [--prompt "text"] [--budget N] [--steps N] [--proxy]
 #include <cstdio>
 #include <cstdlib>
 #include <exception>

@@ -1,5 +1,6 @@
 // veloxquant — KVCache<T>: the standard append-only cache and the base of every eviction cache
-// (mirrors mlx_lm's KVCache), plus KVView<T>, the zero-copy window of one call (SPEC 2.2, 2.3).
+// (mirrors mlx_lm's KVCache), plus KVView<T>, the zero-copy window of one call
+// (docs/design.md 2.2, 2.3).
 #pragma once
 
 #include <algorithm>
@@ -159,14 +160,14 @@ class KVCache {
     return update_and_view(to_storage(keys), to_storage(values));
   }
 
-  /// Real-query scoring ("observed attention", SPEC 4.6): the same call, with the queries the engine
-  /// attends with for these tokens (RoPE applied). Query head j belongs to KV head j / G. The
-  /// scored policies rank rows by this real attention instead of the key-as-query proxy (H2O core:
-  /// mass of each token's G query heads over the rows it attends to, eviction once per call; TOVA:
-  /// the current token's attention; SnapKV: the last obs_window tokens'); StreamingLLM and the
-  /// standard cache validate and ignore them. Keys/values of any input type are converted to T,
-  /// queries to float32. Throws std::invalid_argument (cache unchanged) for a query tensor that is
-  /// not [B, G·H, S, Dk] or holds a non-finite value.
+  /// Real-query scoring ("observed attention", docs/design.md 4.6): the same call, with the queries
+  /// the engine attends with for these tokens (RoPE applied). Query head j belongs to KV head
+  /// j / G. The scored policies rank rows by this real attention instead of the key-as-query proxy
+  /// (H2O core: mass of each token's G query heads over the rows it attends to, eviction once per
+  /// call; TOVA: the current token's attention; SnapKV: the last obs_window tokens'); StreamingLLM
+  /// and the standard cache validate and ignore them. Keys/values of any input type are converted
+  /// to T, queries to float32. Throws std::invalid_argument (cache unchanged) for a query tensor
+  /// that is not [B, G·H, S, Dk] or holds a non-finite value.
   /// keys: [B, H, S, Dk], values: [B, H, S, Dv], queries: [B, Hq = G·H, S, Dk]
   template <class U, class Q>
   KVPair<T> update_and_fetch(const Tensor4<U>& keys, const Tensor4<U>& values,

@@ -1,5 +1,5 @@
 // veloxquant — KVCacheBuilder: one cache per model layer, with the shared SqueezeCoordinator or
-// the pyramid schedule wired in (SPEC 2.7).
+// the pyramid schedule wired in (docs/design.md 2.7).
 #pragma once
 
 #include <memory>

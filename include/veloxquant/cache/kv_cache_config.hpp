@@ -71,7 +71,7 @@ inline void check_sink_below(const char* sink_field, int n_sink, const char* bud
 
 }  // namespace detail
 
-/// Configuration of every cache policy; an aggregate with the Python defaults (SPEC 2.1).
+/// Configuration of every cache policy; an aggregate with the Python defaults (docs/design.md 2.1).
 struct KVCacheConfig {
   std::string method = "squeeze";  ///< squeeze, h2o, pyramidkv, tova, streaming_llm, snapkv, standard
 
@@ -111,7 +111,7 @@ struct KVCacheConfig {
   int snap_obs_window = 32;
   int snap_n_sink = 4;
 
-  /// Throws std::invalid_argument naming the first bad field and its value (SPEC 2.1).
+  /// Throws std::invalid_argument naming the first bad field and its value (docs/design.md 2.1).
   /// Every field is checked whatever the method; n_sink < budget only for the method in use.
   void validate() const {
     using namespace detail;

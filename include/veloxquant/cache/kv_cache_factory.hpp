@@ -1,4 +1,4 @@
-// veloxquant — KVCacheFactory: one cache for config.method (SPEC 2.7).
+// veloxquant — KVCacheFactory: one cache for config.method (docs/design.md 2.7).
 #pragma once
 
 #include <memory>

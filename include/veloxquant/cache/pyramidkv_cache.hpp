@@ -1,6 +1,7 @@
 // veloxquant — PyramidKVCache<T>: the H2O core with a fixed per-layer budget that tapers with
-// depth (SPEC 6). After "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information
-// Funneling" (Cai et al., 2024); key-as-query proxy as in squeeze_cache.hpp.
+// depth (docs/design.md 6). After "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
+// Information Funneling" (Cai et al., 2024). Rows are scored with the engine's queries when the
+// call brings them (docs/design.md 4.6), else with the key-as-query proxy (docs/design.md 3).
 #pragma once
 
 #include <vector>
@@ -13,9 +14,9 @@
 
 namespace veloxquant::cache {
 
-/// Per-layer pyramid budgets (SPEC 6): linear taper from avg + span to avg - span with
+/// Per-layer pyramid budgets (docs/design.md 6): linear taper from avg + span to avg - span with
 /// span = (avg - n_sink - 1)(beta - 1), water-filled so every budget is >= n_sink + 1 and the mean
-/// stays at avg. Throws std::invalid_argument for beta < 1.
+/// stays at avg. Throws std::invalid_argument for beta outside [1, 1e6].
 inline std::vector<int> pyramid_budgets(int n_layers, int avg_budget, int n_sink, double beta = 2.0) {
   return detail::pyramid_budgets(n_layers, avg_budget, n_sink, beta);
 }

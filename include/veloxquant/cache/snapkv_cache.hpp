@@ -1,6 +1,7 @@
-// veloxquant — SnapKVCache<T>: one-shot prompt compression (SPEC 6). After "SnapKV: LLM Knows
-// What You are Looking for Before Generation" (Li et al., 2024): the prompt's rows are ranked by
-// the attention of its last `obs_window` tokens; decode appends. Key-as-query proxy.
+// veloxquant — SnapKVCache<T>: one-shot prompt compression (docs/design.md 6). After "SnapKV: LLM
+// Knows What You are Looking for Before Generation" (Li et al., 2024): the prompt's rows are ranked
+// by the attention of its last `obs_window` tokens; decode appends. The attention is that of the
+// engine's queries when the call brings them (docs/design.md 4.6), else the key-as-query proxy's.
 #pragma once
 
 #include <algorithm>

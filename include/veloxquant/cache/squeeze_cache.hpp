@@ -4,13 +4,15 @@
 // After "SqueezeAttention: 2D Management of KV-Cache in LLM Inference via Layer-wise Optimal
 // Budget" (Wang et al., 2024, arXiv:2404.04793), as adapted by veloxquant_mlx. Adaptation limits,
 // stated once here:
-//   * Eviction scores use the key-as-query proxy (the cache never sees queries; SPEC 3).
+//   * Without the engine's queries, eviction scores use the key-as-query proxy
+//     (docs/design.md 3). An engine that passes its queries (update_and_fetch(keys, values,
+//     queries)) gets real-query scoring instead (docs/design.md 4.6).
 //   * A layer's concentration is the mean pairwise cosine similarity of its prefill keys, a proxy
 //     for the attention entropy the paper measures on real attention maps.
 //   * The per-layer budget is decided once, at the prefill boundary, and frozen for decoding.
 //   * No RoPE position re-mapping after eviction; the engine rotates with offset().
 //   * One budget for all heads of a layer.
-// Deliberate differences from the Python reference are listed in the README (SPEC 9).
+// Deliberate differences from the Python reference are listed in docs/design.md 9.
 #pragma once
 
 #include <cstdint>
@@ -36,7 +38,7 @@ double concentration_score(const Eigen::MatrixBase<Derived>& rows) {
   return detail::concentration_score(rows);
 }
 
-/// One layer of SqueezeAttention-adapted eviction (SPEC 5).
+/// One layer of SqueezeAttention-adapted eviction (docs/design.md 5).
 template <class T = Eigen::half>
 class SqueezeAttentionCache : public detail::H2OCore<T> {
   using Core = detail::H2OCore<T>;
@@ -124,7 +126,8 @@ class SqueezeAttentionCache : public detail::H2OCore<T> {
         adopted_ = true;
       }
     }
-    // A deferring cache that still has no budget on its second call falls back (SPEC 5.4.4).
+    // A deferring cache that still has no budget on its second call falls back
+    // (docs/design.md 5.4.4).
     if (!this->budget() && calls_ >= 1) this->set_budget(fallback_budget());
     ++calls_;
   }

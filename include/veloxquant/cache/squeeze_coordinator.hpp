@@ -1,5 +1,5 @@
 // veloxquant — SqueezeCoordinator: collects every attention layer's concentration at the prefill
-// boundary and publishes the per-layer budgets once (SPEC 5.3, 5.4). Thread-safe.
+// boundary and publishes the per-layer budgets once (docs/design.md 5.3, 5.4). Thread-safe.
 #pragma once
 
 #include <cmath>
@@ -16,9 +16,9 @@
 
 namespace veloxquant::cache {
 
-/// Per-layer budgets from concentrations (SPEC 5.3): broad (low-concentration) layers get more,
-/// the mean stays at `avg_budget` (each budget at least n_sink + 1). Throws for strength outside
-/// [0, 1] or NaN.
+/// Per-layer budgets from concentrations (docs/design.md 5.3): broad (low-concentration) layers get
+/// more, the mean stays at `avg_budget` (each budget at least n_sink + 1). Throws for strength
+/// outside [0, 1] or NaN.
 inline std::vector<int> squeeze_budgets(const std::vector<double>& concentrations, int avg_budget,
                                         int n_sink, double strength = 1.0) {
   return detail::squeeze_budgets(concentrations, avg_budget, n_sink, strength);

@@ -1,5 +1,5 @@
-// veloxquant — StreamingLLMCache<T>: attention sinks plus a sliding window (SPEC 6). After
-// "Efficient Streaming Language Models with Attention Sinks" (Xiao et al., 2024). No scoring.
+// veloxquant — StreamingLLMCache<T>: attention sinks plus a sliding window (docs/design.md 6).
+// After "Efficient Streaming Language Models with Attention Sinks" (Xiao et al., 2024). No scoring.
 #pragma once
 
 #include <Eigen/Core>

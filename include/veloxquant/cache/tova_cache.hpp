@@ -1,6 +1,7 @@
-// veloxquant — TOVACache<T>: Token Omission Via Attention (SPEC 6). After "Transformers are
-// Multi-State RNNs" (Oren et al., 2024): when over budget, the row the current token attends to
-// least is dropped. Memoryless; key-as-query proxy as in squeeze_cache.hpp.
+// veloxquant — TOVACache<T>: Token Omission Via Attention (docs/design.md 6). After "Transformers
+// are Multi-State RNNs" (Oren et al., 2024): when over budget, the row the current token attends to
+// least is dropped. Memoryless. The attention is that of the engine's queries when the call
+// brings them (docs/design.md 4.6), else the key-as-query proxy's (docs/design.md 3).
 #pragma once
 
 #include <limits>

@@ -1,4 +1,4 @@
-// veloxquant — internal assertions (tier 2 of the error model, see STYLE.md).
+// veloxquant — internal assertions (tier 2 of the error model, see docs/design.md F).
 #pragma once
 
 #include <cstdio>

@@ -1,4 +1,5 @@
-// veloxquant — per-layer budget schedules: squeeze_budgets (SPEC 5.3) and pyramid_budgets (SPEC 6).
+// veloxquant — per-layer budget schedules: squeeze_budgets (docs/design.md 5.3) and pyramid_budgets
+// (docs/design.md 6).
 #pragma once
 
 #include <algorithm>
@@ -33,7 +34,7 @@ inline int to_budget(double v, int floor_budget) {
   return std::max(b, floor_budget);
 }
 
-/// SqueezeAttention reallocation (SPEC 5.3): broad layers (low concentration) get more.
+/// SqueezeAttention reallocation (docs/design.md 5.3): broad layers (low concentration) get more.
 inline std::vector<int> squeeze_budgets(const std::vector<double>& concentrations, int avg_budget,
                                         int n_sink, double strength) {
   if (!(strength >= 0.0 && strength <= 1.0)) {
@@ -70,7 +71,7 @@ inline std::vector<int> squeeze_budgets(const std::vector<double>& concentration
   return out;
 }
 
-/// PyramidKV taper with water-filling to the average (SPEC 6).
+/// PyramidKV taper with water-filling to the average (docs/design.md 6).
 inline std::vector<int> pyramid_budgets(int n_layers, int avg_budget, int n_sink, double beta) {
   if (!(beta >= 1.0 && beta <= 1e6)) {  // kMaxPyramidBeta (kv_cache_config.hpp)
     std::ostringstream os;

@@ -1,4 +1,4 @@
-// veloxquant — input validation at the API boundary (SPEC 8): shapes and finiteness.
+// veloxquant — input validation at the API boundary (docs/design.md 8): shapes and finiteness.
 #pragma once
 
 #include <cstdint>

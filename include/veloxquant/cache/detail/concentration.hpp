@@ -1,4 +1,5 @@
-// veloxquant — concentration_score kernel (SPEC 5.1): mean pairwise cosine similarity in O(n D).
+// veloxquant — concentration_score kernel (docs/design.md 5.1): mean pairwise cosine similarity in
+// O(n D).
 #pragma once
 
 #include <cmath>

@@ -1,5 +1,5 @@
 // veloxquant — H2OCore<T>: the one eviction loop shared by SqueezeAttention, H2O and PyramidKV.
-// A policy derived from it differs only in how its budget is decided (SPEC 4, 5, 6).
+// A policy derived from it differs only in how its budget is decided (docs/design.md 4, 5, 6).
 #pragma once
 
 #include <limits>
@@ -41,7 +41,7 @@ class H2OCore : public ScoredCache<T> {
   H2OCore(int n_sink, double decay, GracePolicy grace, std::optional<int> budget)
       : n_sink_(n_sink), decay_(static_cast<float>(decay)), grace_(grace), budget_(budget) {}
 
-  /// Makes `budget` the budget in force and re-budgets every head to it (SPEC 4.5).
+  /// Makes `budget` the budget in force and re-budgets every head to it (docs/design.md 4.5).
   /// Call only after the call's scratch is reserved (from prepare_call).
   void set_budget(int budget) noexcept {
     budget_ = budget;

@@ -1,4 +1,5 @@
-// veloxquant — the H2O core kernels shared by SqueezeAttention, H2O and PyramidKV (SPEC 4).
+// veloxquant — the H2O core kernels shared by SqueezeAttention, H2O and PyramidKV
+// (docs/design.md 4).
 #pragma once
 
 #include <algorithm>
@@ -15,7 +16,7 @@
 
 namespace veloxquant::cache::detail {
 
-/// How a policy's protected recent window `g` follows its budget (SPEC 4.2 step 3).
+/// How a policy's protected recent window `g` follows its budget (docs/design.md 4.2 step 3).
 struct GracePolicy {
   bool ratio = true;          ///< true: g = floor(recent_ratio * (budget - n_sink)); false: fixed
   double recent_ratio = 0.5;  ///< used when ratio
@@ -33,7 +34,8 @@ struct GracePolicy {
 };
 
 /// Evicts one row: the lowest score among the live rows that are neither sinks nor among the
-/// newest `g`; ties go to the earliest position (SPEC 4.2 step 3). Returns false if none qualifies.
+/// newest `g`; ties go to the earliest position (docs/design.md 4.2 step 3). Returns false if none
+/// qualifies.
 template <class T>
 inline bool evict_lowest(HeadStore<T>& head, int n_sink, int g) {
   const auto& ord = head.order();
@@ -53,8 +55,9 @@ inline bool evict_lowest(HeadStore<T>& head, int n_sink, int g) {
   return true;
 }
 
-/// Re-budget (SPEC 4.5): keeps the sinks, the newest `g` rows and the highest-score others up to
-/// `budget`; among equal scores later positions survive. Order and scores are preserved.
+/// Re-budget (docs/design.md 4.5): keeps the sinks, the newest `g` rows and the highest-score
+/// others up to `budget`; among equal scores later positions survive. Order and scores are
+/// preserved.
 template <class T>
 inline void rebudget(HeadStore<T>& head, int budget, int n_sink, int g, KernelScratch& scratch) {
   if (head.live() <= budget) return;
@@ -66,8 +69,9 @@ inline void rebudget(HeadStore<T>& head, int budget, int n_sink, int g, KernelSc
   keep_highest(head, scratch.picks, keep_mid, /*later_wins_ties=*/true);
 }
 
-/// Absorbs one appended row (slot `s`, not yet live) per SPEC 4.2: proxy attention of its key over
-/// the live rows, decay and accumulate, join with score 0, then evict one row if over `budget`.
+/// Absorbs one appended row (slot `s`, not yet live) per docs/design.md 4.2: proxy attention of its
+/// key over the live rows, decay and accumulate, join with score 0, then evict one row if over
+/// `budget`.
 template <class T>
 inline void absorb_token(HeadStore<T>& head, Slot s, std::optional<int> budget, int n_sink, int g,
                          float decay, KernelScratch& scratch) {
@@ -92,10 +96,10 @@ inline void absorb_token(HeadStore<T>& head, Slot s, std::optional<int> budget, 
 /// Decode fast path for one new row at slot `s` == live() when the live rows fill slots
 /// [0, live()) (no holes): one pass of dot products over contiguous storage, a vectorised score
 /// update, and a protected argmin in slot order (ties to the earliest position). Without
-/// `queries` (SPEC 4.2) the key attends over the rows before it and joins with score 0; with a
-/// one-token call's queries (SPEC 4.6) the token's G query heads attend over those rows and
-/// itself. Returns false (nothing done) when the layout does not allow it or, without queries, the
-/// head is empty; the caller then takes absorb_token or the blocked path.
+/// `queries` (docs/design.md 4.2) the key attends over the rows before it and joins with score 0;
+/// with a one-token call's queries (docs/design.md 4.6) the token's G query heads attend over those
+/// rows and itself. Returns false (nothing done) when the layout does not allow it or, without
+/// queries, the head is empty; the caller then takes absorb_token or the blocked path.
 template <class T>
 inline bool absorb_decode(HeadStore<T>& head, Slot s, std::optional<int> budget, int n_sink, int g,
                           float decay, KernelScratch& scratch, Index chunk,
@@ -117,12 +121,13 @@ inline bool absorb_decode(HeadStore<T>& head, Slot s, std::optional<int> budget,
   return true;
 }
 
-/// Blocked absorption over the blocked driver. Without `queries` (SPEC 4.2): per token, proxy
-/// attention over the live rows (not itself), decay and accumulate, join with score 0, evict one
-/// row if over budget -- the same retained sets as the one-token loop. With the call's queries
-/// (SPEC 4.6): per token, the mean attention of its G query heads over the rows retained before
-/// the call and the call's rows up to itself, decay and accumulate; then one re-budget per call
-/// (the lowest-score unprotected rows go, ties earliest: the same rows as evicting one by one).
+/// Blocked absorption over the blocked driver. Without `queries` (docs/design.md 4.2): per token,
+/// proxy attention over the live rows (not itself), decay and accumulate, join with score 0, evict
+/// one row if over budget -- the same retained sets as the one-token loop. With the call's queries
+/// (docs/design.md 4.6): per token, the mean attention of its G query heads over the rows retained
+/// before the call and the call's rows up to itself, decay and accumulate; then one re-budget per
+/// call (the lowest-score unprotected rows go, ties earliest: the same rows as evicting one by
+/// one).
 template <class T>
 inline void absorb_blocked(HeadStore<T>& head, Slot first, Index count, std::optional<int> budget,
                            int n_sink, int g, float decay, KernelScratch& scratch, Index block,

@@ -5,7 +5,7 @@
 // in ascending position. Evicting a row only clears its alive flag and removes it from `order`
 // (O(n) scalar work, no data movement); the hole is refilled at the start of the next call by
 // moving one row from the tail (O(D) movement), so the returned window of the current call stays
-// addressable until then (SPEC 2.3, SPEC 7).
+// addressable until then (docs/design.md 2.3, 7 and B).
 #pragma once
 
 #include <algorithm>

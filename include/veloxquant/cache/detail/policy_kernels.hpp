@@ -1,5 +1,5 @@
-// veloxquant — the kernels of the TOVA, StreamingLLM and SnapKV policies (SPEC 6), on the shared
-// storage and scoring building blocks.
+// veloxquant — the kernels of the TOVA, StreamingLLM and SnapKV policies (docs/design.md 6), on the
+// shared storage and scoring building blocks.
 #pragma once
 
 #include <algorithm>

@@ -1,5 +1,5 @@
-// veloxquant — attention-proxy kernels (SPEC 3): float32 logits of one proxy query against rows
-// stored in T, and a max-subtracted softmax.
+// veloxquant — attention-proxy kernels (docs/design.md 3): float32 logits of one proxy query
+// against rows stored in T, and a max-subtracted softmax.
 #pragma once
 
 #include <cmath>
@@ -32,8 +32,8 @@ inline float dot_row(const T* row, const float* q, Index d) {
 
 /// Weights below exp(-87) (the bottom of float32's normal range, where Eigen's vectorised exp
 /// clamps to ~1.2e-38 instead of underflowing) are taken as exactly 0. Otherwise rows that receive
-/// no attention would collect a tiny, age-dependent score and turn the exact-tie rules of SPEC
-/// 4.2/4.5 around.
+/// no attention would collect a tiny, age-dependent score and turn the exact-tie rules of
+/// docs/design.md 4.2/4.5 around.
 inline constexpr float kSoftmaxMinWeight = 1.6458115e-38f;  // exp(-87)
 
 /// Elements per chunk of the elementwise kernels below: a multiple of every SIMD width, so each

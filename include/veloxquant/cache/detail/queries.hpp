@@ -1,5 +1,6 @@
-// veloxquant — the queries an engine may pass with a call (SPEC 4.6, "observed attention"): their
-// validation at the API boundary and the per-KV-head slices the scoring kernels read.
+// veloxquant — the queries an engine may pass with a call (docs/design.md 4.6, "observed
+// attention"): their validation at the API boundary and the per-KV-head slices the scoring kernels
+// read.
 #pragma once
 
 #include <cmath>

@@ -61,10 +61,11 @@ inline void keep_highest(HeadStore<T>& head, std::vector<Slot>& candidates, Inde
 }
 
 /// Attention weights over the rows in slots [0, n_rows), which must all be live, of one token:
-/// with `queries` empty, the key in slot `s` as proxy query (SPEC 3); else the mean over the
-/// token's G query heads (SPEC 4.6; `queries` is a one-token call's slice, [G, 1, Dk]). One pass
-/// over contiguous storage (half/bfloat16 rows converted in chunks of `chunk`), logits scaled by
-/// 1/sqrt(Dk), one softmax per query head. Returns scratch.weights.data() ([n_rows]).
+/// with `queries` empty, the key in slot `s` as proxy query (docs/design.md 3); else the mean over
+/// the token's G query heads (docs/design.md 4.6; `queries` is a one-token call's slice,
+/// [G, 1, Dk]). One pass over contiguous storage (half/bfloat16 rows converted in chunks of
+/// `chunk`), logits scaled by 1/sqrt(Dk), one softmax per query head. Returns
+/// scratch.weights.data() ([n_rows]).
 template <class T>
 inline float* decode_weights(const HeadStore<T>& head, Slot s, Index n_rows, KernelScratch& scratch,
                              Index chunk, const QuerySlice& queries = {}) {
@@ -192,11 +193,11 @@ struct BlockRows {
   }
 };
 
-/// Blocked driver (SPEC 7): absorbs the `count` appended rows at slots [first, first + count) in
-/// blocks of `block` tokens. Per block, the float32 logits (scaled by 1/sqrt(Dk)) of the block's
-/// tokens against the live rows and the block's own rows come from one matrix product: one row
-/// per token whose key is its proxy query, or with `queries` (the call's slice, [G, count, Dk])
-/// G rows per token, one per query head. Then `on_token(rows, s, logit_row, column_of_s)` runs for
+/// Blocked driver (docs/design.md 7): absorbs the `count` appended rows at slots
+/// [first, first + count) in blocks of `block` tokens. Per block, the float32 logits (scaled by
+/// 1/sqrt(Dk)) of the block's tokens against the live rows and the block's own rows come from one
+/// matrix product: one row per token whose key is its proxy query, or with `queries` (the call's
+/// slice, [G, count, Dk]) G rows per token, one per query head. Then `on_token(rows, s, logit_row, column_of_s)` runs for
 /// each token in arrival order over dense arrays (see BlockRows; rows.weights averages the G rows);
 /// it must push the token and may evict (mark_dead + rows.erase). Scores and the live order are
 /// written back at the end of each block.

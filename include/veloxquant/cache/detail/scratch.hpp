@@ -12,8 +12,8 @@ namespace veloxquant::cache::detail {
 
 /// Columns of a scoring product padded to a multiple of 16 (with zero keys). Eigen's GEMM computes
 /// the columns past the last full register block with a different summation order, so without the
-/// padding two identical keys could get logits an ulp apart and exact ties (SPEC 4.2, 4.5, 6: the
-/// earliest position wins) would be decided by where a row falls in the matrix.
+/// padding two identical keys could get logits an ulp apart and exact ties (docs/design.md 4.2,
+/// 4.5, 6: the earliest position wins) would be decided by where a row falls in the matrix.
 inline Index padded_columns(Index cols) { return (cols + 15) / 16 * 16; }
 
 /// Keeps a scratch vector's capacity at `n` elements: grows exactly, and releases memory when
