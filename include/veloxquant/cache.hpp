@@ -13,3 +13,8 @@
 #include "cache/streaming_llm_cache.hpp"
 #include "cache/tensor.hpp"
 #include "cache/tova_cache.hpp"
+
+// Opt-in: the caches compiled once in one TU (see cache/extern_templates.hpp).
+#if defined(VELOXQUANT_EXTERN_TEMPLATES) || defined(VELOXQUANT_INSTANTIATE_TEMPLATES)
+#include "cache/extern_templates.hpp"
+#endif
