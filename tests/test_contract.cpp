@@ -1,0 +1,660 @@
+// clang-format off
+#include "support/checked_asserts.hpp"  // must precede every veloxquant header
+// clang-format on
+
+// The contract every cache keeps, swept over every policy (tests/support/contract.hpp: standard,
+// squeeze without and with a coordinator, deferring squeeze, H2O, PyramidKV, TOVA, StreamingLLM,
+// SnapKV) x storage type (half, bfloat16, float) x update API (fetch, view, fetch_into, each with
+// and without queries, and the converting double overloads), through the public API only:
+//  * a call returns the rows retained before it, then its own rows (docs/design.md 4.4, 2.3);
+//  * after a call every head holds the rows its policy allows: the budget, the sinks, the newest
+//    row; offset() is the true position; the accounting follows the rows;
+//  * every API leaves the same state as every other;
+//  * parallel heads give bitwise the serial result;
+//  * the heap stays bounded over a long decode;
+//  * reset() starts a fresh sequence (bitwise a new cache's), trim() only on the standard cache;
+//  * every bad call throws std::invalid_argument naming the problem and changes nothing
+//    (docs/design.md 8): one snapshot, one list of bad calls, the next call as on a twin.
+// What is particular to a policy (its semantics against its oracle, hand-computed cases) stays in
+// the policy's own file.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <optional>
+#include <random>
+#include <regex>
+#include <string>
+#include <type_traits>
+#include <vector>
+#include <veloxquant/cache.hpp>
+
+#include "support/contract.hpp"
+#include "support/test_support.hpp"
+
+namespace {
+
+namespace vc = veloxquant::cache;
+using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
+
+template <class T>
+class ContractTest : public ::testing::Test {};
+using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
+TYPED_TEST_SUITE(ContractTest, StorageTypes);
+
+// ---------------------------------------------------------------------------------------------
+// What a head may hold after a call
+// ---------------------------------------------------------------------------------------------
+
+/// Rows every head must hold after a call, given the tokens absorbed so far (`offset`), the
+/// calls made (`calls`) and the size of the first call (`first_s`), for the subjects of
+/// contract.hpp (budget 6, one sink; squeeze before adoption 8).
+Index expected_rows(Kind kind, std::int64_t offset, int calls, Index first_s) {
+  const auto upto = [&](Index cap) { return std::min<Index>(offset, cap); };
+  switch (kind) {
+    case Kind::kStandard:
+      return offset;
+    case Kind::kSqueezeDefer:
+      // Holds everything in its first call (budget unknown), then falls back to squeeze_budget.
+      return calls <= 1 ? offset : upto(8);
+    case Kind::kSnap:
+      // Compresses the first call with S > budget (here: the first call) and appends after it.
+      return first_s > 6 ? offset - (first_s - 6) : offset;
+    default:
+      return upto(6);
+  }
+}
+
+/// Whether the newest row of the sequence is always retained (protected recent window, FIFO;
+/// TOVA may evict the current token, SnapKV ranks its prompt without a recent window).
+bool keeps_newest(Kind kind) { return kind != Kind::kTova && kind != Kind::kSnap; }
+
+/// Everything observable but the heap, whose capacity depends on the history (a reset keeps
+/// allocations) and on the worker count (scratch per thread).
+template <class T>
+Snapshot logical_state(const Subject<T>& s) {
+  Snapshot out = snapshot(s);
+  out.heap = 0;
+  return out;
+}
+
+/// The positions every head holds, through an empty call (which changes nothing, docs/design.md
+/// 8): one sorted list per head, b-major.
+template <class T>
+std::vector<std::vector<std::int64_t>> held_positions(vc::KVCache<T>& cache) {
+  std::vector<std::vector<std::int64_t>> out;
+  const Index B = cache.batch(), H = cache.heads();
+  const vc::Tensor4<T> k(B, H, 0, cache.key_dim()), v(B, H, 0, cache.value_dim());
+  const vc::KVView<T> view = cache.update_and_view(k, v);
+  for (Index b = 0; b < B; ++b) {
+    for (Index h = 0; h < H; ++h) {
+      std::vector<std::int64_t> p(view.positions(b, h).data(),
+                                  view.positions(b, h).data() + view.rows());
+      std::sort(p.begin(), p.end());
+      out.push_back(std::move(p));
+    }
+  }
+  return out;
+}
+
+/// Checks one call's result against the retained set before it (`before`: state(), ascending
+/// position; `before_positions`: held_positions) and the call itself. Fetched results must be
+/// exactly [before ; call rows]; a view's earlier rows may come in any order (matched by
+/// position), its last rows are the call's in arrival order.
+template <class T>
+void expect_returned(const Returned& got, Api api, const vc::KVPair<T>& before,
+                     const std::vector<std::vector<std::int64_t>>& before_positions,
+                     std::int64_t offset_before, const Call& call, const std::string& ctx) {
+  const vc::Tensor4<T> k = call.keys.template cast<T>();
+  const vc::Tensor4<T> v = call.values.template cast<T>();
+  const Index B = k.dimension(0), H = k.dimension(1), S = k.dimension(2);
+  const Index Dk = k.dimension(3), Dv = v.dimension(3);
+  const Index n_before = before.first.dimension(2);
+  const bool is_view = api == Api::kView || api == Api::kViewQ || api == Api::kViewDouble;
+  if (!is_view) {
+    // [before ; call]: the expected tensors, compared bitwise.
+    vc::KVPair<T> want{vc::Tensor4<T>(B, H, n_before + S, Dk), vc::Tensor4<T>(B, H, n_before + S, Dv)};
+    for (Index b = 0; b < B; ++b)
+      for (Index h = 0; h < H; ++h)
+        for (Index r = 0; r < n_before + S; ++r) {
+          for (Index d = 0; d < Dk; ++d)
+            want.first(b, h, r, d) = r < n_before ? before.first(b, h, r, d) : k(b, h, r - n_before, d);
+          for (Index d = 0; d < Dv; ++d)
+            want.second(b, h, r, d) =
+                r < n_before ? before.second(b, h, r, d) : v(b, h, r - n_before, d);
+        }
+    EXPECT_EQ(got.key_shape, shape_of(want.first)) << ctx;
+    EXPECT_EQ(got.value_shape, shape_of(want.second)) << ctx;
+    EXPECT_TRUE(got.keys == bytes_of(want.first)) << ctx << ": returned keys";
+    EXPECT_TRUE(got.values == bytes_of(want.second)) << ctx << ": returned values";
+    return;
+  }
+  // A view: rows keyed by (head, position) -> key bytes then value bytes; the tail in arrival order.
+  std::map<std::int64_t, std::vector<unsigned char>> want;
+  std::vector<std::int64_t> tail;
+  const auto row_bytes = [&](const vc::Tensor4<T>& kt, const vc::Tensor4<T>& vt, Index b, Index h,
+                             Index r) {
+    std::vector<unsigned char> bytes(static_cast<std::size_t>(Dk + Dv) * sizeof(T));
+    std::memcpy(bytes.data(), &kt(b, h, r, 0), static_cast<std::size_t>(Dk) * sizeof(T));
+    std::memcpy(bytes.data() + static_cast<std::size_t>(Dk) * sizeof(T), &vt(b, h, r, 0),
+                static_cast<std::size_t>(Dv) * sizeof(T));
+    return bytes;
+  };
+  for (Index b = 0; b < B; ++b) {
+    for (Index h = 0; h < H; ++h) {
+      const auto& pos = before_positions[static_cast<std::size_t>(b * H + h)];
+      ASSERT_EQ(static_cast<Index>(pos.size()), n_before) << ctx;
+      for (Index r = 0; r < n_before; ++r) {
+        want[(b * H + h) * 1000000 + pos[static_cast<std::size_t>(r)]] =
+            row_bytes(before.first, before.second, b, h, r);
+      }
+      for (Index s = 0; s < S; ++s) {
+        want[(b * H + h) * 1000000 + offset_before + s] = row_bytes(k, v, b, h, s);
+        tail.push_back(offset_before + s);
+      }
+    }
+  }
+  EXPECT_TRUE(got.view_rows == want) << ctx << ": the view's rows are not [before ; call]";
+  EXPECT_EQ(got.view_tail, tail) << ctx << ": the call's rows are not last in arrival order";
+}
+
+/// The calls of a sequence: a prefill longer than the budget, decode steps, a multi-token call,
+/// an empty call, and a second multi-token call. Sizes along S.
+const std::vector<Index>& sequence_sizes() {
+  static const std::vector<Index> sizes = {9, 1, 1, 1, 3, 0, 1, 7, 1, 1, 2};
+  return sizes;
+}
+
+bool with_queries(Api api) {
+  return api == Api::kFetchQ || api == Api::kViewQ || api == Api::kFetchIntoQ ||
+         api == Api::kFetchIntoDoubleQ;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Return rule, budgets, sinks, offset and accounting
+// ---------------------------------------------------------------------------------------------
+
+/// Every policy x API: each call of a sequence returns [retained before ; its rows]; afterwards
+/// each head holds what its policy allows (all heads the same count), the sinks and (but for
+/// TOVA and SnapKV) the newest row; offset() counts every token; the accounting follows the rows.
+TYPED_TEST(ContractTest, EveryCallReturnsTheRetainedRowsThenItsOwnAndStaysWithinItsPolicy) {
+  using T = TypeParam;
+  for (const Kind kind : kKinds) {
+    for (const Api api : kApis) {
+      const std::string ctx = std::string(kind_name(kind)) + ", " + api_name(api);
+      std::mt19937 rng(100u + static_cast<unsigned>(kind) * 16u + static_cast<unsigned>(api));
+      Subject<T> s = make_subject<T>(kind);
+      vc::KVPair<T> into;
+      std::int64_t offset = 0, seen = 0;
+      int calls = 0;
+      for (const Index S : sequence_sizes()) {
+        const Call call = random_call(rng, with_s(kKeys, S), with_s(kValues, S));
+        const vc::KVPair<T> before = s.cache->state();
+        const auto before_positions =
+            calls == 0 ? std::vector<std::vector<std::int64_t>>(4) : held_positions(*s.cache);
+        const Returned got = invoke(*s.cache, api, call, into);
+        const std::string where = ctx + ", call " + std::to_string(calls) + " (S = " +
+                                  std::to_string(S) + ")";
+        expect_returned(got, api, before, before_positions, offset, call, where);
+        offset += S;
+        seen += kKeys[0] * kKeys[1] * S;
+        if (S > 0) ++calls;
+        ASSERT_EQ(s.cache->offset(), offset) << where;
+        EXPECT_EQ(s.cache->tokens_seen(), seen) << where;
+        const Index rows = expected_rows(kind, offset, calls, sequence_sizes().front());
+        const auto held = held_positions(*s.cache);
+        for (const auto& p : held) {
+          ASSERT_EQ(static_cast<Index>(p.size()), rows) << where;
+          EXPECT_TRUE(std::adjacent_find(p.begin(), p.end()) == p.end()) << where;
+          EXPECT_TRUE(p.empty() || (p.front() >= 0 && p.back() < offset)) << where;
+          if (offset > 0) {
+            EXPECT_EQ(p.front(), 0) << where << ": the sink was evicted";
+            if (keeps_newest(kind)) {
+              EXPECT_EQ(p.back(), offset - 1) << where;
+            }
+          }
+        }
+        const vc::KVPair<T> st = s.cache->state();
+        EXPECT_EQ(st.first.dimension(2), rows) << where;
+        const auto row_bytes = static_cast<std::size_t>(kKeys[3] + kValues[3]) * sizeof(T);
+        const auto heads = static_cast<std::size_t>(kKeys[0] * kKeys[1]);
+        EXPECT_EQ(s.cache->kept_bytes(), heads * static_cast<std::size_t>(rows) * row_bytes) << where;
+        EXPECT_EQ(s.cache->full_seq_bytes(), heads * static_cast<std::size_t>(offset) * row_bytes)
+            << where;
+        EXPECT_EQ(s.cache->tokens_kept(), rows) << where;
+        if (rows > 0) {
+          EXPECT_DOUBLE_EQ(s.cache->compression_ratio(),
+                           static_cast<double>(offset) / static_cast<double>(rows))
+              << where;
+        }
+      }
+    }
+  }
+}
+
+/// Every API of a family (without queries: fetch, view, fetch_into, fetch(double), view(double);
+/// with queries: the same with queries of float or double) leaves bitwise the same state after
+/// every call of the sequence.
+TYPED_TEST(ContractTest, EveryApiLeavesTheSameState) {
+  using T = TypeParam;
+  for (const Kind kind : kKinds) {
+    for (const bool queries : {false, true}) {
+      std::vector<Api> family;
+      for (const Api api : kApis)
+        if (with_queries(api) == queries) family.push_back(api);
+      std::vector<Subject<T>> subjects;
+      for (std::size_t i = 0; i < family.size(); ++i) subjects.push_back(make_subject<T>(kind));
+      std::mt19937 rng(300u + static_cast<unsigned>(kind));
+      int call_no = 0;
+      for (const Index S : sequence_sizes()) {
+        const Call call = random_call(rng, with_s(kKeys, S), with_s(kValues, S));
+        for (std::size_t i = 0; i < family.size(); ++i) {
+          vc::KVPair<T> into;
+          (void)invoke(*subjects[i].cache, family[i], call, into);
+        }
+        const Snapshot first = snapshot(subjects.front());
+        for (std::size_t i = 1; i < family.size(); ++i) {
+          EXPECT_TRUE(snapshot(subjects[i]) == first)
+              << kind_name(kind) << ": " << api_name(family[i]) << " differs from "
+              << api_name(family.front()) << " after call " << call_no;
+        }
+        ++call_no;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parallel heads, bounded heap, reset, trim
+// ---------------------------------------------------------------------------------------------
+
+/// Heads spread over threads (set_parallel_heads(true)) give bitwise what one thread gives:
+/// returns and everything observable, with and without queries, for prefill and decode.
+TYPED_TEST(ContractTest, ParallelHeadsAreBitIdenticalToSerial) {
+  using T = TypeParam;
+  for (const Kind kind : kKinds) {
+    for (const Api api : {Api::kFetch, Api::kViewQ, Api::kFetchIntoQ, Api::kView}) {
+      const std::string ctx = std::string(kind_name(kind)) + ", " + api_name(api);
+      Subject<T> serial = make_subject<T>(kind);
+      Subject<T> parallel = make_subject<T>(kind);
+      parallel.cache->set_parallel_heads(true);
+      ASSERT_TRUE(parallel.cache->parallel_heads());
+      std::mt19937 rng(500u + static_cast<unsigned>(kind));
+      // Wider than the other sweeps: 3 x 4 heads, a 40-token prefill across kernel blocks.
+      const Shape k{3, 4, 0, 16}, v{3, 4, 0, 8};
+      for (const Index S : {Index{40}, Index{1}, Index{1}, Index{5}, Index{1}, Index{70}, Index{1}}) {
+        const Call call = random_call(rng, with_s(k, S), with_s(v, S));
+        vc::KVPair<T> a, b;
+        const Returned ra = invoke(*serial.cache, api, call, a);
+        const Returned rb = invoke(*parallel.cache, api, call, b);
+        EXPECT_TRUE(ra == rb) << ctx << ": returns differ (S = " << S << ")";
+        EXPECT_TRUE(logical_state(serial) == logical_state(parallel)) << ctx << ": state differs (S = " << S << ")";
+      }
+    }
+  }
+}
+
+/// Over a long decode the heap stops growing once a bounded policy is full: it stays within a
+/// small multiple of the retained rows, and equal from step 500 to the end (SnapKV after its
+/// compressed prompt and the standard cache grow with the sequence and are left out).
+TYPED_TEST(ContractTest, HeapStaysBoundedOverALongDecode) {
+  using T = TypeParam;
+  for (const Kind kind : kKinds) {
+    if (kind == Kind::kStandard || kind == Kind::kSnap) continue;
+    SCOPED_TRACE(kind_name(kind));
+    Subject<T> s = make_subject<T>(kind);
+    std::mt19937 rng(23u);
+    std::size_t at_500 = 0;
+    for (int step = 1; step <= 1500; ++step) {
+      const Call call = random_call(rng, with_s(kKeys, 1), with_s(kValues, 1));
+      vc::KVPair<T> into;
+      (void)invoke(*s.cache, step % 2 ? Api::kView : Api::kViewQ, call, into);
+      if (step >= 100) {
+        const std::size_t call_rows =
+            static_cast<std::size_t>(kKeys[0] * kKeys[1] * (kKeys[3] + kValues[3])) * sizeof(T);
+        const std::size_t bound = static_cast<std::size_t>(
+            1.5 * static_cast<double>(s.cache->kept_bytes() + call_rows) +
+            16384.0 * static_cast<double>(kKeys[0] * kKeys[1]));
+        ASSERT_LT(s.cache->heap_bytes(), bound) << "step " << step;
+      }
+      if (step == 500) at_500 = s.cache->heap_bytes();
+    }
+    EXPECT_EQ(s.cache->heap_bytes(), at_500);
+    EXPECT_EQ(s.cache->offset(), 1500);
+  }
+}
+
+/// reset() (with the coordinator's, as KVCacheBuilder::reset does) starts a new sequence: the
+/// same calls then give bitwise what a new cache gives, whatever came before.
+TYPED_TEST(ContractTest, ResetStartsASequenceLikeANewCache) {
+  using T = TypeParam;
+  for (const Kind kind : kKinds) {
+    for (const Api api : {Api::kFetch, Api::kViewQ}) {
+      const std::string ctx = std::string(kind_name(kind)) + ", " + api_name(api);
+      std::mt19937 rng(700u + static_cast<unsigned>(kind));
+      Subject<T> used = make_subject<T>(kind);
+      vc::KVPair<T> into;
+      for (const Index S : sequence_sizes()) {
+        (void)invoke(*used.cache, api, random_call(rng, with_s(kKeys, S), with_s(kValues, S)), into);
+      }
+      if (used.coordinator) used.coordinator->reset();
+      used.cache->reset();
+      EXPECT_EQ(used.cache->offset(), 0) << ctx;
+      EXPECT_EQ(used.cache->kept_bytes(), 0u) << ctx;
+      EXPECT_EQ(used.cache->tokens_seen(), 0) << ctx;
+      Subject<T> fresh = make_subject<T>(kind);
+      for (const Index S : sequence_sizes()) {
+        const Call call = random_call(rng, with_s(kKeys, S), with_s(kValues, S));
+        vc::KVPair<T> a, b;
+        EXPECT_TRUE(invoke(*used.cache, api, call, a) == invoke(*fresh.cache, api, call, b)) << ctx;
+        EXPECT_TRUE(logical_state(used) == logical_state(fresh)) << ctx << " (S = " << S << ")";
+      }
+    }
+  }
+}
+
+/// Only the standard cache is trimmable; on every other policy trim() removes nothing and
+/// changes nothing (a negative count is an error everywhere: test_bad_inputs.cpp).
+TYPED_TEST(ContractTest, OnlyTheStandardCacheTrims) {
+  using T = TypeParam;
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    std::mt19937 rng(800u);
+    Subject<T> s = make_subject<T>(kind);
+    vc::KVPair<T> into;
+    (void)invoke(*s.cache, Api::kFetch, random_call(rng, with_s(kKeys, 9), with_s(kValues, 9)), into);
+    const Snapshot before = snapshot(s);
+    if (kind == Kind::kStandard) {
+      EXPECT_TRUE(s.cache->is_trimmable());
+      EXPECT_EQ(s.cache->trim(4), 4);
+      EXPECT_EQ(s.cache->offset(), 5);
+      EXPECT_EQ(s.cache->tokens_kept(), 5);
+      EXPECT_EQ(s.cache->trim(100), 5);
+      EXPECT_EQ(s.cache->offset(), 0);
+    } else {
+      EXPECT_FALSE(s.cache->is_trimmable());
+      EXPECT_EQ(s.cache->trim(3), 0);
+      EXPECT_TRUE(snapshot(s) == before);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Non-finite keys at every element, every policy, every API
+// ---------------------------------------------------------------------------------------------
+
+/// For every element of a [2, 2, 3, 4] call, NaN, +Inf and -Inf there, through every API: the
+/// call throws std::invalid_argument naming that [b, h, s, d], nothing observable changes (nor the
+/// caller's fetch_into output), the coordinator records nothing, and the next valid calls equal
+/// those of a twin that never saw the bad calls.
+template <class T>
+void non_finite_keys_everywhere(Kind kind) {
+  std::mt19937 rng(1234u + static_cast<unsigned>(kind));
+  int thrown = 0, expected = 0;
+  for (const bool established : {false, true}) {
+    const std::string ctx =
+        std::string(kind_name(kind)) + (established ? " (established)" : " (first call)");
+    Subject<T> subject = make_subject<T>(kind);
+    Subject<T> twin = make_subject<T>(kind);
+    if (established) establish(subject, twin, rng, ctx);
+    const Snapshot before = snapshot(subject);
+    vc::KVPair<T> into;
+    if (established) {
+      // A fetch_into output of an earlier call must survive the bad calls untouched.
+      into = subject.cache->state();
+    }
+    const std::vector<unsigned char> into_keys = bytes_of(into.first);
+    Call call = random_call(rng, kKeys, kValues);
+    for (Index i = 0; i < call.keys.size(); ++i) {
+      const Index d = i % kKeys[3], s = (i / kKeys[3]) % kKeys[2];
+      const Index h = (i / (kKeys[3] * kKeys[2])) % kKeys[1],
+                  b = i / (kKeys[3] * kKeys[2] * kKeys[1]);
+      const Shape at{b, h, s, d};
+      const double good = call.keys.data()[i];
+      for (const double bad : {kNaN, kInf, -kInf}) {
+        call.keys.data()[i] = bad;
+        for (const Api api : kApis) {
+          ++expected;
+          try {
+            (void)invoke(*subject.cache, api, call, into);
+            ADD_FAILURE() << ctx << ": key " << bad << " at element " << i << " through "
+                          << api_name(api) << " did not throw";
+          } catch (const std::invalid_argument& e) {
+            ++thrown;
+            const std::optional<Shape> named = named_index(e.what());
+            if (!named || *named != at) {
+              ADD_FAILURE() << ctx << ": " << api_name(api) << " key " << bad << " at [" << b << ","
+                            << h << "," << s << "," << d << "]: message " << e.what();
+            }
+          }
+          if (subject.cache->offset() != before.offset ||
+              subject.cache->kept_bytes() != before.kept_bytes ||
+              subject.cache->tokens_seen() != before.tokens_seen) {
+            ADD_FAILURE() << ctx << ": " << api_name(api) << " changed the cache at element " << i;
+          }
+        }
+      }
+      call.keys.data()[i] = good;
+      if (i % 8 == 7 || i + 1 == call.keys.size()) {
+        ASSERT_TRUE(snapshot(subject) == before) << ctx << ": cache changed (element " << i << ")";
+        ASSERT_TRUE(bytes_of(into.first) == into_keys) << ctx << ": fetch_into output changed";
+      }
+    }
+    // The very call, repaired, now goes through and behaves as on the twin.
+    {
+      vc::KVPair<T> a_out, b_out;
+      const Returned a = invoke(*subject.cache, Api::kFetch, call, a_out);
+      const Returned b = invoke(*twin.cache, Api::kFetch, call, b_out);
+      EXPECT_TRUE(a == b) << ctx << ": repaired call differs from the twin's";
+      EXPECT_TRUE(snapshot(subject) == snapshot(twin)) << ctx;
+    }
+    for (const Api api : kApis) valid_call_on_both(subject, twin, rng, 1, api, ctx + ": next");
+    valid_call_on_both(subject, twin, rng, 4, Api::kViewQ, ctx + ": next multi-token call");
+  }
+  EXPECT_EQ(thrown, expected);
+  EXPECT_EQ(expected, 2 * 48 * 3 * 9);
+}
+
+
+TYPED_TEST(ContractTest, NonFiniteKeyAtEveryElementEveryPolicyEveryApi) {
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    non_finite_keys_everywhere<TypeParam>(kind);
+  }
+}
+
+/// A finite double key that overflows the storage type becomes infinite on conversion: rejected
+/// as non-finite by every policy through both converting overloads, nothing changed.
+TYPED_TEST(ContractTest, DoubleKeyOverflowingTheStorageTypeOnEveryPolicy) {
+  using T = TypeParam;
+  const double huge = std::is_same_v<T, Eigen::half> ? 65520.0 : 3.5e38;  // just past T's max
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    std::mt19937 rng(77u);
+    Subject<T> subject = make_subject<T>(kind);
+    Subject<T> twin = make_subject<T>(kind);
+    establish(subject, twin, rng, kind_name(kind));
+    const Snapshot before = snapshot(subject);
+    Call call = random_call(rng, kKeys, kValues);
+    call.keys(1, 1, 2, 3) = huge;
+    call.keys(0, 1, 0, 2) = -huge;
+    for (const Api api : {Api::kFetchDouble, Api::kViewDouble, Api::kFetchIntoDoubleQ}) {
+      vc::KVPair<T> into;
+      const std::string what =
+          invalid_argument_message([&] { (void)invoke(*subject.cache, api, call, into); });
+      EXPECT_EQ(named_index(what), std::optional<Shape>(Shape{0, 1, 0, 2}))
+          << api_name(api) << ": " << what;
+      EXPECT_TRUE(snapshot(subject) == before) << api_name(api);
+    }
+    // The largest finite value of T is accepted (its scores may overflow: see HugeKeys below).
+    call.keys(1, 1, 2, 3) = std::is_same_v<T, Eigen::half> ? 65504.0 : 3.0e38;
+    call.keys(0, 1, 0, 2) = 1.0;
+    vc::KVPair<T> a_out, b_out;
+    EXPECT_TRUE(invoke(*subject.cache, Api::kFetchDouble, call, a_out) ==
+                invoke(*twin.cache, Api::kFetchDouble, call, b_out));
+    EXPECT_TRUE(snapshot(subject) == snapshot(twin));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mismatched shapes and shape changes between calls, every policy, every API
+// ---------------------------------------------------------------------------------------------
+
+struct ShapeCase {
+  std::string name;
+  Shape keys, values;
+  bool needs_established;
+};
+
+std::vector<ShapeCase> shape_cases() {
+  return {
+      {"values B differs", kKeys, {1, 2, 3, 3}, false},
+      {"values H differs", kKeys, {2, 3, 3, 3}, false},
+      {"values S differs", kKeys, {2, 2, 4, 3}, false},
+      {"keys S differs", {2, 2, 1, 4}, kValues, false},
+      {"zero key D", {2, 2, 3, 0}, kValues, false},
+      {"zero value D", kKeys, {2, 2, 3, 0}, false},
+      {"zero B", {0, 2, 3, 4}, {0, 2, 3, 3}, false},
+      {"zero H", {2, 0, 3, 4}, {2, 0, 3, 3}, false},
+      {"zero B and S", {0, 2, 0, 4}, {0, 2, 0, 3}, false},
+      {"B changes", {3, 2, 1, 4}, {3, 2, 1, 3}, true},
+      {"H changes", {2, 1, 1, 4}, {2, 1, 1, 3}, true},
+      {"key D changes", {2, 2, 1, 8}, {2, 2, 1, 3}, true},
+      {"value D changes", {2, 2, 1, 4}, {2, 2, 1, 1}, true},
+      {"key and value D swap", {2, 2, 1, 3}, {2, 2, 1, 4}, true},
+      {"empty call with another D", {2, 2, 0, 5}, {2, 2, 0, 3}, true},
+      {"empty call with another B", {1, 2, 0, 4}, {1, 2, 0, 3}, true},
+  };
+}
+
+/// Every shape error through every API on every policy: std::invalid_argument whose message
+/// names the API and both shapes; nothing changes; the next valid calls equal the twin's.
+TYPED_TEST(ContractTest, ShapeErrorsEveryPolicyEveryApi) {
+  using T = TypeParam;
+  for (const Kind kind : kKinds) {
+    for (const bool established : {false, true}) {
+      const std::string ctx =
+          std::string(kind_name(kind)) + (established ? " (established)" : " (first call)");
+      std::mt19937 rng(31u + static_cast<unsigned>(kind));
+      Subject<T> subject = make_subject<T>(kind);
+      Subject<T> twin = make_subject<T>(kind);
+      if (established) establish(subject, twin, rng, ctx);
+      const Snapshot before = snapshot(subject);
+      for (const ShapeCase& sc : shape_cases()) {
+        if (sc.needs_established && !established) continue;
+        const Call call = random_call(rng, sc.keys, sc.values);
+        const std::regex keys_shape = shape_regex(sc.keys), values_shape = shape_regex(sc.values);
+        for (const Api api : kApis) {
+          vc::KVPair<T> into;
+          const std::string what =
+              invalid_argument_message([&] { (void)invoke(*subject.cache, api, call, into); });
+          const std::string where = ctx + ", " + sc.name + ", " + api_name(api);
+          EXPECT_TRUE(std::regex_search(what, keys_shape)) << where << ": " << what;
+          EXPECT_TRUE(std::regex_search(what, values_shape)) << where << ": " << what;
+          const std::string full_api = api_name(api);
+          const std::string short_api = full_api.substr(0, full_api.find('('));
+          EXPECT_TRUE(contains(what, short_api))
+              << where << ": message does not name the API: " << what;
+          EXPECT_TRUE(snapshot(subject) == before) << where << ": the cache changed";
+          EXPECT_EQ(into.first.size(), 0) << where << ": fetch_into output was touched";
+        }
+      }
+      for (const Api api : kApis) valid_call_on_both(subject, twin, rng, 2, api, ctx + ": next");
+    }
+  }
+}
+
+/// After reset() a cache may take new B, H and D (SPEC 2.2: the next call starts a new
+/// sequence); the old shape is then the wrong one.
+TYPED_TEST(ContractTest, ResetAllowsNewShapesAndThenRejectsTheOldOnes) {
+  using T = TypeParam;
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    std::mt19937 rng(5u);
+    Subject<T> s = make_subject<T>(kind);
+    vc::KVPair<T> into;
+    (void)invoke(*s.cache, Api::kFetch, random_call(rng, kKeys, kValues), into);
+    if (s.coordinator) s.coordinator->reset();
+    s.cache->reset();
+    const Shape k2{1, 3, 2, 5}, v2{1, 3, 2, 2};
+    const Returned r = invoke(*s.cache, Api::kFetch, random_call(rng, k2, v2), into);
+    EXPECT_EQ(r.key_shape, k2);
+    EXPECT_EQ(r.value_shape, v2);
+    EXPECT_EQ(s.cache->offset(), 2);
+    const Snapshot before = snapshot(s);
+    const Call old = random_call(rng, with_s(kKeys, 1), with_s(kValues, 1));
+    const std::string what =
+        invalid_argument_message([&] { (void)invoke(*s.cache, Api::kView, old, into); });
+    EXPECT_TRUE(contains(what, "first call")) << what;
+    EXPECT_TRUE(snapshot(s) == before);
+  }
+}
+
+/// Two bad keys in one call: the message names the first in row-major order ([b, h, s, d]).
+TYPED_TEST(ContractTest, TheFirstOfSeveralBadKeysIsNamed) {
+  using T = TypeParam;
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    std::mt19937 rng(41u);
+    Subject<T> s = make_subject<T>(kind);
+    Call call = random_call(rng, kKeys, kValues);
+    call.keys(1, 1, 0, 1) = kInf;
+    call.keys(1, 0, 2, 3) = kNaN;
+    const Snapshot before = snapshot(s);
+    for (const Api api : kApis) {
+      vc::KVPair<T> into;
+      const std::string what =
+          invalid_argument_message([&] { (void)invoke(*s.cache, api, call, into); });
+      EXPECT_EQ(named_index(what), std::optional<Shape>(Shape{1, 0, 2, 3}))
+          << api_name(api) << ": " << what;
+      EXPECT_TRUE(snapshot(s) == before) << api_name(api);
+    }
+  }
+}
+
+/// Values are not inspected for finiteness (docs/design.md 8): NaN and infinite values are
+/// stored and returned as given, by every policy, through fetch and view.
+TYPED_TEST(ContractTest, NonFiniteValuesAreAccepted) {
+  using T = TypeParam;
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    std::mt19937 rng(5u);
+    Subject<T> s = make_subject<T>(kind);
+    Call call = random_call(rng, kKeys, kValues);
+    call.values(1, 0, 2, 1) = kNaN;
+    call.values(0, 1, 0, 0) = kInf;
+    vc::KVPair<T> out;
+    ASSERT_NO_THROW(out = s.cache->update_and_fetch(call.keys, call.values));
+    EXPECT_EQ(s.cache->offset(), 3);
+    ASSERT_EQ(out.second.dimension(2), 3);
+    EXPECT_TRUE((Eigen::numext::isnan)(out.second(1, 0, 2, 1)));
+    EXPECT_TRUE((Eigen::numext::isinf)(out.second(0, 1, 0, 0)));
+    call = random_call(rng, with_s(kKeys, 1), with_s(kValues, 1));
+    call.values(0, 0, 0, 2) = kNaN;
+    ASSERT_NO_THROW(s.cache->update_and_view(call.keys, call.values));
+    EXPECT_EQ(s.cache->offset(), 4);
+    EXPECT_EQ(s.cache->tokens_seen(), 16);
+  }
+}
+
+/// A double that fits the storage type is accepted (only the converted value is checked), and
+/// stored as its conversion to T.
+TYPED_TEST(ContractTest, LargeFiniteDoubleKeysThatFitTheStorageTypeAreAccepted) {
+  using T = TypeParam;
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    std::mt19937 rng(6u);
+    Subject<T> s = make_subject<T>(kind);
+    Call call = random_call(rng, with_s(kKeys, 2), with_s(kValues, 2));
+    call.keys(0, 0, 1, 1) = std::is_same_v<T, Eigen::half> ? 60000.0 : 1e6;
+    const vc::KVPair<T> out = s.cache->update_and_fetch(call.keys, call.values);
+    EXPECT_EQ(static_cast<float>(out.first(0, 0, 1, 1)),
+              static_cast<float>(static_cast<T>(call.keys(0, 0, 1, 1))));
+  }
+}
+
+}  // namespace
