@@ -1,5 +1,5 @@
 // libFuzzer target: every input is one run of fuzz_ops.hpp (one cache, a sequence of operations
-// checked against the naive oracles and the SPEC invariants). A violation prints its description
+// checked against the naive oracles and the invariants of docs/design.md). A violation prints its description
 // and aborts, so libFuzzer saves the input as a crash.
 //
 // Build (scripts/fuzz.sh does this):

@@ -1,6 +1,6 @@
 // veloxquant fuzz harness: turns a byte string into a sequence of operations on ONE cache and
 // checks every operation against the naive double-precision oracles of tests/reference/ and against
-// the invariants of SPEC.md sections 2, 4, 5, 6 and 8. Used by the libFuzzer target
+// the invariants of docs/design.md sections 2, 4, 5, 6 and 8. Used by the libFuzzer target
 // (fuzz/fuzz_cache.cpp, clang) and by the corpus replay test (tests/test_fuzz_regressions.cpp,
 // g++).
 //
@@ -33,15 +33,15 @@
 //   it exactly, dot products are exact in float32, and exact ties (identical keys, identical
 //   logits) are frequent. One sequence in four is "one-hot": keys and queries in {-64, 0, 64}, so
 //   logits that differ at all differ by more than 1448 and every softmax weight is exactly 0 or
-//   1/m, in the library (README (k)) and in the oracle alike: rows that receive no attention tie
+//   1/m, in the library (docs/design.md A(k)) and in the oracle alike: rows that receive no attention tie
 //   exactly, which exercises the tie rules of the H2O core (earliest evicted; in a re-budget the
 //   later position survives), where ordinary data almost never produces an exact tie.
 //
 // Checks after every accepted call:
 //   * the returned window is the rows retained before the call followed by every row of the call
-//     (SPEC 4.4): bitwise, in ascending position for update_and_fetch / update_and_fetch_into; for
+//     (docs/design.md 4.4): bitwise, in ascending position for update_and_fetch / update_and_fetch_into; for
 //     update_and_view the earlier rows may come in any order (positions() say which) and the call's
-//     rows come last in arrival order (SPEC 2.3);
+//     rows come last in arrival order (docs/design.md 2.3);
 //   * offset(), tokens_seen(), tokens_kept(), kept_bytes(), full_seq_bytes(), compression_ratio(),
 //     heap_bytes() >= kept_bytes(), batch()/heads()/key_dim()/value_dim();
 //   * the retained row count per head equals a count model that does not depend on which rows were
@@ -54,10 +54,10 @@
 //     relative of the oracle's (H2O core, TOVA; SnapKV for the rows of the compressed call);
 //   * budget(), n_sink(), protected_recent(), layer_budget(), compressed(), concentration()
 //     (against the Gram-matrix reference, 1e-9), budget_adopted(), and the coordinator's reports,
-//     finalisation and resolved budget against a model of SPEC 5.4.
+//     finalisation and resolved budget against a model of docs/design.md 5.4.
 // Checks after every rejected call: it threw std::invalid_argument (nothing else), and state(),
 // offset(), the accounting, dims, scores, positions, budget, and the coordinator are exactly as
-// before (strong guarantee, SPEC 8). A call expected to be valid must not throw, and vice versa.
+// before (strong guarantee, docs/design.md 8). A call expected to be valid must not throw, and vice versa.
 //
 // Tolerance for float32 scoring against the double oracle (the only excused difference):
 //   The library scores in float32, the oracle in double. When the oracle takes an eviction decision
@@ -72,7 +72,7 @@
 //   attention); for TOVA and SnapKV, bitwise-identical keys (identical columns of the same
 //   softmaxes); for TOVA scored by one softmax row (no queries, or G = 1), every exact tie (equal
 //   weights <=> equal logits, and the logits of this data are exact in float32). The library must
-//   break those exactly as SPEC says (earliest evicted; in a re-budget the later position
+//   break those exactly as docs/design.md says (earliest evicted; in a re-budget the later position
 //   survives). Other equal doubles are different computations that happen to round alike (sums such
 //   as 9/15 + 1/2 + 1/2 and 9/15 + 1/4 + 1/4 + 1/4 + 1/4), which float32 may split, so they count
 //   as near-ties. Scores that agree to 1e-4 are 100x wider than float32 accumulation error on this
@@ -389,8 +389,8 @@ inline bool is_query_bad(Bad b) { return b >= Bad::QueryHq; }
 /// One head's oracles (only those of the cache's policy are engaged) and the rows fed to it.
 template <class T>
 struct HeadModel {
-  std::optional<ref::H2OHeadOracle> h2o;        // key-as-query proxy (SPEC 4.2)
-  std::optional<ref::H2OQueryHeadOracle> h2oq;  // real queries (SPEC 4.6)
+  std::optional<ref::H2OHeadOracle> h2o;        // key-as-query proxy (docs/design.md 4.2)
+  std::optional<ref::H2OQueryHeadOracle> h2oq;  // real queries (docs/design.md 4.6)
   std::optional<ref::TOVAHeadOracle> tova;
   std::optional<ref::TOVAQueryHeadOracle> tovaq;
   std::optional<ref::StreamingLLMHeadOracle> stream;
@@ -522,7 +522,7 @@ class Harness {
   }
 
   // ------------------------------------------------------------------------------------------
-  // Construction (SPEC 2.1, 2.6, 2.7)
+  // Construction (docs/design.md 2.1, 2.6, 2.7)
   // ------------------------------------------------------------------------------------------
 
   bool core_policy() const {
@@ -860,7 +860,7 @@ class Harness {
   }
 
   // ------------------------------------------------------------------------------------------
-  // Budget model of the H2O core (SPEC 4.2, 4.5, 5.4, 6)
+  // Budget model of the H2O core (docs/design.md 4.2, 4.5, 5.4, 6)
   // ------------------------------------------------------------------------------------------
 
   int fallback_budget() const { return cfg_.squeeze_resolved_budget.value_or(cfg_.squeeze_budget); }
@@ -961,7 +961,7 @@ class Harness {
     coord_finalized_ = true;
   }
 
-  /// Makes `b` the budget in force (SPEC 4.5 trim in every head's oracle).
+  /// Makes `b` the budget in force (docs/design.md 4.5 trim in every head's oracle).
   void set_model_budget(int b) {
     model_budget_ = b;
     count_ = std::min<Index>(count_, b);
@@ -1458,7 +1458,7 @@ class Harness {
     }
     expect(!rejected, "valid call was rejected: " + reject_msg);
 
-    // The returned window (SPEC 4.4 / 2.3), against the state before the call.
+    // The returned window (docs/design.md 4.4 / 2.3), against the state before the call.
     check_window(win, before, pos_before, kt, vt, S, B, H, Dk, Dv, dims_were_known);
     if (S == 0) {
       expect(snapshot() == before, "an empty call changed the cache");
@@ -1686,7 +1686,7 @@ class Harness {
   void update_models(const vc::Tensor4<T>& kt, const vc::Tensor4<T>& vt,
                      const vc::Tensor4<double>& qd, bool with_queries, Index G, Index S) {
     for (auto& hm : heads_) hm.ambiguous = false;
-    // SPEC 5.4: report, adoption, fallback; before the call's tokens are absorbed.
+    // docs/design.md 5.4: report, adoption, fallback; before the call's tokens are absorbed.
     if (policy_ == Policy::SqueezeSingle || policy_ == Policy::SqueezeBuilder) {
       if (calls_since_reset_ == 0) check_concentration(kt);
       if (policy_ == Policy::SqueezeBuilder) {
@@ -2093,7 +2093,7 @@ class Harness {
       }
     }
     const std::set<std::int64_t> have(pos.begin(), pos.end());
-    // Sinks (SPEC 1): never evicted.
+    // Sinks (docs/design.md 1): never evicted.
     int sinks = 0;
     if (core_) sinks = n_sink_;
     if (tova_) sinks = cfg_.tova_n_sink;

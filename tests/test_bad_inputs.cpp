@@ -9,10 +9,10 @@
 //    built from huge but valid values (INT_MAX budgets, windows, grace) behaving without overflow;
 //  * non-finite keys at every element of a call, for every policy, through every API (fetch, view,
 //    fetch_into, each with and without queries, and the converting double overloads), with the
-//    strong guarantee (SPEC 8) and a following valid call equal to an untouched twin's;
+//    strong guarantee (docs/design.md 8) and a following valid call equal to an untouched twin's;
 //  * mismatched shapes and shape changes between calls through the same table of policies/APIs;
-//  * coordinator wiring mistakes through caches: a duplicate layer id (SPEC 5.4.1: the first
-//    report per layer wins), a layer id the coordinator does not know (README design decision h);
+//  * coordinator wiring mistakes through caches: a duplicate layer id (docs/design.md 5.4.1: the first
+//    report per layer wins), a layer id the coordinator does not know (docs/design.md A(h);
 //  * squeeze_budgets / pyramid_budgets / concentration_score edge arguments; trim of a negative or
 //    extreme count on every policy; KVView accessors out of range on every policy; the builder
 //    with bad layer counts, head dims and methods.
@@ -165,7 +165,7 @@ void behaves_like_standard(vc::KVCache<T>& cache, const std::string& ctx) {
   EXPECT_EQ(cache.tokens_kept(), 13) << ctx;
 }
 
-/// SPEC 2.1 sets no upper bound: INT_MAX budgets, windows, grace and sinks just below them are
+/// docs/design.md 2.1 sets no upper bound: INT_MAX budgets, windows, grace and sinks just below them are
 /// valid, and such caches behave (no overflow) like the standard cache. The one exception: a
 /// StreamingLLM head holds stream_n_sink + stream_window_size rows, which must fit in an int.
 TEST(BadInputConfigTest, IntMaxBudgetsAreValidAndBehaveLikeTheStandardCache) {
@@ -303,7 +303,7 @@ TEST(BadInputConfigTest, DenormalDecaysAreAcceptedAndKeepScoresFinite) {
 // ---------------------------------------------------------------------------------------------
 
 /// Keys that are finite but so large that their dot products overflow float32 are valid input
-/// (SPEC 8 rejects only non-finite keys). Every policy keeps its contract: each call returns the
+/// (docs/design.md 8 rejects only non-finite keys). Every policy keeps its contract: each call returns the
 /// rows retained before it plus its own, heads stay within budget, sinks and the newest rows
 /// survive, positions stay ascending.
 TEST(BadInputHugeKeysTest, FiniteKeysWhoseProductsOverflowKeepThePolicyContract) {
@@ -347,7 +347,7 @@ TEST(BadInputHugeKeysTest, FiniteKeysWhoseProductsOverflowKeepThePolicyContract)
             EXPECT_EQ(p.front(), 0) << "the sink was evicted";
             EXPECT_TRUE(std::is_sorted(p.begin(), p.end()));
             EXPECT_TRUE(std::adjacent_find(p.begin(), p.end()) == p.end());
-            // TOVA may evict the current token itself (SPEC 6); the others protect it.
+            // TOVA may evict the current token itself (docs/design.md 6); the others protect it.
             if (kind != Kind::kSnap && kind != Kind::kTova) {
               EXPECT_EQ(p.back(), offset - 1) << "the newest row was evicted";
             }
@@ -362,7 +362,7 @@ TEST(BadInputHugeKeysTest, FiniteKeysWhoseProductsOverflowKeepThePolicyContract)
 }
 
 // ---------------------------------------------------------------------------------------------
-// The coordinator wired wrongly through caches (SPEC 5.4, SPEC 8, README design decision h)
+// The coordinator wired wrongly through caches (docs/design.md 5.4, docs/design.md 8, docs/design.md A(h)
 // ---------------------------------------------------------------------------------------------
 
 /// Keys whose concentration rises with `alpha` (alpha * e_0 + N(0, 1)). [B, H, S, D]
@@ -372,7 +372,7 @@ vc::Tensor4<double> keys_with_alpha(std::mt19937& rng, Shape sh, double alpha) {
   return k;
 }
 
-/// Two caches built with the same layer id: the first one's report wins (SPEC 5.4.1), the second
+/// Two caches built with the same layer id: the first one's report wins (docs/design.md 5.4.1), the second
 /// is ignored, the coordinator waits for a second distinct layer, and once it comes both caches
 /// adopt the budget computed from the first report.
 TEST(BadInputCoordinatorTest, DuplicateLayerIdOnTwoCachesFirstReportWins) {
@@ -395,7 +395,7 @@ TEST(BadInputCoordinatorTest, DuplicateLayerIdOnTwoCachesFirstReportWins) {
     EXPECT_FALSE(duplicate.budget_adopted());
     EXPECT_EQ(duplicate.layer_budget(), 12);
     EXPECT_EQ(duplicate.tokens_kept(), defer ? 16 : 12);
-    // A second call before finalisation: a deferring cache falls back (SPEC 5.4.4).
+    // A second call before finalisation: a deferring cache falls back (docs/design.md 5.4.4).
     (void)duplicate.update_and_fetch(random_doubles(rng, {1, 2, 1, 4}),
                                      random_doubles(rng, {1, 2, 1, 4}));
     EXPECT_EQ(duplicate.tokens_kept(), 12);
@@ -421,7 +421,7 @@ TEST(BadInputCoordinatorTest, DuplicateLayerIdOnTwoCachesFirstReportWins) {
 }
 
 /// A cache whose layer id the coordinator does not know, reporting after finalisation: its report
-/// is ignored (README design decision h), it never adopts and runs on its fallback budget; the
+/// is ignored (docs/design.md A(h), it never adopts and runs on its fallback budget; the
 /// coordinator is unchanged. Before finalisation such an id counts as a layer of its own.
 TEST(BadInputCoordinatorTest, UnknownLayerIdAfterFinalisationRunsOnTheFallbackBudget) {
   using T = float;
@@ -456,7 +456,7 @@ TEST(BadInputCoordinatorTest, UnknownLayerIdAfterFinalisationRunsOnTheFallbackBu
     EXPECT_FALSE(coord->resolved_budget(INT_MAX).has_value());
     EXPECT_EQ(coord->resolved_budget(0), std::optional<int>(10));
 
-    // Before finalisation an id >= n_layers is a distinct layer (SPEC 5.4.2 counts distinct ids).
+    // Before finalisation an id >= n_layers is a distinct layer (docs/design.md 5.4.2 counts distinct ids).
     auto coord2 = std::make_shared<vc::SqueezeCoordinator>(2, 10, 1, 1.0);
     vc::SqueezeAttentionCache<T> a(c, 0, coord2), b(c, INT_MAX, coord2);
     (void)a.update_and_fetch(keys_with_alpha(rng, k12, 3.0), random_doubles(rng, k12));
@@ -470,7 +470,7 @@ TEST(BadInputCoordinatorTest, UnknownLayerIdAfterFinalisationRunsOnTheFallbackBu
   }
 }
 
-/// SPEC 8 / README h at the coordinator: negative ids (down to INT_MIN) throw naming the id and
+/// docs/design.md 8 / docs/design.md A(h) at the coordinator: negative ids (down to INT_MIN) throw naming the id and
 /// record nothing; extreme but finite concentrations are accepted (clamped by squeeze_budgets);
 /// non-finite ones throw even for an id that already reported and after finalisation.
 TEST(BadInputCoordinatorTest, ExtremeReports) {
@@ -513,7 +513,7 @@ TEST(BadInputFunctionsTest, SqueezeBudgetsRejectsNonFiniteConcentrationsNamingTh
         invalid_argument_message([&] { (void)vc::squeeze_budgets({bad}, 100, 4); });
     EXPECT_TRUE(contains(one, "concentration")) << one;
   }
-  // Strength is checked first, even on empty input (README design decision l).
+  // Strength is checked first, even on empty input (docs/design.md A(l).
   for (const double s : {kNaN, -kInf, kInf, -1e-300}) {
     const std::string what =
         invalid_argument_message([&] { (void)vc::squeeze_budgets({}, 100, 4, s); });
@@ -599,7 +599,7 @@ TEST(BadInputFunctionsTest, ConcentrationScoreDegenerateInputs) {
 // ---------------------------------------------------------------------------------------------
 
 /// trim(n < 0) throws naming n on every policy, before and after calls, changing nothing
-/// (README design decision d); a huge n trims at most offset() on the standard cache and nothing
+/// (docs/design.md A(d); a huge n trims at most offset() on the standard cache and nothing
 /// on the others.
 TEST(BadInputTrimTest, NegativeAndExtremeCountsOnEveryPolicy) {
   using T = Eigen::half;

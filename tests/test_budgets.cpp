@@ -1,6 +1,6 @@
 // Tests of the per-layer budget schedules and the concentration kernel:
-//   squeeze_budgets (SPEC 5.3), pyramid_budgets (SPEC 6), concentration_score (SPEC 5.1).
-// Every worked vector of the SPEC is checked exactly; the fast functions are cross-checked against
+//   squeeze_budgets (docs/design.md 5.3), pyramid_budgets (docs/design.md 6), concentration_score (docs/design.md 5.1).
+// Every worked vector of docs/design.md is checked exactly; the fast functions are cross-checked against
 // the independent double-precision oracle in tests/reference/oracle.hpp on many random inputs.
 #include <algorithm>
 #include <cmath>
@@ -67,7 +67,7 @@ Eigen::MatrixXd RandomMatrix(std::mt19937& rng, Eigen::Index n, Eigen::Index d) 
 }
 
 // ---------------------------------------------------------------------------------------------
-// squeeze_budgets (SPEC 5.3)
+// squeeze_budgets (docs/design.md 5.3)
 // ---------------------------------------------------------------------------------------------
 
 TEST(SqueezeBudgetsTest, WorkedVectorsOfSpecHoldExactly) {
@@ -85,7 +85,7 @@ TEST(SqueezeBudgetsTest, WorkedVectorsOfSpecHoldExactly) {
 }
 
 TEST(SqueezeBudgetsTest, RoundsHalfToEven) {
-  // 5 * 1.5 = 7.5 -> 8 and 5 * 0.5 = 2.5 -> 2 (SPEC 5.3 worked vector).
+  // 5 * 1.5 = 7.5 -> 8 and 5 * 0.5 = 2.5 -> 2 (docs/design.md 5.3 worked vector).
   EXPECT_EQ(vc::squeeze_budgets({0.25, 0.75}, 5, 0, 1.0), (IntVec{8, 2}));
   // 3 * 1.5 = 4.5 -> 4 and 3 * 0.5 = 1.5 -> 2.
   EXPECT_EQ(vc::squeeze_budgets({0.25, 0.75}, 3, 0, 1.0), (IntVec{4, 2}));
@@ -251,7 +251,7 @@ TEST(SqueezeBudgetsTest, CoordinatorPublishesSqueezeBudgetsInLayerOrder) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// pyramid_budgets (SPEC 6)
+// pyramid_budgets (docs/design.md 6)
 // ---------------------------------------------------------------------------------------------
 
 TEST(PyramidBudgetsTest, WorkedVectorsOfSpecHoldExactly) {
@@ -335,7 +335,7 @@ TEST(PyramidBudgetsTest, BudgetsRespectFloorAndTaperWithDepth) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// concentration_score (SPEC 5.1)
+// concentration_score (docs/design.md 5.1)
 // ---------------------------------------------------------------------------------------------
 
 TEST(ConcentrationScoreTest, ParallelRowsScoreOne) {

@@ -2,8 +2,8 @@
 #include "support/checked_asserts.hpp"  // must precede every veloxquant header
 // clang-format on
 
-// Concurrency (SPEC 2.4: "all methods are thread-safe: layers may run on different threads";
-// SPEC 7: results identical to a serial run). Built and run under ThreadSanitizer by
+// Concurrency (docs/design.md 2.4: "all methods are thread-safe: layers may run on different threads";
+// docs/design.md 7: results identical to a serial run). Built and run under ThreadSanitizer by
 // scripts/sanitize.sh.
 //
 //  * The layers of one model (KVCacheBuilder::for_model, squeeze with the shared coordinator, with
@@ -424,7 +424,7 @@ void run_model_rounds(bool defer, Schedule schedule, unsigned seed) {
       if (adopted_at[static_cast<std::size_t>(id)] == 0) ++first_call_adopters;
       ++k;
     }
-    // SPEC 5.4.3: the call that completes the set adopts before absorbing.
+    // docs/design.md 5.4.3: the call that completes the set adopts before absorbing.
     EXPECT_GE(first_call_adopters, 1) << ctx;
     EXPECT_EQ(as_squeeze(threaded[2]), nullptr);
     EXPECT_EQ(engine_order_budgets<T>(inputs, defer), budgets) << ctx;

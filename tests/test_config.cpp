@@ -1,6 +1,6 @@
-// Tests of KVCacheConfig (SPEC 2.1: defaults and validate()), of the validation done by every
-// cache constructor and by SqueezeCoordinator (SPEC 2.4, 2.6), and of KVCacheFactory::create
-// (SPEC 2.7): dispatch by method, unknown and not-yet-implemented methods, trimmability.
+// Tests of KVCacheConfig (docs/design.md 2.1: defaults and validate()), of the validation done by every
+// cache constructor and by SqueezeCoordinator (docs/design.md 2.4, 2.6), and of KVCacheFactory::create
+// (docs/design.md 2.7): dispatch by method, unknown and not-yet-implemented methods, trimmability.
 #include <algorithm>
 #include <cctype>
 #include <cstdint>
@@ -75,7 +75,7 @@ struct FieldCase {
   std::function<void(KVCacheConfig&)> apply;
 };
 
-/// Every field-level rule of SPEC 2.1 (independent of the method in use).
+/// Every field-level rule of docs/design.md 2.1 (independent of the method in use).
 std::vector<FieldCase> FieldCases() {
   std::vector<FieldCase> cases;
   // A budget < 1, for every budget field (the resolved ones included).
@@ -149,7 +149,7 @@ vc::Tensor4<float> RandomTensor(std::mt19937& rng, Eigen::Index b, Eigen::Index 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Defaults (SPEC 2.1 table)
+// Defaults (docs/design.md 2.1 table)
 // ---------------------------------------------------------------------------------------------
 
 TEST(KVCacheConfigTest, IsAnAggregate) {
@@ -447,7 +447,7 @@ TEST(CacheConstructionTest, SqueezeAttentionCacheRejectsNegativeLayerId) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// SqueezeCoordinator constructor (SPEC 2.4)
+// SqueezeCoordinator constructor (docs/design.md 2.4)
 // ---------------------------------------------------------------------------------------------
 
 TEST(SqueezeCoordinatorConstructionTest, RejectsBadArguments) {
@@ -478,7 +478,7 @@ TEST(SqueezeCoordinatorConstructionTest, AcceptsBoundaryArguments) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// KVCacheFactory::create (SPEC 2.7)
+// KVCacheFactory::create (docs/design.md 2.7)
 // ---------------------------------------------------------------------------------------------
 
 TEST(KVCacheFactoryTest, SqueezeGivesUncoordinatedSqueezeCache) {

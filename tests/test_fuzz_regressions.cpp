@@ -6,7 +6,7 @@
 // (fuzz/regressions/) through the fuzz harness (fuzz/fuzz_ops.hpp), built with the project's
 // compiler and warning flags, so a violation found once by `bash scripts/fuzz.sh` stays fixed.
 // Each input drives one cache through a sequence of calls, resets, trims and bad inputs, checked
-// against the naive oracles of tests/reference/ and the SPEC invariants (see fuzz_ops.hpp).
+// against the naive oracles of tests/reference/ and the invariants of docs/design.md (see fuzz_ops.hpp).
 //
 // The directories are found from this file's path (__FILE__ is absolute under CMake); the
 // environment variable VELOXQUANT_FUZZ_DIR overrides it (the directory holding corpus/ and

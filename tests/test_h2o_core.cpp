@@ -1,6 +1,6 @@
 // The fast H2O core (SqueezeAttentionCache without a coordinator, H2OCache, PyramidKVCache) against
 // the naive double-precision oracle of tests/reference/oracle.hpp on random call sequences
-// (SPEC 3, 4.2, 4.4, 6), and the reference algorithm special case (SPEC 4.3, 9.1).
+// (docs/design.md 3, 4.2, 4.4, 6), and the reference algorithm special case (docs/design.md 4.3, 9.1).
 
 // Internal invariants of the library are checked (and abort) even in Release builds.
 // clang-format off
@@ -125,7 +125,7 @@ std::function<int(int)> grace_rule(const RunConfig& rc) {
 }
 
 /// Relative gap between the two lowest evictable scores if `head` absorbed `key` now and had to
-/// evict (SPEC 4.2 step 3), or +inf when no eviction happens or only one row is evictable. Computed
+/// evict (docs/design.md 4.2 step 3), or +inf when no eviction happens or only one row is evictable. Computed
 /// by the oracle itself on a copy with an unbounded budget.
 double eviction_margin(const ref::H2OHeadOracle& head, const std::vector<double>& key,
                        const std::vector<double>& value, int budget, int n_sink, int g) {
@@ -253,7 +253,7 @@ RunResult run_against_oracle(const RunConfig& rc) {
     std::vector<std::vector<ref::OracleRow>> before;
     for (const auto& o : oracle) before.push_back(o.rows());
 
-    // Oracle: one token at a time, in arrival order (SPEC 4.2).
+    // Oracle: one token at a time, in arrival order (docs/design.md 4.2).
     for (Index hi = 0; hi < rc.B * rc.H; ++hi) {
       const Index b = hi / rc.H, h = hi % rc.H;
       auto& o = oracle[static_cast<std::size_t>(hi)];
@@ -373,7 +373,7 @@ TYPED_TEST(H2OCoreOracleTest, SqueezeAttentionCacheWithoutCoordinatorMatchesOrac
   run_grid<TypeParam>(Policy::kSqueeze, 3003u);
 }
 
-/// The grace larger than the budget is clamped to budget - n_sink - 1 (SPEC 4.2 step 3).
+/// The grace larger than the budget is clamped to budget - n_sink - 1 (docs/design.md 4.2 step 3).
 TYPED_TEST(H2OCoreOracleTest, GraceLargerThanBudgetIsClamped) {
   using T = TypeParam;
   vc::KVCacheConfig c;
@@ -404,7 +404,7 @@ class ReferenceAlgorithmTest : public ::testing::Test {};
 TYPED_TEST_SUITE(ReferenceAlgorithmTest, StorageTypes);
 
 /// With recent ratio 0, decay 1 and the budget known from the start, the core is the reference's
-/// per-token algorithm (SPEC 4.3, 9.1): same retained positions token by token over 300 tokens.
+/// per-token algorithm (docs/design.md 4.3, 9.1): same retained positions token by token over 300 tokens.
 TYPED_TEST(ReferenceAlgorithmTest, SqueezeWithoutRecentWindowOrDecayIsTheReferenceAlgorithm) {
   using T = TypeParam;
   const std::vector<int> budgets = {3, 8, 16, 40};

@@ -1,5 +1,5 @@
 // Self-tests of the naive reference oracle (tests/reference/oracle.hpp) against hand-computed facts
-// and the worked vectors of SPEC.md, so that the oracle can be trusted when the fast library is
+// and the worked vectors of docs/design.md, so that the oracle can be trusted when the fast library is
 // compared against it.
 
 #include <gtest/gtest.h>
@@ -55,7 +55,7 @@ TEST(OracleRounding, HalfToEven) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// squeeze_budgets, SPEC 5.3 worked vectors
+// squeeze_budgets, docs/design.md 5.3 worked vectors
 // ---------------------------------------------------------------------------------------------
 
 TEST(OracleSqueezeBudgets, WorkedVectors) {
@@ -99,7 +99,7 @@ TEST(OracleSqueezeBudgets, BadStrengthThrows) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// pyramid_budgets, SPEC 6 worked vectors
+// pyramid_budgets, docs/design.md 6 worked vectors
 // ---------------------------------------------------------------------------------------------
 
 TEST(OraclePyramidBudgets, WorkedVectors) {
@@ -143,7 +143,7 @@ TEST(OraclePyramidBudgets, ExtremeBetaStaysAtOrAboveFloorAndNearAverage) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// concentration_score_gram, SPEC 5.1
+// concentration_score_gram, docs/design.md 5.1
 // ---------------------------------------------------------------------------------------------
 
 TEST(OracleConcentration, ParallelRowsGiveOne) {
@@ -193,7 +193,7 @@ TEST(OracleConcentration, ScaleInvariant) {
 }
 
 TEST(OracleConcentration, MatchesOnDFormula) {
-    // Independent O(nD) form of SPEC 5.1: (|sum u|^2 - sum |u|^2) / (n (n-1)).
+    // Independent O(nD) form of docs/design.md 5.1: (|sum u|^2 - sum |u|^2) / (n (n-1)).
     std::mt19937 rng(99);
     for (int n : {2, 3, 10, 33}) {
         const auto rows = random_rows(rng, n, 6, 2.0);
@@ -216,7 +216,7 @@ TEST(OracleConcentration, MatchesOnDFormula) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// protected recent window, SPEC 4.2 step 3
+// protected recent window, docs/design.md 4.2 step 3
 // ---------------------------------------------------------------------------------------------
 
 TEST(OracleProtectedRecent, RatioRule) {
@@ -242,7 +242,7 @@ TEST(OracleProtectedRecent, FixedRule) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// H2OHeadOracle: hand-computed example (SPEC 4.2)
+// H2OHeadOracle: hand-computed example (docs/design.md 4.2)
 // ---------------------------------------------------------------------------------------------
 
 TEST(OracleH2O, HandComputedScoresAndEvictions) {
@@ -469,7 +469,7 @@ TEST(OracleH2O, BadArgumentsThrow) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// ReferenceAlgorithmHeadOracle (SPEC 4.3, 9.1)
+// ReferenceAlgorithmHeadOracle (docs/design.md 4.3, 9.1)
 // ---------------------------------------------------------------------------------------------
 
 TEST(OracleReferenceAlgorithm, FreezesOnFirstBudgetTokens) {

@@ -1,5 +1,5 @@
 // Self-tests of the sibling-policy oracles (tests/reference/policy_oracles.hpp) against hand-computed
-// facts from SPEC.md section 6 (TOVA, StreamingLLM, SnapKV), so that the oracles can be trusted when
+// facts from docs/design.md sections 6 (TOVA, StreamingLLM, SnapKV), so that the oracles can be trusted when
 // the fast caches are compared against them.
 
 #include <gtest/gtest.h>

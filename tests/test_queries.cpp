@@ -2,7 +2,7 @@
 #include "support/checked_asserts.hpp"  // must precede every veloxquant header
 // clang-format on
 
-// Real-query scoring ("observed attention", SPEC 4.6) on the fast caches: the overloads
+// Real-query scoring ("observed attention", docs/design.md 4.6) on the fast caches: the overloads
 // update_and_fetch / update_and_view / update_and_fetch_into(keys, values, queries) of every cache.
 //
 //  * hand-computed examples (the example, eviction once per call, TOVA and SnapKV examples);
@@ -443,7 +443,7 @@ class CoreOracle {
   }
   const std::vector<ref::OracleRow>& rows(std::size_t head) const { return heads_[head].rows(); }
   std::size_t size() const { return heads_.size(); }
-  /// The budget becomes known or changes (SPEC 4.5 re-budget of every head).
+  /// The budget becomes known or changes (docs/design.md 4.5 re-budget of every head).
   void set_budget(int budget) {
     for (auto& h : heads_) h.set_budget(budget);
   }
@@ -562,7 +562,7 @@ std::string compare_state(const vc::KVCache<T>& cache, const Scored<T>& scored,
   return err.str();
 }
 
-/// Checks a view (SPEC 2.3, 4.4): the rows retained before the call in any order (positions say
+/// Checks a view (docs/design.md 2.3, 4.4): the rows retained before the call in any order (positions say
 /// which), then the call's rows last, in arrival order. Returns the first mismatch, or "".
 template <class T>
 std::string compare_view(const vc::KVView<T>& view,
@@ -713,7 +713,7 @@ void run_differential(
       }
     }
 
-    // The call returns the rows retained before it (SPEC 4.4), even when it starts by adopting a
+    // The call returns the rows retained before it (docs/design.md 4.4), even when it starts by adopting a
     // new budget (the re-budget applies to what the call retains, not to what it returns).
     std::vector<std::vector<ref::OracleRow>> before;
     for (std::size_t i = 0; i < oracle.size(); ++i) before.push_back(oracle.rows(i));
@@ -1166,10 +1166,10 @@ TYPED_TEST(QueryCoreTest, LargeGroupsAndTinyBudgetsMatchOracles) {
   }
 }
 
-// SqueezeAttention with a coordinator (two layers, SPEC 5.4) and queries: layer 0's first call
+// SqueezeAttention with a coordinator (two layers, docs/design.md 5.4) and queries: layer 0's first call
 // reports and, before the budgets are known, evicts against squeeze_budget (or, deferring, keeps
 // everything); layer 1's first call completes the set and adopts its budget before absorbing;
-// layer 0 adopts at the start of its next call, a SPEC 4.5 re-budget of rows scored by queries.
+// layer 0 adopts at the start of its next call, a docs/design.md 4.5 re-budget of rows scored by queries.
 // The expected budgets come from ref::squeeze_budgets over the layers' concentrations computed
 // from their first keys (as stored in T) with the reference Gram formula.
 TYPED_TEST(QueryCoreTest, SqueezeWithCoordinatorAdoptsBudgetsBetweenQueryCalls) {
@@ -1486,7 +1486,7 @@ TYPED_TEST(QueryTypesTest, DoubleHalfAndBfloat16QueriesEqualTheirFloatConversion
 // 6. Calls with and without queries on one cache
 // =============================================================================================
 
-/// SPEC 4.6 step 3 on explicit (position, score) rows: evict the lowest-score row that is neither
+/// docs/design.md 4.6 step 3 on explicit (position, score) rows: evict the lowest-score row that is neither
 /// a sink nor among the newest g, ties to the earliest, until at most `budget` rows remain.
 void evict_to_budget(std::vector<std::pair<std::int64_t, double>>& rows, int budget, int n_sink, int g) {
   while (rows.size() > static_cast<std::size_t>(budget)) {
@@ -1600,7 +1600,7 @@ TYPED_TEST(QueryMixedTest, QueryCallThenProxyCallCombinesBothScorings) {
 }
 
 // Queries equal to the keys (G = 1) are not the key-as-query proxy: the token also attends to
-// itself (SPEC 4.6 vs 4.2), so its own row gets mass at once. Each cache matches its own oracle.
+// itself (docs/design.md 4.6 vs 4.2), so its own row gets mass at once. Each cache matches its own oracle.
 TYPED_TEST(QueryMixedTest, QueriesEqualToKeysAreNotTheProxy) {
   using T = TypeParam;
   const auto grace = [](int b) { return ref::protected_recent_fixed(2, b, 1); };

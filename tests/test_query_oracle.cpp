@@ -1,5 +1,5 @@
 // Self-tests of the real-query oracles (tests/reference/query_oracle.hpp) against hand-computed facts
-// from SPEC.md 4.5, 4.6 and 6, so that the oracles can be trusted when the fast caches' real-query
+// from docs/design.md 4.5, 4.6 and 6, so that the oracles can be trusted when the fast caches' real-query
 // path (update_and_fetch(keys, values, queries)) is compared against them.
 //
 // Most examples use the scale kC below: with every key and query written as kC * e (e small integer
@@ -105,7 +105,7 @@ TEST(H2OQueryHeadOracleTest, IssueExampleAsThreeOneTokenCallsGivesTheSameScores)
 }
 
 TEST(H2OQueryHeadOracleTest, FirstTokenOnAnEmptyHeadScoresOne) {
-    // SPEC 4.2 step 1 gives 1.0; the 4.6 rule gives 0 * decay + softmax over one row = 1 as well.
+    // docs/design.md 4.2 step 1 gives 1.0; the 4.6 rule gives 0 * decay + softmax over one row = 1 as well.
     ref::H2OQueryHeadOracle head(0, 0.5, fixed_grace(0));
     head.absorb_call(Rows{c2(3, -2)}, value_rows(1), Queries{{c2(7, 1), c2(-4, 2)}});
     expect_scores(head.scores(), {1.0});
@@ -166,7 +166,7 @@ TEST(H2OQueryHeadOracleTest, NoBudgetKeepsEverythingAndSetBudgetTrimsLikeTheCall
     EXPECT_EQ(head.positions(), (Positions{0, 1, 2, 3, 4}));
     expect_scores(head.scores(), {265.0 / 132.0, 210.0 / 132.0, 151.0 / 132.0, 23.0 / 132.0, 11.0 / 132.0});
 
-    // SPEC 4.5 with budget 3, g = 1: keep sink 0, newest 4, and the best of {1, 2, 3} (row 1).
+    // docs/design.md 4.5 with budget 3, g = 1: keep sink 0, newest 4, and the best of {1, 2, 3} (row 1).
     head.set_budget(3);
     ASSERT_TRUE(head.budget().has_value());
     EXPECT_EQ(*head.budget(), 3);
@@ -212,7 +212,7 @@ TEST(H2OQueryHeadOracleTest, TiesEvictTheEarliestPosition) {
     sunk.absorb_call(keys, value_rows(4), queries);
     EXPECT_EQ(sunk.positions(), (Positions{0, 3}));
 
-    // SPEC 4.5 trim on the same tie: later positions survive.
+    // docs/design.md 4.5 trim on the same tie: later positions survive.
     ref::H2OQueryHeadOracle late(0, 1.0, fixed_grace(0));
     late.absorb_call(keys, value_rows(4), queries);
     EXPECT_EQ(late.scores(), (std::vector<double>{1.0, 1.0, 1.0, 1.0}));
@@ -325,7 +325,7 @@ TEST(H2OQueryHeadOracleTest, RejectsBadInputWithoutChangingState) {
     EXPECT_EQ(head.next_position(), 3);
     EXPECT_FALSE(head.budget().has_value());
 
-    // S = 0 changes nothing; a non-finite value is not inspected (SPEC 8).
+    // S = 0 changes nothing; a non-finite value is not inspected (docs/design.md 8).
     head.absorb_call(Rows{}, Rows{}, Queries{});
     EXPECT_EQ(head.positions(), positions);
     EXPECT_EQ(head.scores(), scores);

@@ -1,5 +1,5 @@
 // Tests of SqueezeAttentionCache<T> and the squeeze/pyramidkv paths of KVCacheBuilder: budget
-// adoption (SPEC 5.4 steps 3-4), deferral and its fallback, the layer concentration (5.2), reset
+// adoption (docs/design.md 5.4 steps 3-4), deferral and its fallback, the layer concentration (5.2), reset
 // and generations (5.4 step 6), the protected recent window (4.2-4.3), the return/retain rule
 // (4.4), re-budget on adoption (4.5) and the builder end to end (2.7). Retained sets and scores
 // are compared with the independent double-precision oracle in tests/reference/oracle.hpp, fed
@@ -255,7 +255,7 @@ TYPED_TEST_SUITE(SqueezeAttentionCacheTest, StorageTypes, StorageTypeNames);
 TYPED_TEST_SUITE(KVCacheBuilderSqueezeTest, StorageTypes, StorageTypeNames);
 
 // ---------------------------------------------------------------------------------------------
-// SPEC 5.4 steps 3-4: adoption in the completing call vs at the next call
+// docs/design.md 5.4 steps 3-4: adoption in the completing call vs at the next call
 // ---------------------------------------------------------------------------------------------
 
 TYPED_TEST(SqueezeAttentionCacheTest, AdoptsInCompletingCallAndOthersAtTheirNextCall) {
@@ -377,7 +377,7 @@ TYPED_TEST(SqueezeAttentionCacheTest, AdoptsInCompletingCallAndOthersAtTheirNext
 }
 
 // ---------------------------------------------------------------------------------------------
-// SPEC 5.4 step 4: deferral and the unfinalised fallback
+// docs/design.md 5.4 step 4: deferral and the unfinalised fallback
 // ---------------------------------------------------------------------------------------------
 
 TYPED_TEST(SqueezeAttentionCacheTest, DeferredCacheEvictsNothingUntilAdoption) {
@@ -509,7 +509,7 @@ TYPED_TEST(SqueezeAttentionCacheTest, DeferredCacheFallsBackWhenCoordinatorNever
 }
 
 // ---------------------------------------------------------------------------------------------
-// SPEC 5.2: concentration over all heads of the first call
+// docs/design.md 5.2: concentration over all heads of the first call
 // ---------------------------------------------------------------------------------------------
 
 TYPED_TEST(SqueezeAttentionCacheTest, ConcentrationIsMeanOverAllHeadsOfFirstCall) {
@@ -537,7 +537,7 @@ TYPED_TEST(SqueezeAttentionCacheTest, ConcentrationIsMeanOverAllHeadsOfFirstCall
 }
 
 // ---------------------------------------------------------------------------------------------
-// SPEC 5.4 step 6: reset and generations through the builder
+// docs/design.md 5.4 step 6: reset and generations through the builder
 // ---------------------------------------------------------------------------------------------
 
 TYPED_TEST(SqueezeAttentionCacheTest, BuilderResetStartsFreshRound) {
@@ -613,7 +613,7 @@ TYPED_TEST(SqueezeAttentionCacheTest, BuilderResetStartsFreshRound) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// SPEC 4.2-4.3: protected recent window in a long decode (no freeze)
+// docs/design.md 4.2-4.3: protected recent window in a long decode (no freeze)
 // ---------------------------------------------------------------------------------------------
 
 TYPED_TEST(SqueezeAttentionCacheTest, LongDecodeKeepsNewestRowsEveryStep) {
@@ -692,7 +692,7 @@ TYPED_TEST(SqueezeAttentionCacheTest, LongDecodeKeepsNewestRowsEveryStep) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// SPEC 4.4: what a call returns and retains
+// docs/design.md 4.4: what a call returns and retains
 // ---------------------------------------------------------------------------------------------
 
 TYPED_TEST(SqueezeAttentionCacheTest, ReturnsAllRowsOfCallAndRetainsBudget) {
@@ -799,7 +799,7 @@ TYPED_TEST(SqueezeAttentionCacheTest, ReturnsAllRowsOfCallAndRetainsBudget) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// SPEC 4.5: re-budget on adoption; ties keep the later positions
+// docs/design.md 4.5: re-budget on adoption; ties keep the later positions
 // ---------------------------------------------------------------------------------------------
 
 TYPED_TEST(SqueezeAttentionCacheTest, AdoptionTrimKeepsLaterPositionsOnTies) {
@@ -880,7 +880,7 @@ TYPED_TEST(SqueezeAttentionCacheTest, AdoptionTrimKeepsLaterPositionsOnTies) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Builder end to end (SPEC 2.7 and the issue text)
+// Builder end to end (docs/design.md 2.7 and the issue text)
 // ---------------------------------------------------------------------------------------------
 
 /// Runs a 6-layer model whose keys grow more clustered with depth: a prefill of 96 tokens per
@@ -1062,7 +1062,7 @@ TYPED_TEST(KVCacheBuilderSqueezeTest, PyramidBudgetsFollowAttentionLayerOrder) {
   config.pyramid_budget = 100;
   config.pyramid_n_sink = 4;
   config.pyramid_beta = 2.0;
-  const std::vector<int> expected = {195, 132, 68, 5};  // SPEC 6 vector (4, 100, 4, 2)
+  const std::vector<int> expected = {195, 132, 68, 5};  // docs/design.md 6 vector (4, 100, 4, 2)
   ASSERT_EQ(ref::pyramid_budgets(4, 100, 4, 2.0), expected);
   const std::vector<std::optional<int>> dims = {8, std::nullopt, 8, 8, std::nullopt, 8};
   auto caches = vc::KVCacheBuilder::for_model<T>(dims, config);

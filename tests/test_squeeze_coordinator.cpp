@@ -1,6 +1,6 @@
-// Tests of SqueezeCoordinator: the coordinator protocol of SPEC 5.4 (steps 1, 2 and 6), the
-// generation mechanism, bad reports (SPEC 8) and thread safety (SPEC 2.4). Expected budgets come
-// from the independent oracle (tests/reference/oracle.hpp) or from the worked vectors of SPEC 5.3.
+// Tests of SqueezeCoordinator: the coordinator protocol of docs/design.md 5.4 (steps 1, 2 and 6), the
+// generation mechanism, bad reports (docs/design.md 8) and thread safety (docs/design.md 2.4). Expected budgets come
+// from the independent oracle (tests/reference/oracle.hpp) or from the worked vectors of docs/design.md 5.3.
 
 #include <gtest/gtest.h>
 
@@ -50,7 +50,7 @@ void expect_invalid_argument(Fn fn, const std::vector<std::string>& parts) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Construction and accessors (SPEC 2.4)
+// Construction and accessors (docs/design.md 2.4)
 // ---------------------------------------------------------------------------------------------
 
 TEST(SqueezeCoordinatorTest, AccessorsReturnConstructorArguments) {
@@ -93,7 +93,7 @@ TEST(SqueezeCoordinatorTest, NotFinalizedUntilAllLayersReport) {
   EXPECT_FALSE(coord.resolved_budget(1).has_value());
   coord.report_concentration(2, 0.9);
   ASSERT_TRUE(coord.is_finalized());
-  // SPEC 5.3 worked vector ({0.1, 0.5, 0.9}, 100, 4, 1) -> {180, 100, 20}.
+  // docs/design.md 5.3 worked vector ({0.1, 0.5, 0.9}, 100, 4, 1) -> {180, 100, 20}.
   EXPECT_EQ(coord.resolved_budget(0), std::optional<int>(180));
   EXPECT_EQ(coord.resolved_budget(1), std::optional<int>(100));
   EXPECT_EQ(coord.resolved_budget(2), std::optional<int>(20));
@@ -104,7 +104,7 @@ TEST(SqueezeCoordinatorTest, NotFinalizedUntilAllLayersReport) {
 TEST(SqueezeCoordinatorTest, BudgetsIndependentOfReportOrder) {
   const std::vector<double> c = {0.05, 0.25, 0.5, 0.75, 0.95};
   const std::vector<int> ids = {0, 1, 2, 3, 4};
-  // SPEC 5.3 worked vector.
+  // docs/design.md 5.3 worked vector.
   const std::map<int, std::optional<int>> expected{{0, 570}, {1, 450}, {2, 300}, {3, 150}, {4, 30}};
   std::vector<int> order = ids;
   int permutations = 0;
@@ -245,7 +245,7 @@ TEST(SqueezeCoordinatorTest, ResolvedBudgetEmptyBeforeFinalisationAndForUnknownI
 }
 
 // ---------------------------------------------------------------------------------------------
-// Bad reports (SPEC 8): throw, record nothing
+// Bad reports (docs/design.md 8): throw, record nothing
 // ---------------------------------------------------------------------------------------------
 
 TEST(SqueezeCoordinatorTest, NegativeLayerIdThrowsAndRecordsNothing) {
@@ -373,7 +373,7 @@ TEST(SqueezeCoordinatorTest, ResolvedBudgetForStaleGenerationIsEmpty) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Thread safety (SPEC 2.4): concurrent reports finalise exactly like the serial computation
+// Thread safety (docs/design.md 2.4): concurrent reports finalise exactly like the serial computation
 // ---------------------------------------------------------------------------------------------
 
 TEST(SqueezeCoordinatorTest, ConcurrentReportsMatchSerialComputation) {

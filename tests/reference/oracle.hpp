@@ -1,10 +1,10 @@
-/// Naive, independent reference oracle for veloxquant, written only from SPEC.md (sections 3-6, 9).
+/// Naive, independent reference oracle for veloxquant, written only from docs/design.md (sections 3-6, 9).
 //
 // Purpose: the fast library (include/veloxquant/...) is compared against these functions and
 // classes in tests. Everything here is written for clarity, not speed: plain std::vector<double>,
 // one token at a time, double precision everywhere, standard library only (no Eigen).
 //
-// Precision note: the library keeps float32 scores (SPEC 4.1) and stores keys at precision T, while
+// Precision note: the library keeps float32 scores (docs/design.md 4.1) and stores keys at precision T, while
 // this oracle is double throughout. Compare scores with a tolerance; compare retained sets only on
 // data where no two eviction candidates are near-tied (or where ties are exact by construction).
 #pragma once
@@ -41,11 +41,11 @@ inline std::int64_t round_half_even(double x) {
     return static_cast<std::int64_t>(result);
 }
 
-/// SqueezeAttention per-layer budgets from per-layer concentrations, SPEC 5.3, computed literally.
+/// SqueezeAttention per-layer budgets from per-layer concentrations, docs/design.md 5.3, computed literally.
 // c: [n_layers], one concentration per layer (in ascending layer order).
 inline std::vector<int> squeeze_budgets(const std::vector<double>& c, int avg_budget, int n_sink,
                                         double strength = 1.0) {
-    // Step 1. (Resolved ambiguity: the empty-input rule is checked before strength, in SPEC order.)
+    // Step 1. (Resolved ambiguity: the empty-input rule is checked before strength, in the order of docs/design.md.)
     if (c.empty()) {
         return {};
     }
@@ -54,7 +54,7 @@ inline std::vector<int> squeeze_budgets(const std::vector<double>& c, int avg_bu
                                     std::to_string(strength));
     }
     for (std::size_t i = 0; i < c.size(); ++i) {
-        // Not in SPEC 5.3; a NaN would make the arithmetic meaningless, so the oracle refuses it.
+        // Not in docs/design.md 5.3; a NaN would make the arithmetic meaningless, so the oracle refuses it.
         if (std::isnan(c[i])) {
             throw std::invalid_argument("squeeze_budgets: NaN concentration at index " +
                                         std::to_string(i));
@@ -93,9 +93,9 @@ inline std::vector<int> squeeze_budgets(const std::vector<double>& c, int avg_bu
     return budgets;
 }
 
-/// PyramidKV per-layer budgets (linear ramp + water-filling), SPEC 6, computed literally.
+/// PyramidKV per-layer budgets (linear ramp + water-filling), docs/design.md 6, computed literally.
 inline std::vector<int> pyramid_budgets(int n_layers, int avg_budget, int n_sink, double beta = 2.0) {
-    // (Resolved ambiguity: the n <= 0 and n == 1 rules come before the beta check, in SPEC order.)
+    // (Resolved ambiguity: the n <= 0 and n == 1 rules come before the beta check, in the order of docs/design.md.)
     if (n_layers <= 0) {
         return {};
     }
@@ -158,7 +158,7 @@ inline std::vector<int> pyramid_budgets(int n_layers, int avg_budget, int n_sink
     return budgets;
 }
 
-/// Mean pairwise cosine similarity (diagonal excluded) from the explicit O(n^2 D) Gram matrix, SPEC 5.1.
+/// Mean pairwise cosine similarity (diagonal excluded) from the explicit O(n^2 D) Gram matrix, docs/design.md 5.1.
 // rows: [n][D], one key per row; all rows must have the same D.
 inline double concentration_score_gram(const std::vector<std::vector<double>>& rows) {
     const std::size_t n = rows.size();
@@ -197,13 +197,13 @@ inline double concentration_score_gram(const std::vector<std::vector<double>>& r
     return off_diagonal / (static_cast<double>(n) * static_cast<double>(n - 1));
 }
 
-/// Clamp a recent-window size to [0, budget - n_sink - 1] (SPEC 4.2 step 3); the upper bound is floored at 0.
+/// Clamp a recent-window size to [0, budget - n_sink - 1] (docs/design.md 4.2 step 3); the upper bound is floored at 0.
 inline int clamp_recent(long long g, int budget, int n_sink) {
     const long long hi = std::max<long long>(0, static_cast<long long>(budget) - n_sink - 1);
     return static_cast<int>(std::min<long long>(std::max<long long>(g, 0), hi));
 }
 
-/// Protected recent rows for SqueezeAttention/PyramidKV: floor(recent_ratio*(budget-n_sink)), clamped (SPEC 4.2).
+/// Protected recent rows for SqueezeAttention/PyramidKV: floor(recent_ratio*(budget-n_sink)), clamped (docs/design.md 4.2).
 inline int protected_recent_ratio(double recent_ratio, int budget, int n_sink) {
     const double raw = std::floor(recent_ratio * static_cast<double>(budget - n_sink));
     if (!std::isfinite(raw)) {
@@ -212,7 +212,7 @@ inline int protected_recent_ratio(double recent_ratio, int budget, int n_sink) {
     return clamp_recent(static_cast<long long>(raw), budget, n_sink);
 }
 
-/// Protected recent rows for H2O: the fixed grace, clamped to [0, budget-n_sink-1] (SPEC 4.2).
+/// Protected recent rows for H2O: the fixed grace, clamped to [0, budget-n_sink-1] (docs/design.md 4.2).
 inline int protected_recent_fixed(int grace, int budget, int n_sink) {
     return clamp_recent(grace, budget, n_sink);
 }
@@ -225,10 +225,10 @@ struct OracleRow {
     double score;
 };
 
-/// One head of the H2O core (SPEC 4.1, 4.2, 4.5) with the key-as-query proxy (SPEC 3), one token at a time.
+/// One head of the H2O core (docs/design.md 4.1, 4.2, 4.5) with the key-as-query proxy (docs/design.md 3), one token at a time.
 class H2OHeadOracle {
 public:
-    /// Build an empty head; grace_for_budget maps a budget to g (the result is clamped again per SPEC 4.2).
+    /// Build an empty head; grace_for_budget maps a budget to g (the result is clamped again per docs/design.md 4.2).
     H2OHeadOracle(int n_sink, double decay, std::function<int(int budget)> grace_for_budget)
         : n_sink_(n_sink), decay_(decay), grace_for_budget_(std::move(grace_for_budget)) {
         if (n_sink < 0) throw std::invalid_argument("H2OHeadOracle: n_sink must be >= 0");
@@ -236,7 +236,7 @@ public:
         if (!grace_for_budget_) throw std::invalid_argument("H2OHeadOracle: grace_for_budget is empty");
     }
 
-    /// Make the budget known (or change it); trims per SPEC 4.5 if the head holds more rows than budget.
+    /// Make the budget known (or change it); trims per docs/design.md 4.5 if the head holds more rows than budget.
     void set_budget(int budget) {
         if (budget < 1) throw std::invalid_argument("H2OHeadOracle: budget must be >= 1");
         budget_ = budget;
@@ -281,7 +281,7 @@ public:
     /// The budget if known (empty until set_budget is called).
     std::optional<int> budget() const { return budget_; }
 
-    /// Absorb one token (SPEC 4.2): proxy attention, decayed accumulation, append, evict at most one row.
+    /// Absorb one token (docs/design.md 4.2): proxy attention, decayed accumulation, append, evict at most one row.
     // key: [D], value: [Dv]
     void absorb(const std::vector<double>& key, const std::vector<double>& value) {
         check_token(key, value);
@@ -370,7 +370,7 @@ private:
         return logits;
     }
 
-    /// Shape and finiteness checks for one token (SPEC 8 spirit): D >= 1, same D as before, finite key.
+    /// Shape and finiteness checks for one token (docs/design.md 8 spirit): D >= 1, same D as before, finite key.
     // key: [D], value: [Dv]
     void check_token(const std::vector<double>& key, const std::vector<double>& value) const {
         if (key.empty()) throw std::invalid_argument("H2OHeadOracle: empty key");
@@ -393,10 +393,10 @@ private:
     std::int64_t next_position_ = 0;
 };
 
-/// The Python reference's per-token algorithm (SPEC 4.3, 9.1): no decay, no protected window, fixed budget.
+/// The Python reference's per-token algorithm (docs/design.md 4.3, 9.1): no decay, no protected window, fixed budget.
 //
 // Written as its own loop (it does not call H2OHeadOracle) so that it is a second, independent
-// oracle. With recent_ratio 0 (g = 0) and decay 1, the SPEC core (H2OHeadOracle with the same
+// oracle. With recent_ratio 0 (g = 0) and decay 1, the design's core (H2OHeadOracle with the same
 // budget set from the start) must retain exactly the same positions with the same scores.
 // Once full, every retained non-sink row has positive mass and the newcomer has 0, so this
 // algorithm evicts the newest token every step ("freezes" on the first `budget` tokens).

@@ -1,21 +1,21 @@
-/// Naive, independent reference oracles for the sibling policies of SPEC.md section 6: TOVA,
-/// StreamingLLM and SnapKV (one head each), written only from SPEC.md sections 1-4 and 6.
+/// Naive, independent reference oracles for the sibling policies of docs/design.md sections 6: TOVA,
+/// StreamingLLM and SnapKV (one head each), written only from docs/design.md sections 1-4 and 6.
 //
 // Purpose: the fast caches (TOVACache, StreamingLLMCache, SnapKVCache) are compared against these
 // classes in tests. Like oracle.hpp, everything here is written for clarity, not speed: plain
 // std::vector<double>, one token at a time (SnapKV: one call at a time, because its rule is a
 // per-call rule), double precision throughout, standard library only.
 //
-// What these oracles model: the *retained set* of one head after each token / call (SPEC 4.4). The
+// What these oracles model: the *retained set* of one head after each token / call (docs/design.md 4.4). The
 // returned window of a call (rows retained before the call plus every row of the call) is not
 // modelled here; it follows from the retained set before the call and the call's input.
 //
-// Precision note: the library stores keys at precision T and scores in float32 (SPEC 3), this
+// Precision note: the library stores keys at precision T and scores in float32 (docs/design.md 3), this
 // oracle is double throughout. Compare weights/scores with a tolerance and retained sets only on
 // data without near-ties (or with ties that are exact by construction, e.g. identical keys).
 //
 // Resolved ambiguities (each is also noted where it applies):
-//  * Sinks. TOVA and StreamingLLM: a sink is a row whose absolute position is < n_sink (SPEC 1).
+//  * Sinks. TOVA and StreamingLLM: a sink is a row whose absolute position is < n_sink (docs/design.md 1).
 //    SnapKV: "the first min(n_sink, budget) rows" is read as the first rows *of the compressing
 //    call* (identical to positions < n_sink when, as usual, the prompt is the first call).
 //  * n_sink >= budget. KVCacheConfig::validate rejects it, so the library never sees it; the oracles
@@ -45,7 +45,7 @@
 namespace veloxquant {
 namespace reference {
 
-/// Key-as-query proxy attention (SPEC 3): softmax over rows of dot(K_r, q) / sqrt(D), max-subtracted.
+/// Key-as-query proxy attention (docs/design.md 3): softmax over rows of dot(K_r, q) / sqrt(D), max-subtracted.
 // rows: [n][D], q: [D]; returns [n] (empty when n == 0). Throws if D == 0 or a row's D differs from q's.
 inline std::vector<double> proxy_softmax(const std::vector<std::vector<double>>& rows,
                                          const std::vector<double>& q) {
@@ -104,7 +104,7 @@ inline std::vector<std::int64_t> positions_of(const std::vector<OracleRow>& rows
 
 }  // namespace policy_detail
 
-/// One TOVA head (SPEC 6): memoryless; when over budget, evict the non-sink row the newest key attends to least.
+/// One TOVA head (docs/design.md 6): memoryless; when over budget, evict the non-sink row the newest key attends to least.
 //
 // Per token i: append row i; if the head now holds more than `budget` rows, compute
 // a = proxy_softmax(all rows including row i, k_i) and evict the lowest-a row among non-sinks
@@ -181,7 +181,7 @@ private:
     std::int64_t next_position_ = 0;
 };
 
-/// One StreamingLLM head (SPEC 6): the first n_sink positions plus the newest `window` other positions (FIFO).
+/// One StreamingLLM head (docs/design.md 6): the first n_sink positions plus the newest `window` other positions (FIFO).
 //
 // Per token t: append; if more than `window` non-sink rows are held, drop the earliest non-sink row.
 // After token t the retained positions are exactly {p <= t : p < n_sink or p > t - window}.
@@ -234,7 +234,7 @@ private:
     std::int64_t next_position_ = 0;
 };
 
-/// One SnapKV head (SPEC 6): compress the first call with S > budget by observation-window scores; append otherwise.
+/// One SnapKV head (docs/design.md 6): compress the first call with S > budget by observation-window scores; append otherwise.
 //
 // Compression of a call with keys k_0..k_{S-1} (call-relative indices):
 //   w = min(obs_window, S); proxies are the call's last w keys k_{S-w}..k_{S-1};

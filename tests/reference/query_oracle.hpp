@@ -1,5 +1,5 @@
-/// Naive, independent reference oracles for real-query scoring ("observed attention", SPEC 4.6),
-/// written only from SPEC.md sections 3, 4 and 6: one KV head each of the H2O core, TOVA and SnapKV.
+/// Naive, independent reference oracles for real-query scoring ("observed attention", docs/design.md 4.6),
+/// written only from docs/design.md sections 3, 4 and 6: one KV head each of the H2O core, TOVA and SnapKV.
 //
 // Purpose: when an engine passes its queries ([B, Hq, S, D], Hq = G * H, query head j belongs to KV
 // head j / G), the fast caches are compared against these classes. Like oracle.hpp and
@@ -14,7 +14,7 @@
 // whose other weights underflow to exactly 0, or identical logits).
 //
 // Resolved ambiguities (each is also noted where it applies):
-//  * H2O core, empty head: SPEC 4.2 step 1 gives the first row score 1.0 with no attention; SPEC
+//  * H2O core, empty head: docs/design.md 4.2 step 1 gives the first row score 1.0 with no attention; the design
 //    4.6 has no such rule. Here the 4.6 rule runs literally: the first token's window is just
 //    itself, softmax over one row is 1, so its score is 0 * decay + 1 = 1.0 -- the same number.
 //  * H2O core, eviction in 4.6 step 3 "evict ... until it fits": a literal one-at-a-time loop. The
@@ -23,14 +23,14 @@
 //    an eviction the newest g rows are the very same rows; sinks are fixed by position.
 //  * H2O core, no evictable row (only when the head holds more sinks than budget - g): the loop
 //    stops and the head stays over budget, like oracle.hpp's H2OHeadOracle.
-//  * S = 0 (empty keys, values and queries): nothing changes, per SPEC 8. Inconsistent S among
+//  * S = 0 (empty keys, values and queries): nothing changes, per docs/design.md 8. Inconsistent S among
 //    keys / values / queries throws.
 //  * G: every token of a call must bring the same G >= 1 query heads (Hq is one tensor dimension).
-//    Across calls G is not required to stay the same: the SPEC only fixes B, H and D across calls,
+//    Across calls G is not required to stay the same: the design only fixes B, H and D across calls,
 //    and a per-head oracle cannot tell; the mean over G heads is taken per token either way.
 //  * Queries are checked for finiteness like keys (a non-finite query would make every weight of its
-//    window NaN); values are not inspected (SPEC 8). All checks precede any change (strong guarantee).
-//  * TOVA with queries: the weights are computed only when the head is over budget (as in SPEC 6),
+//    window NaN); values are not inspected (docs/design.md 8). All checks precede any change (strong guarantee).
+//  * TOVA with queries: the weights are computed only when the head is over budget (as in docs/design.md 6),
 //    but the token's queries are validated on every absorb.
 //  * SnapKV with queries: as in policy_oracles.hpp, only the first call (since construction or reset)
 //    with S > budget is compressed; earlier calls with S <= budget and every later call append. The
@@ -164,7 +164,7 @@ inline std::vector<std::int64_t> positions_of(const std::vector<OracleRow>& rows
 
 }  // namespace query_detail
 
-/// One KV head of the H2O core (SqueezeAttention, H2O, PyramidKV) with real-query scoring (SPEC 4.6).
+/// One KV head of the H2O core (SqueezeAttention, H2O, PyramidKV) with real-query scoring (docs/design.md 4.6).
 //
 // absorb_call, literally:
 //  1. append the call's S rows with score 0;
@@ -184,7 +184,7 @@ public:
         if (!grace_for_budget_) throw std::invalid_argument("H2OQueryHeadOracle: grace_for_budget is empty");
     }
 
-    /// Make the budget known (or change it); SPEC 4.5 re-budget if the head holds more rows than budget:
+    /// Make the budget known (or change it); docs/design.md 4.5 re-budget if the head holds more rows than budget:
     /// keep the sinks, the newest g rows (g for the new budget) and the highest scores up to the budget;
     /// among equal scores the later positions survive. Order preserved, scores untouched.
     void set_budget(int budget) {
@@ -305,7 +305,7 @@ private:
     std::int64_t next_position_ = 0;
 };
 
-/// One TOVA head (SPEC 6) scored with the token's real queries instead of its key.
+/// One TOVA head (docs/design.md 6) scored with the token's real queries instead of its key.
 //
 // Per token i: append row i; if the head now holds more than `budget` rows, a = mean over the token's
 // G query heads of softmax(q . k_r / sqrt(D)) over every row including row i itself; evict the
@@ -371,7 +371,7 @@ private:
     std::int64_t next_position_ = 0;
 };
 
-/// One SnapKV head (SPEC 6) whose observation window uses the real queries instead of the keys.
+/// One SnapKV head (docs/design.md 6) whose observation window uses the real queries instead of the keys.
 //
 // On the first call (since construction or reset) with S > budget: w = min(obs_window, S);
 // score_r = mean over the last w tokens and each token's G query heads of softmax(q . k_r / sqrt(D))

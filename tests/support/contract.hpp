@@ -278,7 +278,7 @@ inline Call random_call(std::mt19937& rng, const Shape& k, const Shape& v) {
 }
 
 /// What a call gave back, comparable between a cache and its twin: fetched tensors, or a view's
-/// rows keyed by position (the order of earlier rows in a view is free, SPEC 2.3) with the
+/// rows keyed by position (the order of earlier rows in a view is free, docs/design.md 2.3) with the
 /// positions of the call's own rows, which come last in arrival order.
 struct Returned {
   std::vector<unsigned char> keys, values;

@@ -1,5 +1,5 @@
 // Support code shared by the test executables (tests/test_*.cpp): random tensor builders,
-// conversion of stored elements to double, row extraction, shape and byte helpers, the SPEC 4.4
+// conversion of stored elements to double, row extraction, shape and byte helpers, the docs/design.md 4.4
 // check of what update_and_fetch returned, and feeding a bad call through either entry point.
 //
 // This header includes <veloxquant/cache.hpp> but never defines VELOXQUANT_ASSERT: a test file that
@@ -132,7 +132,7 @@ Shape shape_of(const cache::Tensor4<T>& t) {
 }
 
 /// What every cache reports about itself without being called: offset, state() (shapes and bytes),
-/// accounting and dimensions. Tests of the strong guarantee (SPEC 8) compare one taken before a
+/// accounting and dimensions. Tests of the strong guarantee (docs/design.md 8) compare one taken before a
 /// throwing call with one taken after; a file's own snapshot extends it with what its cache adds.
 struct BasicSnapshot {
   std::int64_t offset = 0;
@@ -211,7 +211,7 @@ void feed(Cache<T>& cache, const Call& bc, bool view) {
   }
 }
 
-/// Checks what update_and_fetch returned (SPEC 4.4): [B, H, n_before + S, Dk] keys and
+/// Checks what update_and_fetch returned (docs/design.md 4.4): [B, H, n_before + S, Dk] keys and
 /// [B, H, n_before + S, Dv] values holding, per head, the rows retained before the call
 /// (`before[b * H + h]`, ascending position) then every row of the call. Returns a description of
 /// the first mismatch, or "".
@@ -308,7 +308,7 @@ inline cache::KVCacheConfig stream_config(int n_sink, int window) {
   return c;
 }
 
-/// One invalid call for the strong-guarantee tests (SPEC 8).
+/// One invalid call for the strong-guarantee tests (docs/design.md 8).
 struct BadCall {
   std::string name;
   cache::Tensor4<double> keys, values;  // [B, H, S, Dk], [B, H, S, Dv]
@@ -321,7 +321,7 @@ struct BadCall {
 constexpr Shape kBadCallKeys{2, 2, 3, 4};
 constexpr Shape kBadCallValues{2, 2, 3, 3};
 
-/// Every SPEC 8 error of update_and_fetch / update_and_view on a cache whose calls are
+/// Every docs/design.md 8 error of update_and_fetch / update_and_view on a cache whose calls are
 /// kBadCallKeys / kBadCallValues: mismatched shapes, zero sizes, shapes that differ from the first
 /// call, NaN/Inf keys at several positions (also as double), and a double key that overflows T
 /// (`half`: the storage type is Eigen::half).
