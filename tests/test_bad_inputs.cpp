@@ -287,13 +287,15 @@ TEST(BadInputConfigTest, DenormalDecaysAreAcceptedAndKeepScoresFinite) {
         (void)invoke(*s.cache, Api::kFetch, random_call(rng, with_s(kKeys, S), with_s(kValues, S)),
                      into);
       }
-      const auto& core = dynamic_cast<const vc::detail::H2OCore<float>&>(*s.cache);
       EXPECT_EQ(s.cache->tokens_kept(), 6);
-      for (Index b = 0; b < 2; ++b) {
-        for (Index h = 0; h < 2; ++h) {
-          for (const float x : core.scores(b, h)) EXPECT_TRUE(std::isfinite(x) && x >= 0.0f) << x;
+      const bool is_core = visit_core(*s.cache, [](const auto& core) {
+        for (Index b = 0; b < 2; ++b) {
+          for (Index h = 0; h < 2; ++h) {
+            for (const float x : core.scores(b, h)) EXPECT_TRUE(std::isfinite(x) && x >= 0.0f) << x;
+          }
         }
-      }
+      });
+      EXPECT_TRUE(is_core);
     }
   }
 }
@@ -339,10 +341,10 @@ TEST(BadInputHugeKeysTest, FiniteKeysWhoseProductsOverflowKeepThePolicyContract)
           }
         }
       }
-      if (const auto* scored = dynamic_cast<const vc::detail::ScoredCache<T>*>(s.cache.get())) {
+      visit_scored(*s.cache, [&](const auto& scored) {
         for (Index b = 0; b < kKeys[0]; ++b) {
           for (Index h = 0; h < kKeys[1]; ++h) {
-            const std::vector<std::int64_t> p = scored->positions(b, h);
+            const std::vector<std::int64_t> p = scored.positions(b, h);
             ASSERT_FALSE(p.empty());
             EXPECT_EQ(p.front(), 0) << "the sink was evicted";
             EXPECT_TRUE(std::is_sorted(p.begin(), p.end()));
@@ -353,7 +355,7 @@ TEST(BadInputHugeKeysTest, FiniteKeysWhoseProductsOverflowKeepThePolicyContract)
             }
           }
         }
-      }
+      });
     }
     if (kind != Kind::kStandard && kind != Kind::kSnap) {
       EXPECT_LE(s.cache->tokens_kept(), 8);
@@ -721,7 +723,7 @@ TEST(BadInputBuilderTest, BadLayerCountsAndHeadDims) {
     ASSERT_EQ(plain.size(), 2u);
     for (const auto& p : plain) {
       EXPECT_TRUE(p->is_trimmable());
-      EXPECT_EQ(dynamic_cast<vc::detail::ScoredCache<float>*>(p.get()), nullptr);
+      EXPECT_FALSE(visit_scored(*p, [](const auto&) {}));
     }
     // A head dim < 1 anywhere: the first bad layer is named with its value, nothing is built.
     const std::vector<std::pair<std::vector<std::optional<int>>, std::pair<int, int>>> bad = {

@@ -92,20 +92,20 @@ void put_cache_state(Blob& out, const vc::KVCache<T>& c) {
   put_value(out, c.full_seq_bytes());
   put_value(out, c.tokens_seen());
   put_value(out, c.tokens_kept());
-  if (const auto* scored = dynamic_cast<const vc::detail::ScoredCache<T>*>(&c)) {
+  veloxquant::test::visit_scored(c, [&](const auto& scored) {
     for (Index b = 0; b < c.batch(); ++b) {
       for (Index h = 0; h < c.heads(); ++h) {
-        const std::vector<float> s = scored->scores(b, h);
-        const std::vector<std::int64_t> p = scored->positions(b, h);
+        const std::vector<float> s = scored.scores(b, h);
+        const std::vector<std::int64_t> p = scored.positions(b, h);
         put(out, s.data(), s.size());
         put(out, p.data(), p.size());
       }
     }
-  }
-  if (const auto* core = dynamic_cast<const vc::detail::H2OCore<T>*>(&c)) {
-    put_value(out, core->budget().value_or(-1));
-    put_value(out, core->protected_recent());
-  }
+  });
+  veloxquant::test::visit_core(c, [&](const auto& core) {
+    put_value(out, core.budget().value_or(-1));
+    put_value(out, core.protected_recent());
+  });
   if (const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(&c)) {
     put_value(out, sq->layer_budget());
     put_value(out, sq->budget_adopted());

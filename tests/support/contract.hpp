@@ -181,32 +181,21 @@ Snapshot snapshot(const Subject<T>& s) {
   Snapshot out;
   take_basic_snapshot(c, out);
   out.heap = c.heap_bytes();
-  // Through the public classes only: the scored policies publish scores() and positions(); the
-  // H2O-core policies their budget and protected window.
-  const auto scored = [&](const auto* p) {
-    if (p == nullptr) return false;
+  visit_scored(c, [&](const auto& p) {
     for (Index b = 0; b < c.batch(); ++b) {
       for (Index h = 0; h < c.heads(); ++h) {
-        const std::vector<float> sc = p->scores(b, h);
+        const std::vector<float> sc = p.scores(b, h);
         std::vector<unsigned char> bytes(sc.size() * sizeof(float));
         if (!sc.empty()) std::memcpy(bytes.data(), sc.data(), bytes.size());
         out.scores.push_back(std::move(bytes));
-        out.positions.push_back(p->positions(b, h));
+        out.positions.push_back(p.positions(b, h));
       }
     }
-    return true;
-  };
-  const auto core = [&](const auto* p) {
-    if (p == nullptr) return false;
-    out.budget = p->budget();
-    out.protected_recent = p->protected_recent();
-    return scored(p);
-  };
-  (void)(core(dynamic_cast<const vc::SqueezeAttentionCache<T>*>(&c)) ||
-         core(dynamic_cast<const vc::H2OCache<T>*>(&c)) ||
-         core(dynamic_cast<const vc::PyramidKVCache<T>*>(&c)) ||
-         scored(dynamic_cast<const vc::TOVACache<T>*>(&c)) ||
-         scored(dynamic_cast<const vc::SnapKVCache<T>*>(&c)));
+  });
+  visit_core(c, [&](const auto& p) {
+    out.budget = p.budget();
+    out.protected_recent = p.protected_recent();
+  });
   if (const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(&c)) {
     out.layer_budget = sq->layer_budget();
     out.adopted = sq->budget_adopted();

@@ -170,6 +170,28 @@ void take_basic_snapshot(const Cache& c, BasicSnapshot& s) {
   s.value_dim = c.value_dim();
 }
 
+/// Calls f(p) with `c` as its public class when it is one of the H2O-core policies
+/// (SqueezeAttention, H2O, PyramidKV: they publish scores(), positions(), budget() and
+/// protected_recent()); returns whether it was. Tests reach policy state this way, never through
+/// the library's detail classes.
+template <class T, class F>
+bool visit_core(const cache::KVCache<T>& c, F&& f) {
+  if (const auto* p = dynamic_cast<const cache::SqueezeAttentionCache<T>*>(&c)) return f(*p), true;
+  if (const auto* p = dynamic_cast<const cache::H2OCache<T>*>(&c)) return f(*p), true;
+  if (const auto* p = dynamic_cast<const cache::PyramidKVCache<T>*>(&c)) return f(*p), true;
+  return false;
+}
+
+/// Calls f(p) with `c` as its public class when it is a scored policy (the H2O core, TOVA,
+/// SnapKV: they publish scores(b, h) and positions(b, h)); returns whether it was.
+template <class T, class F>
+bool visit_scored(const cache::KVCache<T>& c, F&& f) {
+  if (visit_core(c, f)) return true;
+  if (const auto* p = dynamic_cast<const cache::TOVACache<T>*>(&c)) return f(*p), true;
+  if (const auto* p = dynamic_cast<const cache::SnapKVCache<T>*>(&c)) return f(*p), true;
+  return false;
+}
+
 /// Same dimensions and the same bytes. a, b: [B, H, S, D].
 template <class T>
 bool bitwise_equal(const cache::Tensor4<T>& a, const cache::Tensor4<T>& b) {
