@@ -657,4 +657,202 @@ TYPED_TEST(ContractTest, LargeFiniteDoubleKeysThatFitTheStorageTypeAreAccepted) 
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Moved from the per-policy files (test_tova_cache.cpp, test_streaming_llm_cache.cpp,
+// test_kv_cache.cpp): their trim and bad-input checks, swept over every policy
+// ---------------------------------------------------------------------------------------------
+
+/// No eviction cache is trimmable, before its first call or after it: trim() of 2, 3 or 100
+/// returns 0 and changes nothing observable (offset, positions, scores, state), a negative count
+/// throws std::invalid_argument and changes nothing, and the next token continues at the old
+/// offset (StreamingLLM: the window is still the sinks and the last rows).
+TYPED_TEST(ContractTest, EvictionCachesTrimNothingBeforeOrAfterACall) {
+  using T = TypeParam;
+  for (const Kind kind : kKinds) {
+    if (kind == Kind::kStandard) continue;
+    SCOPED_TRACE(kind_name(kind));
+    std::mt19937 rng(810u);
+    Subject<T> s = make_subject<T>(kind);
+    EXPECT_FALSE(s.cache->is_trimmable());
+    EXPECT_EQ(s.cache->trim(2), 0);
+    EXPECT_EQ(s.cache->offset(), 0);
+    vc::KVPair<T> into;
+    (void)invoke(*s.cache, Api::kFetch, random_call(rng, with_s(kKeys, 9), with_s(kValues, 9)), into);
+    EXPECT_FALSE(s.cache->is_trimmable());
+    const Snapshot before = snapshot(s);
+    const auto held_before = held_positions(*s.cache);
+    EXPECT_EQ(s.cache->trim(3), 0);
+    EXPECT_EQ(s.cache->trim(100), 0);
+    EXPECT_THROW(s.cache->trim(-1), std::invalid_argument);
+    EXPECT_EQ(s.cache->offset(), 9);
+    EXPECT_TRUE(snapshot(s) == before);
+    EXPECT_EQ(held_positions(*s.cache), held_before);
+    if (kind == Kind::kStreaming) {
+      // One sink and the last window of 5.
+      for (const auto& p : held_before) EXPECT_EQ(p, (std::vector<std::int64_t>{0, 4, 5, 6, 7, 8}));
+    }
+    // The next token continues at position 9.
+    const Call next = random_call(rng, with_s(kKeys, 1), with_s(kValues, 1));
+    const vc::KVView<T> view = s.cache->update_and_view(next.keys, next.values);
+    ASSERT_EQ(view.rows(), before.tokens_kept + 1);
+    for (Index b = 0; b < view.batch(); ++b)
+      for (Index h = 0; h < view.heads(); ++h) EXPECT_EQ(view.positions(b, h)(view.rows() - 1), 9);
+  }
+}
+
+/// The shared list of bad calls of test_support.hpp (bad_calls: mismatched shapes, zero sizes,
+/// shapes that differ from the first call, an empty call with another H, NaN/Inf keys at several
+/// positions as T and as double, a double key overflowing T: 1e6 for half, 1e300 otherwise),
+/// through update_and_fetch and update_and_view, on every policy (and StreamingLLM with 2 sinks
+/// and a window of 4), on a fresh cache and one past its budget: std::invalid_argument naming the
+/// bad [b, h, s, d] or both shapes, nothing observable changed (compression_ratio too), and the
+/// next fetch, view and decode give what an untouched twin gives.
+TYPED_TEST(ContractTest, TheSharedBadCallListThrowsAndChangesNothingOnEveryPolicy) {
+  using T = TypeParam;
+  std::vector<std::pair<Kind, vc::KVCacheConfig>> variants;
+  for (const Kind kind : kKinds) variants.emplace_back(kind, small_config());
+  {
+    vc::KVCacheConfig c = small_config();
+    c.stream_n_sink = 2;
+    c.stream_window_size = 4;
+    variants.emplace_back(Kind::kStreaming, c);
+  }
+  const std::regex idx(R"(b\s*=\s*(\d+)\D*?h\s*=\s*(\d+)\D*?s\s*=\s*(\d+)\D*?d\s*=\s*(\d+))");
+  for (const auto& [kind, config] : variants) {
+    std::mt19937 rng(77u + static_cast<unsigned>(kind));
+    const std::vector<BadCall> cases = bad_calls(rng, std::is_same_v<T, Eigen::half>);
+    int thrown = 0, expected = 0;
+    for (const bool established : {false, true}) {
+      for (const BadCall& bc : cases) {
+        if (bc.needs_established && !established) continue;
+        const std::string ctx = std::string(kind_name(kind)) + " (" +
+                                std::to_string(config.stream_n_sink) + " sinks), " + bc.name +
+                                (established ? " (after decoding)" : " (first call)");
+        Subject<T> subject = make_subject<T>(kind, config);
+        Subject<T> twin = make_subject<T>(kind, config);
+        if (established) {
+          establish(subject, twin, rng, ctx);
+          ASSERT_EQ(subject.cache->tokens_kept(), expected_rows(kind, 12, 4, 9)) << ctx;
+        }
+        const Snapshot before = snapshot(subject);
+        const double ratio_before = subject.cache->compression_ratio();
+        for (const bool view : {false, true}) {
+          const std::string name = ctx + (view ? " via update_and_view" : " via update_and_fetch");
+          ++expected;
+          try {
+            feed(*subject.cache, bc, view);
+            ADD_FAILURE() << name << ": did not throw";
+          } catch (const std::invalid_argument& e) {
+            ++thrown;
+            const std::string what = e.what();
+            if (bc.bad_index) {
+              std::smatch m;
+              if (std::regex_search(what, m, idx)) {
+                const Shape got{std::stoll(m[1]), std::stoll(m[2]), std::stoll(m[3]),
+                                std::stoll(m[4])};
+                EXPECT_EQ(got, *bc.bad_index) << name << ": " << what;
+              } else {
+                ADD_FAILURE() << name << ": no index in: " << what;
+              }
+            } else {
+              EXPECT_TRUE(std::regex_search(what, shape_regex(shape_of(bc.keys))))
+                  << name << ": message lacks the keys shape: " << what;
+              EXPECT_TRUE(std::regex_search(what, shape_regex(shape_of(bc.values))))
+                  << name << ": message lacks the values shape: " << what;
+            }
+          } catch (const std::exception& e) {
+            ADD_FAILURE() << name << ": threw something else: " << e.what();
+          }
+          EXPECT_TRUE(snapshot(subject) == before) << name << ": the cache changed";
+          const double ratio_after = subject.cache->compression_ratio();
+          EXPECT_EQ(std::memcmp(&ratio_after, &ratio_before, sizeof(double)), 0)
+              << name << ": compression_ratio changed";
+        }
+        valid_call_on_both(subject, twin, rng, established ? 1 : 8, Api::kFetch, ctx + ": next fetch");
+        valid_call_on_both(subject, twin, rng, 2, Api::kView, ctx + ": next view");
+        valid_call_on_both(subject, twin, rng, 1, Api::kFetch, ctx + ": next decode");
+      }
+    }
+    EXPECT_EQ(thrown, expected) << kind_name(kind);
+    EXPECT_GT(expected, 40) << kind_name(kind);
+  }
+}
+
+/// Heads spread over threads give bitwise the serial result on wide calls too: B = 2, H = 8,
+/// D = 64, budgets of 96 with 4 sinks (SnapKV: 64, 4 sinks, obs_window 32), through
+/// update_and_fetch. Three rounds for TOVA and SnapKV (the first for the others), reset in
+/// between: a 300-token prefill (blocked path over the
+/// budget), 30 decode steps, a 70-token call and a decode step (moved from test_tova_cache.cpp);
+/// then twice a 500-token prompt, decode steps, calls of 7 and 130 tokens and 30 more decode steps
+/// (moved from test_snapkv_cache.cpp). Returns and everything observable but the heap agree after
+/// every call; TOVA retains its budget, reaches offset 401 and its heads decide differently;
+/// SnapKV compresses its prompt to the budget and then appends.
+TYPED_TEST(ContractTest, ParallelHeadsAreBitIdenticalToSerialOnWideCalls) {
+  using T = TypeParam;
+  vc::KVCacheConfig config = small_config();
+  config.squeeze_budget = config.h2o_budget = config.pyramid_budget = config.tova_budget = 96;
+  config.squeeze_n_sink = config.h2o_n_sink = config.pyramid_n_sink = config.tova_n_sink = 4;
+  config.stream_n_sink = 4;
+  config.stream_window_size = 92;
+  config.snap_budget = 64;
+  config.snap_n_sink = 4;
+  config.snap_obs_window = 32;
+  std::vector<Index> tova_calls = {300};
+  for (int i = 0; i < 30; ++i) tova_calls.push_back(1);
+  tova_calls.push_back(70);
+  tova_calls.push_back(1);
+  std::vector<Index> snap_calls = {500, 1, 1, 7, 1, 130, 1};
+  for (int i = 0; i < 30; ++i) snap_calls.push_back(1);
+  const Shape k{2, 8, 0, 64}, v{2, 8, 0, 64};
+  for (const Kind kind : kKinds) {
+    Subject<T> serial = make_subject<T>(kind, config);
+    Subject<T> parallel = make_subject<T>(kind, config);
+    serial.cache->set_parallel_heads(false);
+    parallel.cache->set_parallel_heads(true);
+    EXPECT_FALSE(serial.cache->parallel_heads());
+    ASSERT_TRUE(parallel.cache->parallel_heads());
+    std::mt19937 rng(42u + static_cast<unsigned>(kind));
+    const std::vector<Index>* rounds[] = {&tova_calls, &snap_calls, &snap_calls};
+    // The other policies take the first round only (the sweep above covers them more widely).
+    const int n_rounds = kind == Kind::kTova || kind == Kind::kSnap ? 3 : 1;
+    for (int round = 0; round < n_rounds; ++round) {
+      const std::string ctx = std::string(kind_name(kind)) + ", round " + std::to_string(round);
+      if (round > 0) {
+        for (Subject<T>* s : {&serial, &parallel}) {
+          if (s->coordinator) s->coordinator->reset();
+          s->cache->reset();
+        }
+      }
+      const std::vector<Index>& calls = *rounds[round];
+      for (std::size_t c = 0; c < calls.size(); ++c) {
+        const Index S = calls[c];
+        const Call call = random_call(rng, with_s(k, S), with_s(v, S));
+        vc::KVPair<T> a, b;
+        const Returned ra = invoke(*serial.cache, Api::kFetch, call, a);
+        const Returned rb = invoke(*parallel.cache, Api::kFetch, call, b);
+        ASSERT_TRUE(ra == rb) << ctx << ": returns differ at call " << c << " (S = " << S << ")";
+        ASSERT_TRUE(logical_state(serial) == logical_state(parallel))
+            << ctx << ": state differs at call " << c << " (S = " << S << ")";
+        if (kind == Kind::kSnap && c == 0) {
+          const auto* snap = dynamic_cast<const vc::SnapKVCache<T>*>(serial.cache.get());
+          ASSERT_NE(snap, nullptr);
+          EXPECT_TRUE(snap->compressed()) << ctx;
+          EXPECT_EQ(serial.cache->tokens_kept(), 64) << ctx;
+        }
+      }
+      if (kind == Kind::kTova && round == 0) {
+        const auto* tova = dynamic_cast<const vc::TOVACache<T>*>(serial.cache.get());
+        ASSERT_NE(tova, nullptr);
+        EXPECT_EQ(serial.cache->tokens_kept(), 96) << ctx;
+        EXPECT_EQ(serial.cache->offset(), 401) << ctx;
+        // Heads made different decisions (the comparison covers real per-head work).
+        EXPECT_NE(tova->positions(0, 0), tova->positions(1, 7)) << ctx;
+      }
+      if (kind == Kind::kSnap && round > 0) {
+        EXPECT_EQ(serial.cache->tokens_kept(), 64 + 1 + 1 + 7 + 1 + 130 + 31) << ctx;
+      }
+    }
+  }
+}
+
 }  // namespace

@@ -199,20 +199,6 @@ TYPED_TEST(KVCacheTest, TrimOfNegativeCountThrowsAndChangesNothing) {
   EXPECT_EQ(head_rows(cache.state(), 0, 1), head_rows(before, 0, 1));
 }
 
-TYPED_TEST(KVCacheTest, EvictionCachesAreNotTrimmable) {
-  using T = TypeParam;
-  std::mt19937 rng(14);
-  vc::H2OCache<T> cache(h2o_config(4, 1, 1));
-  EXPECT_FALSE(cache.is_trimmable());
-  cache.update_and_fetch(random_tensor<T>(rng, 1, 1, 6, 2), random_tensor<T>(rng, 1, 1, 6, 2));
-  const auto positions = cache.positions(0, 0);
-  EXPECT_EQ(cache.trim(3), 0);
-  EXPECT_EQ(cache.offset(), 6);
-  EXPECT_EQ(cache.positions(0, 0), positions);
-  EXPECT_THROW(cache.trim(-1), std::invalid_argument);
-  EXPECT_EQ(cache.offset(), 6);
-}
-
 TYPED_TEST(KVCacheTest, ResetForgetsEverythingAndAllowsNewShapes) {
   using T = TypeParam;
   std::mt19937 rng(15);

@@ -2,8 +2,8 @@
 // tests/reference/policy_oracles.hpp on random call sequences, plus hand-built cases: no causal mask
 // in the scoring, exact ties keep the earliest row, sinks are the compressing call's first rows,
 // a call of exactly `budget` rows is not compressed, reset() re-arms the compression, validation at
-// construction, bad input with the strong guarantee (SPEC 8), parallel heads (SPEC 7) and bounded
-// memory over a long decode.
+// construction, bad input with the strong guarantee (SPEC 8, including calls that would compress)
+// and bounded memory over a long decode. Parallel heads: test_contract.cpp.
 
 // Internal invariants of the library are checked (and abort) even in Release builds.
 // clang-format off
@@ -901,51 +901,9 @@ TYPED_TEST(SnapKVCacheTest, BadInputLeavesEverythingUnchangedIncludingCompressed
 }
 
 // ---------------------------------------------------------------------------------------------
-// Parallel heads and memory
+// Memory
 // ---------------------------------------------------------------------------------------------
 
-/// B = 2, H = 8, D = 64, a 500-token prompt, budget 64, obs_window 32: the parallel run is
-/// bit-identical to the serial one (SPEC 7).
-TYPED_TEST(SnapKVCacheTest, ParallelHeadsAreBitIdenticalToSerial) {
-  using T = TypeParam;
-  const Index B = 2, H = 8, D = 64;
-  vc::SnapKVCache<T> serial(snap_config(64, 4, 32));
-  vc::SnapKVCache<T> parallel(snap_config(64, 4, 32));
-  serial.set_parallel_heads(false);
-  parallel.set_parallel_heads(true);
-  std::mt19937 rng(42);
-  std::vector<Index> calls = {500, 1, 1, 7, 1, 130, 1};
-  for (int i = 0; i < 30; ++i) calls.push_back(1);
-  for (int round = 0; round < 2; ++round) {
-    for (std::size_t c = 0; c < calls.size(); ++c) {
-      const Index S = calls[c];
-      const auto k = random_tensor<T>(rng, B, H, S, D);
-      const auto v = random_tensor<T>(rng, B, H, S, D);
-      const auto a = serial.update_and_fetch(k, v);
-      const auto b = parallel.update_and_fetch(k, v);
-      ASSERT_TRUE(bitwise_equal(a.first, b.first)) << "S=" << S;
-      ASSERT_TRUE(bitwise_equal(a.second, b.second)) << "S=" << S;
-      ASSERT_EQ(serial.compressed(), parallel.compressed());
-      for (Index bb = 0; bb < B; ++bb) {
-        for (Index h = 0; h < H; ++h) {
-          ASSERT_EQ(serial.scores(bb, h), parallel.scores(bb, h)) << "S=" << S;
-          ASSERT_EQ(serial.positions(bb, h), parallel.positions(bb, h)) << "S=" << S;
-        }
-      }
-      if (c == 0) {
-        EXPECT_TRUE(serial.compressed());
-        EXPECT_EQ(serial.tokens_kept(), 64);
-      }
-    }
-    EXPECT_EQ(serial.tokens_kept(), 64 + 1 + 1 + 7 + 1 + 130 + 31);
-    serial.reset();
-    parallel.reset();
-  }
-}
-
-/// After the compression, 2000 decode steps: each adds exactly one row per head to kept_bytes(),
-/// and heap_bytes() stays within a constant factor of the retained rows (storage grows only with
-/// the appended rows; the long prompt's capacity and scratch do not pile up).
 TYPED_TEST(SnapKVCacheTest, HeapBytesBoundedOverALongDecodeAfterCompression) {
   using T = TypeParam;
   const Index B = 2, H = 8, D = 64;
