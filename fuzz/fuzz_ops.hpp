@@ -109,7 +109,6 @@
 
 #include "reference/oracle.hpp"
 #include "reference/policy_oracles.hpp"
-#include "reference/query_oracle.hpp"
 
 namespace veloxquant::fuzz {
 
@@ -389,13 +388,13 @@ inline bool is_query_bad(Bad b) { return b >= Bad::QueryHq; }
 /// One head's oracles (only those of the cache's policy are engaged) and the rows fed to it.
 template <class T>
 struct HeadModel {
-  std::optional<ref::H2OHeadOracle> h2o;        // key-as-query proxy (docs/design.md 4.2)
-  std::optional<ref::H2OQueryHeadOracle> h2oq;  // real queries (docs/design.md 4.6)
+  std::optional<ref::H2OHeadOracle> h2o;   // fed by absorb: key-as-query proxy (docs/design.md 4.2)
+  std::optional<ref::H2OHeadOracle> h2oq;  // fed by absorb_call with queries (docs/design.md 4.6)
   std::optional<ref::TOVAHeadOracle> tova;
-  std::optional<ref::TOVAQueryHeadOracle> tovaq;
+  std::optional<ref::TOVAHeadOracle> tovaq;
   std::optional<ref::StreamingLLMHeadOracle> stream;
   std::optional<ref::SnapKVHeadOracle> snap;
-  std::optional<ref::SnapKVQueryHeadOracle> snapq;
+  std::optional<ref::SnapKVHeadOracle> snapq;
   bool diverged = false;   // a tolerated near-tie divergence happened (until reset)
   bool ambiguous = false;  // an ambiguous decision in the current call
   /// Every row fed since the last reset, by position: key then value, as stored (T).
@@ -1783,7 +1782,7 @@ class Harness {
       if (!evicts) {
         hm.h2oq->absorb_call(keys, values, queries);
       } else {
-        ref::H2OQueryHeadOracle all = *hm.h2oq;
+        ref::H2OHeadOracle all = *hm.h2oq;
         all.set_budget(std::numeric_limits<int>::max());
         all.absorb_call(keys, values, queries);
         hm.h2oq->absorb_call(keys, values, queries);
@@ -1828,17 +1827,12 @@ class Harness {
             std::min<std::size_t>(static_cast<std::size_t>(cfg_.snap_obs_window), S);
         std::vector<const std::vector<double>*> ptrs;
         for (const auto& k : keys) ptrs.push_back(&k);
+        // The oracles' scorer; without real queries each token's query heads are {its key} (the proxy).
         std::vector<double> score(S, 0.0);
         std::size_t n_soft = 0;
         for (std::size_t j = S - w; j < S; ++j) {
-          if (with_queries) {
-            for (const auto& q : queries[j]) {
-              const std::vector<double> a = ref::query_detail::attention_weights(ptrs, q);
-              for (std::size_t r = 0; r < S; ++r) score[r] += a[r];
-              ++n_soft;
-            }
-          } else {
-            const std::vector<double> a = ref::proxy_softmax(keys, keys[j]);
+          for (const auto& q : queries[j]) {
+            const std::vector<double> a = ref::attention_weights(ptrs, q);
             for (std::size_t r = 0; r < S; ++r) score[r] += a[r];
             ++n_soft;
           }

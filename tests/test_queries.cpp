@@ -6,8 +6,8 @@
 // update_and_fetch / update_and_view / update_and_fetch_into(keys, values, queries) of every cache.
 //
 //  * hand-computed examples (the example, eviction once per call, TOVA and SnapKV examples);
-//  * differential runs against the double-precision oracles of tests/reference/query_oracle.hpp for
-//    the H2O core (SqueezeAttention without coordinator, H2O, PyramidKV through the builder), TOVA
+//  * differential runs against the real-query overloads of the double-precision oracles of
+//    tests/reference/ for the H2O core (SqueezeAttention without coordinator, H2O, PyramidKV through the builder), TOVA
 //    and SnapKV, every storage type, G in {1, 2, 4}, prefill calls crossing the 64 / G token blocks,
 //    decode calls, empty calls, all three entry points, with rejected bad queries injected between
 //    calls (the next valid call must still match the oracle);
@@ -45,7 +45,7 @@
 #include <veloxquant/cache.hpp>
 
 #include "reference/oracle.hpp"
-#include "reference/query_oracle.hpp"
+#include "reference/policy_oracles.hpp"
 #include "support/test_support.hpp"
 
 namespace {
@@ -433,7 +433,7 @@ class CoreOracle {
  public:
   CoreOracle(std::size_t n_heads, int n_sink, double decay, const std::function<int(int)>& grace,
              std::optional<int> budget)
-      : heads_(n_heads, ref::H2OQueryHeadOracle(n_sink, decay, grace)) {
+      : heads_(n_heads, ref::H2OHeadOracle(n_sink, decay, grace)) {
     if (budget) {
       for (auto& h : heads_) h.set_budget(*budget);
     }
@@ -452,14 +452,14 @@ class CoreOracle {
   }
 
  private:
-  std::vector<ref::H2OQueryHeadOracle> heads_;
+  std::vector<ref::H2OHeadOracle> heads_;
 };
 
 /// TOVA: one token at a time, even inside a multi-token call.
 class TovaOracle {
  public:
   TovaOracle(std::size_t n_heads, int n_sink, int budget)
-      : heads_(n_heads, ref::TOVAQueryHeadOracle(n_sink, budget)) {}
+      : heads_(n_heads, ref::TOVAHeadOracle(n_sink, budget)) {}
   void absorb(std::size_t head, const Rows& k, const Rows& v, const TokenQueries& q) {
     for (std::size_t s = 0; s < k.size(); ++s) heads_[head].absorb(k[s], v[s], q[s]);
   }
@@ -470,14 +470,14 @@ class TovaOracle {
   }
 
  private:
-  std::vector<ref::TOVAQueryHeadOracle> heads_;
+  std::vector<ref::TOVAHeadOracle> heads_;
 };
 
 /// SnapKV: one call at a time.
 class SnapOracle {
  public:
   SnapOracle(std::size_t n_heads, int n_sink, int budget, int obs_window)
-      : heads_(n_heads, ref::SnapKVQueryHeadOracle(n_sink, budget, obs_window)) {}
+      : heads_(n_heads, ref::SnapKVHeadOracle(n_sink, budget, obs_window)) {}
   void absorb(std::size_t head, const Rows& k, const Rows& v, const TokenQueries& q) {
     heads_[head].absorb_call(k, v, q);
   }
@@ -489,7 +489,7 @@ class SnapOracle {
   }
 
  private:
-  std::vector<ref::SnapKVQueryHeadOracle> heads_;
+  std::vector<ref::SnapKVHeadOracle> heads_;
 };
 
 struct Dims {
@@ -883,7 +883,7 @@ TEST(QueryHandExampleTest, OneTokenCallsEvictAfterEachToken) {
                      "five calls");
 }
 
-// TOVA (test_query_oracle.cpp, TOVAQueryHeadOracleTest.HandExample): n_sink 1, budget 2, G = 2.
+// TOVA (test_query_oracle.cpp, TOVAHeadOracleQueriesTest.HandExample): n_sink 1, budget 2, G = 2.
 //   t2: a = [7, 10, 7] / 24 -> evicts the token itself (the key-as-query proxy evicts row 1);
 //   t3: a = [1/4, 1/4, 1/2], row 0 is a sink -> evict 1; t4: uniform 1/3 -> tie 3 vs 4 -> evict 3.
 const QTensor kTovaKeys = c2_tensor({{{0, 0}, {1, 0}, {0, 1}, {1, 1}, {0, 0}}});
@@ -913,7 +913,7 @@ TEST(QueryHandExampleTest, TovaOneTokenCallsAndOneCall) {
   EXPECT_EQ(proxy.positions(0, 0), (Positions{0, 2}));
 }
 
-// SnapKV (test_query_oracle.cpp, SnapKVQueryHeadOracleTest.HandExample): n_sink 1, budget 3,
+// SnapKV (test_query_oracle.cpp, SnapKVHeadOracleQueriesTest.HandExample): n_sink 1, budget 3,
 // obs_window 2, G = 2: scores [222, 277, 382, 437, 222] / 1540 -> keep {0, 2, 3}.
 const QTensor kSnapKeys = c2_tensor({{{0, 0}, {1, 0}, {0, 1}, {1, 1}, {0, 0}}});
 const QTensor kSnapQueries =
@@ -938,7 +938,7 @@ TEST(QueryHandExampleTest, SnapKVObservationWindowUsesTheQueries) {
 }
 
 // =============================================================================================
-// 2. H2O core against H2OQueryHeadOracle
+// 2. H2O core against H2OHeadOracle
 // =============================================================================================
 
 enum class CoreKind { kSqueeze, kH2O, kPyramid };
@@ -1529,7 +1529,7 @@ TYPED_TEST(QueryMixedTest, ProxyCallThenQueryCallCombinesBothScorings) {
   for (Index h = 0; h < H; ++h) {
     ref::H2OHeadOracle proxy(n_sink, decay, grace);
     proxy.set_budget(budget);
-    ref::H2OQueryHeadOracle query(n_sink, decay, grace);  // no budget: nothing evicted
+    ref::H2OHeadOracle query(n_sink, decay, grace);  // no budget: nothing evicted
     const Rows keys_a = rows_of(ka, 0, h), vals_a = rows_of(va, 0, h);
     for (std::size_t s = 0; s < keys_a.size(); ++s) proxy.absorb(keys_a[s], vals_a[s]);
     ASSERT_EQ(proxy.positions().size(), static_cast<std::size_t>(SA));
@@ -1578,7 +1578,7 @@ TYPED_TEST(QueryMixedTest, QueryCallThenProxyCallCombinesBothScorings) {
   EXPECT_EQ(out.first.dimension(2), SA + SB);
 
   for (Index b = 0; b < B; ++b) {
-    ref::H2OQueryHeadOracle query(n_sink, decay, grace);
+    ref::H2OHeadOracle query(n_sink, decay, grace);
     ref::H2OHeadOracle proxy(n_sink, decay, grace);
     query.absorb_call(rows_of(ka, b, 0), rows_of(va, b, 0), queries_of(qa, b, 0, G));
     const Rows keys_a = rows_of(ka, b, 0), vals_a = rows_of(va, b, 0);
@@ -1606,7 +1606,7 @@ TYPED_TEST(QueryMixedTest, QueriesEqualToKeysAreNotTheProxy) {
   const auto grace = [](int b) { return ref::protected_recent_fixed(2, b, 1); };
   vc::H2OCache<T> with(h2o_config(6, 1, 2, 0.9));
   vc::H2OCache<T> without(h2o_config(6, 1, 2, 0.9));
-  ref::H2OQueryHeadOracle query_oracle(1, 0.9, grace);
+  ref::H2OHeadOracle query_oracle(1, 0.9, grace);
   ref::H2OHeadOracle proxy_oracle(1, 0.9, grace);
   query_oracle.set_budget(6);
   proxy_oracle.set_budget(6);

@@ -1,4 +1,4 @@
-// Self-tests of the real-query oracles (tests/reference/query_oracle.hpp) against hand-computed facts
+// Self-tests of the oracles' real-query scorer (tests/reference/oracle.hpp, policy_oracles.hpp) against hand-computed facts
 // from docs/design.md 4.5, 4.6 and 6, so that the oracles can be trusted when the fast caches' real-query
 // path (update_and_fetch(keys, values, queries)) is compared against them.
 //
@@ -17,8 +17,8 @@
 #include <stdexcept>
 #include <vector>
 
-#include "reference/policy_oracles.hpp"  // key-as-query TOVA / SnapKV, for contrast (and a name-clash check)
-#include "reference/query_oracle.hpp"
+#include "reference/oracle.hpp"          // H2OHeadOracle (proxy and real queries)
+#include "reference/policy_oracles.hpp"  // TOVAHeadOracle, SnapKVHeadOracle (proxy and real queries)
 
 namespace {
 
@@ -74,8 +74,8 @@ const Rows kIssueKeys = {c2(0, 0), c2(1, 0), c2(0, 1)};
 const Queries kIssueQueries = {{c2(1, 0), c2(0, 1)}, {c2(1, 0), c2(0, 1)}, {c2(1, 1), c2(0, 2)}};
 const std::vector<double> kIssueScores = {77.0 / 120.0, 69.0 / 120.0, 64.0 / 120.0};
 
-TEST(H2OQueryHeadOracleTest, IssueExampleOneCall) {
-    ref::H2OQueryHeadOracle head(0, 0.5, fixed_grace(0));
+TEST(H2OHeadOracleQueriesTest, IssueExampleOneCall) {
+    ref::H2OHeadOracle head(0, 0.5, fixed_grace(0));
     head.absorb_call(kIssueKeys, value_rows(3), kIssueQueries);
     EXPECT_EQ(head.positions(), (Positions{0, 1, 2}));
     EXPECT_EQ(head.next_position(), 3);
@@ -84,29 +84,29 @@ TEST(H2OQueryHeadOracleTest, IssueExampleOneCall) {
     EXPECT_EQ(head.rows()[2].value, (Vec{102.0}));  // values travel with their keys
 }
 
-TEST(H2OQueryHeadOracleTest, IssueExampleIntermediateScores) {
+TEST(H2OHeadOracleQueriesTest, IssueExampleIntermediateScores) {
     // The first two tokens alone: s0 = 11/12, s1 = 7/12 (see the derivation above).
-    ref::H2OQueryHeadOracle head(0, 0.5, fixed_grace(0));
+    ref::H2OHeadOracle head(0, 0.5, fixed_grace(0));
     head.absorb_call(Rows{kIssueKeys[0], kIssueKeys[1]}, value_rows(2), Queries{kIssueQueries[0], kIssueQueries[1]});
     expect_scores(head.scores(), {11.0 / 12.0, 7.0 / 12.0});
 }
 
-TEST(H2OQueryHeadOracleTest, IssueExampleAsThreeOneTokenCallsGivesTheSameScores) {
-    ref::H2OQueryHeadOracle head(0, 0.5, fixed_grace(0));
+TEST(H2OHeadOracleQueriesTest, IssueExampleAsThreeOneTokenCallsGivesTheSameScores) {
+    ref::H2OHeadOracle head(0, 0.5, fixed_grace(0));
     for (std::size_t i = 0; i < 3; ++i) {
         head.absorb_call(Rows{kIssueKeys[i]}, Rows{Vec{100.0 + static_cast<double>(i)}}, Queries{kIssueQueries[i]});
     }
     EXPECT_EQ(head.positions(), (Positions{0, 1, 2}));
     expect_scores(head.scores(), kIssueScores);
 
-    ref::H2OQueryHeadOracle one_call(0, 0.5, fixed_grace(0));
+    ref::H2OHeadOracle one_call(0, 0.5, fixed_grace(0));
     one_call.absorb_call(kIssueKeys, value_rows(3), kIssueQueries);
     expect_scores(head.scores(), one_call.scores());
 }
 
-TEST(H2OQueryHeadOracleTest, FirstTokenOnAnEmptyHeadScoresOne) {
+TEST(H2OHeadOracleQueriesTest, FirstTokenOnAnEmptyHeadScoresOne) {
     // docs/design.md 4.2 step 1 gives 1.0; the 4.6 rule gives 0 * decay + softmax over one row = 1 as well.
-    ref::H2OQueryHeadOracle head(0, 0.5, fixed_grace(0));
+    ref::H2OHeadOracle head(0, 0.5, fixed_grace(0));
     head.absorb_call(Rows{c2(3, -2)}, value_rows(1), Queries{{c2(7, 1), c2(-4, 2)}});
     expect_scores(head.scores(), {1.0});
 }
@@ -138,8 +138,8 @@ TEST(H2OQueryHeadOracleTest, FirstTokenOnAnEmptyHeadScoresOne) {
 const Rows kEvictKeys = {c2(0, 0), c2(1, 0), c2(0, 1), c2(0, 0), c2(0, 0)};
 const Queries kEvictQueries = {{c2(0, 0)}, {c2(0, 0)}, {c2(0, 0)}, {c2(0, 3)}, {c2(3, 0)}};
 
-TEST(H2OQueryHeadOracleTest, EvictsOncePerCallAfterScoring) {
-    ref::H2OQueryHeadOracle head(1, 1.0, fixed_grace(1));
+TEST(H2OHeadOracleQueriesTest, EvictsOncePerCallAfterScoring) {
+    ref::H2OHeadOracle head(1, 1.0, fixed_grace(1));
     head.set_budget(3);
     head.absorb_call(kEvictKeys, value_rows(5), kEvictQueries);
     EXPECT_EQ(head.positions(), (Positions{0, 1, 4}));
@@ -148,8 +148,8 @@ TEST(H2OQueryHeadOracleTest, EvictsOncePerCallAfterScoring) {
     EXPECT_EQ(head.rows()[1].value, (Vec{101.0}));
 }
 
-TEST(H2OQueryHeadOracleTest, OneTokenCallsEvictAfterEachToken) {
-    ref::H2OQueryHeadOracle head(1, 1.0, fixed_grace(1));
+TEST(H2OHeadOracleQueriesTest, OneTokenCallsEvictAfterEachToken) {
+    ref::H2OHeadOracle head(1, 1.0, fixed_grace(1));
     head.set_budget(3);
     for (std::size_t i = 0; i < 5; ++i) {
         head.absorb_call(Rows{kEvictKeys[i]}, Rows{Vec{100.0 + static_cast<double>(i)}}, Queries{kEvictQueries[i]});
@@ -159,8 +159,8 @@ TEST(H2OQueryHeadOracleTest, OneTokenCallsEvictAfterEachToken) {
     expect_scores(head.scores(), {11.0 / 6.0 + 1.0 / 11.0 + 0.25, 1.0 / 3.0 + 8.0 / 11.0 + 0.25, 0.25});
 }
 
-TEST(H2OQueryHeadOracleTest, NoBudgetKeepsEverythingAndSetBudgetTrimsLikeTheCallEnd) {
-    ref::H2OQueryHeadOracle head(1, 1.0, fixed_grace(1));
+TEST(H2OHeadOracleQueriesTest, NoBudgetKeepsEverythingAndSetBudgetTrimsLikeTheCallEnd) {
+    ref::H2OHeadOracle head(1, 1.0, fixed_grace(1));
     EXPECT_FALSE(head.budget().has_value());
     head.absorb_call(kEvictKeys, value_rows(5), kEvictQueries);
     EXPECT_EQ(head.positions(), (Positions{0, 1, 2, 3, 4}));
@@ -194,12 +194,12 @@ Rows onehot_rows(std::size_t n, double m) {
     return out;
 }
 
-TEST(H2OQueryHeadOracleTest, TiesEvictTheEarliestPosition) {
+TEST(H2OHeadOracleQueriesTest, TiesEvictTheEarliestPosition) {
     const Rows keys = onehot_rows(4, 100.0);
     Queries queries;
     for (const auto& k : keys) queries.push_back(Rows{k});
 
-    ref::H2OQueryHeadOracle head(0, 1.0, fixed_grace(0));
+    ref::H2OHeadOracle head(0, 1.0, fixed_grace(0));
     head.set_budget(2);
     head.absorb_call(keys, value_rows(4), queries);
     // All four scores are 1; no sinks, g = 0: evict positions 0 then 1.
@@ -207,25 +207,25 @@ TEST(H2OQueryHeadOracleTest, TiesEvictTheEarliestPosition) {
     EXPECT_EQ(head.scores(), (std::vector<double>{1.0, 1.0}));
 
     // With one sink: evict 1 then 2.
-    ref::H2OQueryHeadOracle sunk(1, 1.0, fixed_grace(0));
+    ref::H2OHeadOracle sunk(1, 1.0, fixed_grace(0));
     sunk.set_budget(2);
     sunk.absorb_call(keys, value_rows(4), queries);
     EXPECT_EQ(sunk.positions(), (Positions{0, 3}));
 
     // docs/design.md 4.5 trim on the same tie: later positions survive.
-    ref::H2OQueryHeadOracle late(0, 1.0, fixed_grace(0));
+    ref::H2OHeadOracle late(0, 1.0, fixed_grace(0));
     late.absorb_call(keys, value_rows(4), queries);
     EXPECT_EQ(late.scores(), (std::vector<double>{1.0, 1.0, 1.0, 1.0}));
     late.set_budget(2);
     EXPECT_EQ(late.positions(), (Positions{2, 3}));
 }
 
-TEST(H2OQueryHeadOracleTest, DecayAppliesPerToken) {
+TEST(H2OHeadOracleQueriesTest, DecayAppliesPerToken) {
     // The one-hot setup with decay 0.5: row r gets 1 at token r, then halves at each later token.
     const Rows keys = onehot_rows(4, 100.0);
     Queries queries;
     for (const auto& k : keys) queries.push_back(Rows{k});
-    ref::H2OQueryHeadOracle head(0, 0.5, fixed_grace(0));
+    ref::H2OHeadOracle head(0, 0.5, fixed_grace(0));
     head.absorb_call(keys, value_rows(4), queries);
     EXPECT_EQ(head.scores(), (std::vector<double>{0.125, 0.25, 0.5, 1.0}));
 }
@@ -238,14 +238,14 @@ TEST(H2OQueryHeadOracleTest, DecayAppliesPerToken) {
 //   query oracle:           a'_r = exp(l_r) / (Z + e) = a_r (1 - w),   new row's score w = e / (Z + e)
 // so after token i:  q_r = decay * q_r(before) + a_r (1 - w)  and  q_i = w, where a_r is recovered from
 // H2OHeadOracle as  a_r = p_r(after) - decay * p_r(before).
-TEST(H2OQueryHeadOracleTest, QueriesEqualToKeysDifferFromKeyAsQueryOnlyBySelfAttention) {
+TEST(H2OHeadOracleQueriesTest, QueriesEqualToKeysDifferFromKeyAsQueryOnlyBySelfAttention) {
     const double decay = 0.9;
     const std::size_t d = 3;
     std::mt19937 rng(12345);
     std::normal_distribution<double> normal(0.0, 1.0);
 
     ref::H2OHeadOracle proxy(0, decay, fixed_grace(0));
-    ref::H2OQueryHeadOracle query(0, decay, fixed_grace(0));
+    ref::H2OHeadOracle query(0, decay, fixed_grace(0));
     Rows seen;  // keys so far, [i][D]
     for (std::size_t i = 0; i < 8; ++i) {
         Vec key(d);
@@ -286,8 +286,8 @@ TEST(H2OQueryHeadOracleTest, QueriesEqualToKeysDifferFromKeyAsQueryOnlyBySelfAtt
 }
 
 // ---------------------------------------------------------------------------------------------------
-TEST(H2OQueryHeadOracleTest, RejectsBadInputWithoutChangingState) {
-    ref::H2OQueryHeadOracle head(0, 0.5, fixed_grace(0));
+TEST(H2OHeadOracleQueriesTest, RejectsBadInputWithoutChangingState) {
+    ref::H2OHeadOracle head(0, 0.5, fixed_grace(0));
     head.absorb_call(kIssueKeys, value_rows(3), kIssueQueries);
     const Positions positions = head.positions();
     const std::vector<double> scores = head.scores();
@@ -335,14 +335,14 @@ TEST(H2OQueryHeadOracleTest, RejectsBadInputWithoutChangingState) {
     // G may change from one call to the next.
     EXPECT_NO_THROW(head.absorb_call(Rows{c2(1, 0)}, value_rows(1), Queries{{c2(0, 0), c2(1, 0), c2(0, 1)}}));
 
-    EXPECT_THROW(ref::H2OQueryHeadOracle(-1, 0.5, fixed_grace(0)), std::invalid_argument);
-    EXPECT_THROW(ref::H2OQueryHeadOracle(0, 0.0, fixed_grace(0)), std::invalid_argument);
-    EXPECT_THROW(ref::H2OQueryHeadOracle(0, 1.5, fixed_grace(0)), std::invalid_argument);
-    EXPECT_THROW(ref::H2OQueryHeadOracle(0, 0.5, std::function<int(int)>{}), std::invalid_argument);
+    EXPECT_THROW(ref::H2OHeadOracle(-1, 0.5, fixed_grace(0)), std::invalid_argument);
+    EXPECT_THROW(ref::H2OHeadOracle(0, 0.0, fixed_grace(0)), std::invalid_argument);
+    EXPECT_THROW(ref::H2OHeadOracle(0, 1.5, fixed_grace(0)), std::invalid_argument);
+    EXPECT_THROW(ref::H2OHeadOracle(0, 0.5, std::function<int(int)>{}), std::invalid_argument);
 }
 
-TEST(H2OQueryHeadOracleTest, ResetRestartsPositionsAndKeepsTheBudget) {
-    ref::H2OQueryHeadOracle head(1, 1.0, fixed_grace(1));
+TEST(H2OHeadOracleQueriesTest, ResetRestartsPositionsAndKeepsTheBudget) {
+    ref::H2OHeadOracle head(1, 1.0, fixed_grace(1));
     head.set_budget(3);
     head.absorb_call(kEvictKeys, value_rows(5), kEvictQueries);
     head.reset();
@@ -364,8 +364,8 @@ TEST(H2OQueryHeadOracleTest, ResetRestartsPositionsAndKeepsTheBudget) {
 //   t3: k (1,1), queries (0,1), (0,1), rows {0, 1, 3}: dots [0,0,1] -> a = [1/4, 1/4, 1/2]
 //     row 0 ties row 1 but is a sink: evict 1  -> {0, 3}
 //   t4: k (0,0), queries (0,0), (0,0): uniform 1/3 over {0, 3, 4}; tie 3 vs 4: evict 3 -> {0, 4}
-TEST(TOVAQueryHeadOracleTest, HandExample) {
-    ref::TOVAQueryHeadOracle head(1, 2);
+TEST(TOVAHeadOracleQueriesTest, HandExample) {
+    ref::TOVAHeadOracle head(1, 2);
     head.absorb(c2(0, 0), Vec{100.0}, Rows{c2(5, 5), c2(-5, 5)});
     head.absorb(c2(1, 0), Vec{101.0}, Rows{c2(5, 5), c2(-5, 5)});
     EXPECT_EQ(head.positions(), (Positions{0, 1}));
@@ -391,8 +391,8 @@ TEST(TOVAQueryHeadOracleTest, HandExample) {
     EXPECT_EQ(proxy.positions(), (Positions{0, 2}));
 }
 
-TEST(TOVAQueryHeadOracleTest, RejectsBadInputAndResets) {
-    ref::TOVAQueryHeadOracle head(0, 1);
+TEST(TOVAHeadOracleQueriesTest, RejectsBadInputAndResets) {
+    ref::TOVAHeadOracle head(0, 1);
     head.absorb(c2(1, 0), Vec{1.0}, Rows{c2(0, 0)});
     EXPECT_THROW(head.absorb(c2(1, 0), Vec{1.0}, Rows{}), std::invalid_argument);
     EXPECT_THROW(head.absorb(c2(1, 0), Vec{1.0}, Rows{Vec{1.0}}), std::invalid_argument);
@@ -403,8 +403,8 @@ TEST(TOVAQueryHeadOracleTest, RejectsBadInputAndResets) {
     EXPECT_TRUE(head.rows().empty());
     head.absorb(c2(1, 0), Vec{1.0}, Rows{c2(0, 0)});
     EXPECT_EQ(head.positions(), (Positions{0}));
-    EXPECT_THROW(ref::TOVAQueryHeadOracle(0, 0), std::invalid_argument);
-    EXPECT_THROW(ref::TOVAQueryHeadOracle(-1, 2), std::invalid_argument);
+    EXPECT_THROW(ref::TOVAHeadOracle(0, 0), std::invalid_argument);
+    EXPECT_THROW(ref::TOVAHeadOracle(-1, 2), std::invalid_argument);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -422,8 +422,8 @@ const Rows kSnapKeys = {c2(0, 0), c2(1, 0), c2(0, 1), c2(1, 1), c2(0, 0)};
 const Queries kSnapQueries = {{c2(3, 0), c2(3, 0)}, {c2(3, 0), c2(3, 0)}, {c2(3, 0), c2(0, -3)},
                               {c2(1, 0), c2(0, 0)}, {c2(0, 1), c2(0, 2)}};
 
-TEST(SnapKVQueryHeadOracleTest, HandExample) {
-    ref::SnapKVQueryHeadOracle head(1, 3, 2);
+TEST(SnapKVHeadOracleQueriesTest, HandExample) {
+    ref::SnapKVHeadOracle head(1, 3, 2);
     head.absorb_call(kSnapKeys, value_rows(5), kSnapQueries);
     EXPECT_TRUE(head.compressed());
     EXPECT_EQ(head.positions(), (Positions{0, 2, 3}));
@@ -438,28 +438,28 @@ TEST(SnapKVQueryHeadOracleTest, HandExample) {
     EXPECT_EQ(proxy.positions(), (Positions{0, 1, 3}));
 }
 
-TEST(SnapKVQueryHeadOracleTest, ObservationWindowAndTies) {
+TEST(SnapKVHeadOracleQueriesTest, ObservationWindowAndTies) {
     // Budget 2, w = 2: keep row 0 and the best other, row 3 (437/1540).
-    ref::SnapKVQueryHeadOracle two(1, 2, 2);
+    ref::SnapKVHeadOracle two(1, 2, 2);
     two.absorb_call(kSnapKeys, value_rows(5), kSnapQueries);
     EXPECT_EQ(two.positions(), (Positions{0, 3}));
 
     // Budget 2, w = 1: only token 4 observes; rows 2 and 3 tie exactly at (2/7 + 4/11) / 2
     // (their logits against (0,1) and (0,2) are identical), so the earlier, row 2, is kept.
-    ref::SnapKVQueryHeadOracle one(1, 2, 1);
+    ref::SnapKVHeadOracle one(1, 2, 1);
     one.absorb_call(kSnapKeys, value_rows(5), kSnapQueries);
     EXPECT_EQ(one.positions(), (Positions{0, 2}));
     EXPECT_NEAR(one.rows()[1].score, (2.0 / 7.0 + 4.0 / 11.0) / 2.0, kTol);
 
     // All queries zero: uniform 1/5 everywhere, a full tie: keep the earliest others.
     const Queries zero(5, Rows{c2(0, 0), c2(0, 0)});
-    ref::SnapKVQueryHeadOracle flat(1, 3, 2);
+    ref::SnapKVHeadOracle flat(1, 3, 2);
     flat.absorb_call(kSnapKeys, value_rows(5), zero);
     EXPECT_EQ(flat.positions(), (Positions{0, 1, 2}));
 }
 
-TEST(SnapKVQueryHeadOracleTest, CompressesOnlyTheFirstLongCall) {
-    ref::SnapKVQueryHeadOracle head(1, 3, 2);
+TEST(SnapKVHeadOracleQueriesTest, CompressesOnlyTheFirstLongCall) {
+    ref::SnapKVHeadOracle head(1, 3, 2);
     // S = 2 <= budget: appended.
     head.absorb_call(Rows{c2(5, 0), c2(0, 5)}, value_rows(2), Queries{{c2(0, 0), c2(0, 0)}, {c2(0, 0), c2(0, 0)}});
     EXPECT_FALSE(head.compressed());
@@ -479,8 +479,8 @@ TEST(SnapKVQueryHeadOracleTest, CompressesOnlyTheFirstLongCall) {
     EXPECT_EQ(head.positions(), (Positions{0, 2, 3}));
 }
 
-TEST(SnapKVQueryHeadOracleTest, RejectsBadInputWithoutChangingState) {
-    ref::SnapKVQueryHeadOracle head(1, 3, 2);
+TEST(SnapKVHeadOracleQueriesTest, RejectsBadInputWithoutChangingState) {
+    ref::SnapKVHeadOracle head(1, 3, 2);
     Queries bad_d = kSnapQueries;
     bad_d[4][1] = Vec{1.0};
     EXPECT_THROW(head.absorb_call(kSnapKeys, value_rows(5), bad_d), std::invalid_argument);
@@ -495,7 +495,7 @@ TEST(SnapKVQueryHeadOracleTest, RejectsBadInputWithoutChangingState) {
     EXPECT_FALSE(head.compressed());
     head.absorb_call(kSnapKeys, value_rows(5), kSnapQueries);  // positions start at 0: nothing was consumed
     EXPECT_EQ(head.positions(), (Positions{0, 2, 3}));
-    EXPECT_THROW(ref::SnapKVQueryHeadOracle(0, 3, 0), std::invalid_argument);
+    EXPECT_THROW(ref::SnapKVHeadOracle(0, 3, 0), std::invalid_argument);
 }
 
 }  // namespace

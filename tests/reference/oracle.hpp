@@ -4,6 +4,11 @@
 // classes in tests. Everything here is written for clarity, not speed: plain std::vector<double>,
 // one token at a time, double precision everywhere, standard library only (no Eigen).
 //
+// Scoring is pluggable: a token attends with its "query heads", either {its own key} (the key-as-query
+// proxy, docs/design.md 3) or its G real query heads (docs/design.md 4.6); mean_head_weights below is
+// the one scorer every oracle uses (also TOVA and SnapKV in policy_oracles.hpp). Each oracle class
+// models ONE KV head, so a token's real queries arrive as its G query heads: [G][D].
+//
 // Precision note: the library keeps float32 scores (docs/design.md 4.1) and stores keys at precision T, while
 // this oracle is double throughout. Compare scores with a tolerance; compare retained sets only on
 // data where no two eviction candidates are near-tied (or where ties are exact by construction).
@@ -225,8 +230,240 @@ struct OracleRow {
     double score;
 };
 
-/// One head of the H2O core (docs/design.md 4.1, 4.2, 4.5) with the key-as-query proxy (docs/design.md 3), one token at a time.
-class H2OHeadOracle {
+// ---------------------------------------------------------------------------------------------------
+// The scorer, shared by every oracle (here and in policy_oracles.hpp).
+//
+// A token attends with its "query heads" [G][D]: either {its own key} (the key-as-query proxy,
+// docs/design.md 3; G = 1) or its G real query heads (docs/design.md 4.6). Either way the weights
+// over a window of keys are the mean over the heads of softmax(q . k_r / sqrt(D)). With the proxy's
+// single head the mean is exactly that head's softmax (bit for bit).
+// ---------------------------------------------------------------------------------------------------
+
+/// softmax(dot(k_r, q) / sqrt(D)) over the given keys, max-subtracted; shapes are checked by the caller.
+// keys: [n][D] (n >= 1), q: [D]; returns [n]
+inline std::vector<double> attention_weights(const std::vector<const std::vector<double>*>& keys,
+                                             const std::vector<double>& q) {
+    const double sqrt_d = std::sqrt(static_cast<double>(q.size()));
+    std::vector<double> w(keys.size());  // [n], logits first
+    double max_logit = -std::numeric_limits<double>::infinity();
+    for (std::size_t r = 0; r < keys.size(); ++r) {
+        double dot = 0.0;
+        for (std::size_t k = 0; k < q.size(); ++k) dot += (*keys[r])[k] * q[k];
+        w[r] = dot / sqrt_d;
+        if (w[r] > max_logit) max_logit = w[r];
+    }
+    double total = 0.0;
+    for (std::size_t r = 0; r < w.size(); ++r) {
+        w[r] = std::exp(w[r] - max_logit);
+        total += w[r];
+    }
+    for (std::size_t r = 0; r < w.size(); ++r) w[r] /= total;
+    return w;
+}
+
+/// The scorer: mean over a token's query heads of attention_weights(keys, q_j).
+// keys: [n][D] (n >= 1), heads: [G][D] (G >= 1); returns [n]
+inline std::vector<double> mean_head_weights(const std::vector<const std::vector<double>*>& keys,
+                                             const std::vector<std::vector<double>>& heads) {
+    std::vector<double> mean(keys.size(), 0.0);  // [n]
+    for (const auto& q : heads) {
+        const std::vector<double> a = attention_weights(keys, q);
+        for (std::size_t r = 0; r < mean.size(); ++r) mean[r] += a[r];
+    }
+    for (std::size_t r = 0; r < mean.size(); ++r) mean[r] /= static_cast<double>(heads.size());
+    return mean;
+}
+
+/// The proxy scorer's query heads for a call: token i attends with {k_i} (G = 1).
+// keys: [S][D]; returns [S][1][D]
+inline std::vector<std::vector<std::vector<double>>> proxy_queries(const std::vector<std::vector<double>>& keys) {
+    std::vector<std::vector<std::vector<double>>> out;
+    out.reserve(keys.size());
+    for (const auto& k : keys) out.push_back({k});
+    return out;
+}
+
+/// Key-as-query proxy attention (docs/design.md 3): attention_weights of q over rows, with shape checks.
+// rows: [n][D], q: [D]; returns [n] (empty when n == 0). Throws if D == 0 or a row's D differs from q's.
+inline std::vector<double> proxy_softmax(const std::vector<std::vector<double>>& rows,
+                                         const std::vector<double>& q) {
+    if (q.empty()) throw std::invalid_argument("proxy_softmax: empty query (D == 0)");
+    std::vector<const std::vector<double>*> keys;  // [n][D]
+    for (std::size_t r = 0; r < rows.size(); ++r) {
+        if (rows[r].size() != q.size()) {
+            throw std::invalid_argument("proxy_softmax: row " + std::to_string(r) + " has D = " +
+                                        std::to_string(rows[r].size()) + ", query has D = " +
+                                        std::to_string(q.size()));
+        }
+        keys.push_back(&rows[r]);
+    }
+    return attention_weights(keys, q);
+}
+
+namespace oracle_detail {
+
+/// (D, Dv) of the retained rows, or empty when the head holds none.
+using Dims = std::optional<std::pair<std::size_t, std::size_t>>;
+
+inline Dims dims_of(const std::vector<OracleRow>& rows) {
+    if (rows.empty()) return std::nullopt;
+    return std::make_pair(rows.front().key.size(), rows.front().value.size());
+}
+
+/// Throws std::invalid_argument naming the token and index if any entry of v is NaN or infinite.
+// v: [D]
+inline void check_finite(const char* who, const char* what, std::size_t token, const std::vector<double>& v) {
+    for (std::size_t k = 0; k < v.size(); ++k) {
+        if (!std::isfinite(v[k])) {
+            throw std::invalid_argument(std::string(who) + ": non-finite " + what + " of token " +
+                                        std::to_string(token) + " at index " + std::to_string(k));
+        }
+    }
+}
+
+/// Checks one row: key non-empty and finite, key/value dims equal to dims if given. Values are not inspected.
+// key: [D], value: [Dv]
+inline void check_row(const char* who, std::size_t token, const std::vector<double>& key,
+                      const std::vector<double>& value, const Dims& dims) {
+    if (key.empty()) {
+        throw std::invalid_argument(std::string(who) + ": empty key (D == 0) for token " + std::to_string(token));
+    }
+    check_finite(who, "key", token, key);
+    if (dims && (key.size() != dims->first || value.size() != dims->second)) {
+        throw std::invalid_argument(std::string(who) + ": token " + std::to_string(token) + " has D = " +
+                                    std::to_string(key.size()) + ", Dv = " + std::to_string(value.size()) +
+                                    ", expected D = " + std::to_string(dims->first) + ", Dv = " +
+                                    std::to_string(dims->second));
+    }
+}
+
+/// Checks a token's query heads: G >= 1 (== g_expected unless 0), each [D] like the key, finite.
+// key: [D], heads: [G][D]
+inline void check_heads(const char* who, std::size_t token, const std::vector<double>& key,
+                        const std::vector<std::vector<double>>& heads, std::size_t g_expected) {
+    if (heads.empty()) {
+        throw std::invalid_argument(std::string(who) + ": token " + std::to_string(token) + " has G = 0 query heads");
+    }
+    if (g_expected != 0 && heads.size() != g_expected) {
+        throw std::invalid_argument(std::string(who) + ": token " + std::to_string(token) + " has G = " +
+                                    std::to_string(heads.size()) + ", expected " + std::to_string(g_expected));
+    }
+    for (std::size_t j = 0; j < heads.size(); ++j) {
+        if (heads[j].size() != key.size()) {
+            throw std::invalid_argument(std::string(who) + ": query head " + std::to_string(j) + " of token " +
+                                        std::to_string(token) + " has D = " + std::to_string(heads[j].size()) +
+                                        ", key has D = " + std::to_string(key.size()));
+        }
+        check_finite(who, "query", token, heads[j]);
+    }
+}
+
+/// Checks a whole call before anything changes: equal S, then every token (same D/Dv as earlier rows and
+/// as the call's first token, the same G for every token).
+// keys: [S][D], values: [S][Dv], queries: [S][G][D]
+inline void check_call(const char* who, const std::vector<std::vector<double>>& keys,
+                       const std::vector<std::vector<double>>& values,
+                       const std::vector<std::vector<std::vector<double>>>& queries, Dims dims) {
+    if (keys.size() != values.size() || keys.size() != queries.size()) {
+        throw std::invalid_argument(std::string(who) + ": S differs: " + std::to_string(keys.size()) + " keys, " +
+                                    std::to_string(values.size()) + " values, " + std::to_string(queries.size()) +
+                                    " query tokens");
+    }
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+        check_row(who, i, keys[i], values[i], dims);
+        check_heads(who, i, keys[i], queries[i], queries[0].size());
+        if (!dims) dims = std::make_pair(keys[i].size(), values[i].size());
+    }
+}
+
+/// Positions of rows, in row order.
+inline std::vector<std::int64_t> positions_of(const std::vector<OracleRow>& rows) {
+    std::vector<std::int64_t> out;
+    out.reserve(rows.size());
+    for (const auto& r : rows) out.push_back(r.position);
+    return out;
+}
+
+/// Row bookkeeping shared by every oracle head: retained rows in ascending position, the next position.
+class HeadRows {
+public:
+    /// Retained rows in ascending position.
+    const std::vector<OracleRow>& rows() const { return rows_; }
+
+    /// Positions of the retained rows, ascending.
+    std::vector<std::int64_t> positions() const { return positions_of(rows_); }
+
+    /// The scores of the retained rows, in row order (what each policy keeps in OracleRow::score).
+    std::vector<double> scores() const {
+        std::vector<double> out;
+        out.reserve(rows_.size());
+        for (const auto& r : rows_) out.push_back(r.score);
+        return out;
+    }
+
+    /// The position the next absorbed token will take (tokens absorbed since the last reset).
+    std::int64_t next_position() const { return next_position_; }
+
+protected:
+    /// Append one row at the next position.
+    void append(const std::vector<double>& key, const std::vector<double>& value, double score) {
+        rows_.push_back(OracleRow{key, value, next_position_, score});
+        ++next_position_;
+    }
+
+    /// Pointers to the keys of rows_[0 .. n).
+    // returns: [n][D]
+    std::vector<const std::vector<double>*> window_keys(std::size_t n) const {
+        std::vector<const std::vector<double>*> out;
+        out.reserve(n);
+        for (std::size_t r = 0; r < n; ++r) out.push_back(&rows_[r].key);
+        return out;
+    }
+
+    /// Forget all rows and restart at position 0.
+    void clear_rows() {
+        rows_.clear();
+        next_position_ = 0;
+    }
+
+    std::vector<OracleRow> rows_;
+    std::int64_t next_position_ = 0;
+};
+
+}  // namespace oracle_detail
+
+/// One head of the H2O core (SqueezeAttention, H2O, PyramidKV; docs/design.md 4.1, 4.2, 4.5, 4.6).
+//
+// Two scorers, one state (rows, budget, re-budget, victim selection):
+//  * absorb(key, value): the key-as-query proxy, one token at a time (docs/design.md 4.2):
+//    1. empty head: append with score 1.0, no attention;
+//    2. a = softmax(k_t . k_r / sqrt(D)) over the retained rows (NOT the token itself); every retained
+//       row gets score = score * decay + a_r; append the token with score 0;
+//    3. if over a known budget, evict at most one row (see evict_one).
+//  * absorb_call(keys, values, queries): real queries, one call at a time (docs/design.md 4.6):
+//    1. append the call's S rows with score 0;
+//    2. for each token i of the call in arrival order: a = mean over its G query heads of
+//       softmax(q . k_r / sqrt(D)) over exactly the rows retained before the call plus the call's rows
+//       0..i; every row in that window gets score = score * decay + a_r (call rows after i untouched);
+//    3. once per call, if the budget is known: evict_one until the head holds at most `budget` rows.
+//  evict_one: the lowest-score row that is neither a sink (position < n_sink) nor among the newest g
+//  rows, ties to the earliest position; none when only such rows are left (only possible when the
+//  head holds more sinks than budget - g): the head then stays over budget.
+//
+// Resolved ambiguities of the 4.6 path:
+//  * Empty head: 4.2 step 1 gives the first row score 1.0 with no attention; 4.6 has no such rule.
+//    The 4.6 rule runs literally: the first token's window is just itself, softmax over one row is 1,
+//    so its score is 0 * decay + 1 = 1.0 -- the same number.
+//  * "evict ... until it fits": a literal one-at-a-time loop, the protected set recomputed before each
+//    eviction. Computing it once per call would give the same result: a victim is never among the
+//    newest g rows, so after an eviction the newest g rows are the very same rows; sinks are fixed.
+//  * S = 0 (empty keys, values and queries): nothing changes (docs/design.md 8). Inconsistent S among
+//    keys / values / queries throws.
+//  * G: every token of a call must bring the same G >= 1 query heads (Hq is one tensor dimension).
+//    Across calls G may change: the design only fixes B, H and D across calls.
+//  * Queries are checked for finiteness like keys; values are not inspected (docs/design.md 8). All
+//    checks precede any change (strong guarantee).
+class H2OHeadOracle : public oracle_detail::HeadRows {
 public:
     /// Build an empty head; grace_for_budget maps a budget to g (the result is clamped again per docs/design.md 4.2).
     H2OHeadOracle(int n_sink, double decay, std::function<int(int budget)> grace_for_budget)
@@ -236,44 +473,41 @@ public:
         if (!grace_for_budget_) throw std::invalid_argument("H2OHeadOracle: grace_for_budget is empty");
     }
 
-    /// Make the budget known (or change it); trims per docs/design.md 4.5 if the head holds more rows than budget.
+    /// Make the budget known (or change it); docs/design.md 4.5 re-budget if the head holds more rows than
+    /// budget: keep the sinks, the newest g rows (g for the new budget) and the highest scores up to the
+    /// budget; among equal scores the later positions survive. Order preserved, scores untouched.
     void set_budget(int budget) {
-        if (budget < 1) throw std::invalid_argument("H2OHeadOracle: budget must be >= 1");
-        budget_ = budget;
-        if (static_cast<int>(rows_.size()) <= budget) {
-            return;  // a larger (or sufficient) budget is just stamped
+        if (budget < 1) {
+            throw std::invalid_argument("H2OHeadOracle: budget must be >= 1, got " + std::to_string(budget));
         }
+        budget_ = budget;
         const std::size_t n = rows_.size();
-        const std::size_t g = static_cast<std::size_t>(grace(budget));
+        const std::size_t budget_sz = static_cast<std::size_t>(budget);
+        if (n <= budget_sz) return;  // a larger (or sufficient) budget is just stamped
 
         // Protected: sinks and the newest g rows.
+        const std::size_t g = static_cast<std::size_t>(grace(budget));
         std::vector<bool> keep(n, false);
         std::size_t n_kept = 0;
+        std::vector<std::size_t> others;
         for (std::size_t i = 0; i < n; ++i) {
-            const bool is_sink = rows_[i].position < n_sink_;
-            const bool is_recent = i + g >= n;  // among the last g rows
-            if (is_sink || is_recent) {
+            if (rows_[i].position < n_sink_ || i + g >= n) {
                 keep[i] = true;
                 ++n_kept;
+            } else {
+                others.push_back(i);
             }
         }
         // Remaining slots go to the highest scores; among equal scores the later position wins.
-        std::vector<std::size_t> candidates;
-        for (std::size_t i = 0; i < n; ++i) {
-            if (!keep[i]) candidates.push_back(i);
-        }
-        std::sort(candidates.begin(), candidates.end(), [this](std::size_t a, std::size_t b) {
-            if (rows_[a].score != rows_[b].score) return rows_[a].score > rows_[b].score;
-            return rows_[a].position > rows_[b].position;
+        std::sort(others.begin(), others.end(), [this](std::size_t x, std::size_t y) {
+            if (rows_[x].score != rows_[y].score) return rows_[x].score > rows_[y].score;
+            return rows_[x].position > rows_[y].position;
         });
-        const std::size_t budget_sz = static_cast<std::size_t>(budget);
-        const std::size_t slots = budget_sz > n_kept ? budget_sz - n_kept : 0;
-        for (std::size_t k = 0; k < candidates.size() && k < slots; ++k) {
-            keep[candidates[k]] = true;
-        }
+        for (std::size_t k = 0; k < others.size() && n_kept < budget_sz; ++k, ++n_kept) keep[others[k]] = true;
+
         std::vector<OracleRow> kept;
         for (std::size_t i = 0; i < n; ++i) {
-            if (keep[i]) kept.push_back(rows_[i]);  // order preserved, scores untouched
+            if (keep[i]) kept.push_back(rows_[i]);
         }
         rows_.swap(kept);
     }
@@ -281,30 +515,63 @@ public:
     /// The budget if known (empty until set_budget is called).
     std::optional<int> budget() const { return budget_; }
 
-    /// Absorb one token (docs/design.md 4.2): proxy attention, decayed accumulation, append, evict at most one row.
+    /// Absorb one token with the key-as-query proxy (docs/design.md 4.2, see the class comment).
     // key: [D], value: [Dv]
     void absorb(const std::vector<double>& key, const std::vector<double>& value) {
-        check_token(key, value);
+        oracle_detail::check_row("H2OHeadOracle", 0, key, value, oracle_detail::dims_of(rows_));
 
         // Step 1: empty head.
         if (rows_.empty()) {
-            rows_.push_back(OracleRow{key, value, next_position_, 1.0});
-            ++next_position_;
+            append(key, value, 1.0);
             return;
         }
+        // Step 2: the proxy's single query head {key} over the retained rows (not itself).
+        accumulate(mean_head_weights(window_keys(rows_.size()), {key}));
+        append(key, value, 0.0);
 
-        // Step 2: proxy attention of key over the retained rows (not itself).
-        const std::vector<double> a = proxy_attention(key);  // [n]
-        for (std::size_t r = 0; r < rows_.size(); ++r) {
-            rows_[r].score = rows_[r].score * decay_ + a[r];
-        }
-        rows_.push_back(OracleRow{key, value, next_position_, 0.0});
-        ++next_position_;
+        // Step 3: evict at most one row if over a known budget.
+        if (over_budget()) evict_one();
+    }
 
-        // Step 3: evict one row if over a known budget.
-        if (!budget_ || static_cast<int>(rows_.size()) <= *budget_) {
-            return;
+    /// Absorb one call of S tokens with their real queries (docs/design.md 4.6, see the class comment).
+    // keys: [S][D], values: [S][Dv], queries: [S][G][D] (token i's G query heads)
+    void absorb_call(const std::vector<std::vector<double>>& keys, const std::vector<std::vector<double>>& values,
+                     const std::vector<std::vector<std::vector<double>>>& queries) {
+        oracle_detail::check_call("H2OHeadOracle", keys, values, queries, oracle_detail::dims_of(rows_));
+        const std::size_t s = keys.size();
+        if (s == 0) return;
+
+        // Step 1: append every row of the call with score 0.
+        const std::size_t n_before = rows_.size();
+        for (std::size_t i = 0; i < s; ++i) append(keys[i], values[i], 0.0);
+
+        // Step 2: token by token; token i's window is rows_[0 .. n_before + i] (the token included).
+        for (std::size_t i = 0; i < s; ++i) accumulate(mean_head_weights(window_keys(n_before + i + 1), queries[i]));
+
+        // Step 3: once per call, evict one row at a time until within a known budget.
+        while (over_budget() && evict_one()) {
         }
+    }
+
+    /// Forget all rows and restart at position 0 (the budget, if known, is kept).
+    void reset() { clear_rows(); }
+
+private:
+    /// g for a budget: the caller's rule, clamped to [0, budget - n_sink - 1].
+    int grace(int budget) const { return clamp_recent(grace_for_budget_(budget), budget, n_sink_); }
+
+    /// Decayed accumulation over a window: rows_[r].score = score * decay + a[r] for r < a.size().
+    // a: [window]
+    void accumulate(const std::vector<double>& a) {
+        for (std::size_t r = 0; r < a.size(); ++r) rows_[r].score = rows_[r].score * decay_ + a[r];
+    }
+
+    /// True if the budget is known and the head holds more rows.
+    bool over_budget() const { return budget_ && rows_.size() > static_cast<std::size_t>(*budget_); }
+
+    /// Evict the lowest-score row that is neither a sink nor among the newest g(budget) rows (ties: the
+    /// earliest position); false if there is none. Requires a known budget.
+    bool evict_one() {
         const std::size_t n = rows_.size();
         const std::size_t g = static_cast<std::size_t>(grace(*budget_));
         std::optional<std::size_t> victim;
@@ -315,82 +582,15 @@ public:
             // Strict '<' while scanning in ascending position: ties go to the earliest position.
             if (!victim || rows_[i].score < rows_[*victim].score) victim = i;
         }
-        if (victim) {  // (no evictable row only happens when budget < number of sinks held)
-            rows_.erase(rows_.begin() + static_cast<std::ptrdiff_t>(*victim));
-        }
-    }
-
-    /// Retained rows in ascending position.
-    const std::vector<OracleRow>& rows() const { return rows_; }
-
-    /// Positions of the retained rows, ascending.
-    std::vector<std::int64_t> positions() const {
-        std::vector<std::int64_t> out;
-        for (const auto& r : rows_) out.push_back(r.position);
-        return out;
-    }
-
-    /// Cumulative scores of the retained rows, in row order.
-    std::vector<double> scores() const {
-        std::vector<double> out;
-        for (const auto& r : rows_) out.push_back(r.score);
-        return out;
-    }
-
-    /// The position the next absorbed token will take (tokens absorbed since the last reset).
-    std::int64_t next_position() const { return next_position_; }
-
-    /// Forget all rows and restart at position 0 (the budget, if known, is kept).
-    void reset() {
-        rows_.clear();
-        next_position_ = 0;
-    }
-
-private:
-    /// g for a budget: the caller's rule, clamped to [0, budget - n_sink - 1].
-    int grace(int budget) const { return clamp_recent(grace_for_budget_(budget), budget, n_sink_); }
-
-    /// softmax(K q / sqrt(D)) over the retained rows, max-subtracted.
-    // q: [D]; returns [n_rows]
-    std::vector<double> proxy_attention(const std::vector<double>& q) const {
-        const double sqrt_d = std::sqrt(static_cast<double>(q.size()));
-        std::vector<double> logits(rows_.size());
-        for (std::size_t r = 0; r < rows_.size(); ++r) {
-            double dot = 0.0;
-            for (std::size_t k = 0; k < q.size(); ++k) dot += rows_[r].key[k] * q[k];
-            logits[r] = dot / sqrt_d;
-        }
-        const double mx = *std::max_element(logits.begin(), logits.end());
-        double sum = 0.0;
-        for (double& l : logits) {
-            l = std::exp(l - mx);
-            sum += l;
-        }
-        for (double& l : logits) l /= sum;
-        return logits;
-    }
-
-    /// Shape and finiteness checks for one token (docs/design.md 8 spirit): D >= 1, same D as before, finite key.
-    // key: [D], value: [Dv]
-    void check_token(const std::vector<double>& key, const std::vector<double>& value) const {
-        if (key.empty()) throw std::invalid_argument("H2OHeadOracle: empty key");
-        for (std::size_t k = 0; k < key.size(); ++k) {
-            if (!std::isfinite(key[k])) {
-                throw std::invalid_argument("H2OHeadOracle: non-finite key at index " + std::to_string(k));
-            }
-        }
-        if (!rows_.empty() &&
-            (key.size() != rows_.front().key.size() || value.size() != rows_.front().value.size())) {
-            throw std::invalid_argument("H2OHeadOracle: key/value dimension differs from earlier tokens");
-        }
+        if (!victim) return false;
+        rows_.erase(rows_.begin() + static_cast<std::ptrdiff_t>(*victim));
+        return true;
     }
 
     int n_sink_;
     double decay_;
     std::function<int(int)> grace_for_budget_;
     std::optional<int> budget_;
-    std::vector<OracleRow> rows_;
-    std::int64_t next_position_ = 0;
 };
 
 /// The Python reference's per-token algorithm (docs/design.md 4.3, 9.1): no decay, no protected window, fixed budget.
