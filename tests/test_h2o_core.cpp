@@ -73,7 +73,7 @@ struct RunConfig {
 
 /// Builds the cache of `rc` (budget known from the start: no coordinator).
 template <class T>
-std::unique_ptr<vc::detail::H2OCore<T>> make_cache(const RunConfig& rc) {
+std::unique_ptr<vc::KVCache<T>> make_cache(const RunConfig& rc) {
   vc::KVCacheConfig c;
   switch (rc.policy) {
     case Policy::kH2O:
@@ -152,10 +152,12 @@ double eviction_margin(const ref::H2OHeadOracle& head, const std::vector<double>
 
 /// Compares the cache with the oracle heads after a call; returns a description of the first
 /// mismatch, or an empty string.
-template <class T>
-std::string compare_with_oracle(const vc::detail::H2OCore<T>& cache,
+/// `cache`: the public class of an H2O-core policy (visit_core).
+template <class Cache>
+std::string compare_with_oracle(const Cache& cache,
                                 const std::vector<ref::H2OHeadOracle>& oracle,
                                 const RunConfig& rc) {
+  using T = typename Cache::Scalar;
   std::ostringstream err;
   const vc::KVPair<T> st = cache.state();
   const Index n = static_cast<Index>(oracle.front().rows().size());
@@ -222,10 +224,10 @@ RunResult run_against_oracle(const RunConfig& rc) {
   RunResult res;
   std::mt19937 rng(rc.seed);
   auto cache = make_cache<T>(rc);
-  EXPECT_EQ(cache->budget(), std::optional<int>(rc.budget)) << rc.describe();
+  EXPECT_EQ(core_budget(*cache), std::optional<int>(rc.budget)) << rc.describe();
   const auto rule = grace_rule(rc);
   const int g = ref::clamp_recent(rule(rc.budget), rc.budget, rc.n_sink);
-  EXPECT_EQ(cache->protected_recent(), g) << rc.describe();
+  EXPECT_EQ(core_protected_recent(*cache), g) << rc.describe();
 
   std::vector<ref::H2OHeadOracle> oracle;
   for (Index i = 0; i < rc.B * rc.H; ++i) {
@@ -273,7 +275,11 @@ RunResult run_against_oracle(const RunConfig& rc) {
       err = "offset " + std::to_string(cache->offset()) + ", expected " + std::to_string(offset);
     }
     if (err.empty()) err = compare_returned(got, before, keys, values, rc);
-    if (err.empty()) err = compare_with_oracle(*cache, oracle, rc);
+    if (err.empty()) {
+      const bool is_core = visit_core(
+          *cache, [&](const auto& core) { err = compare_with_oracle(core, oracle, rc); });
+      if (!is_core) err = "not an H2O-core cache";
+    }
     if (!err.empty()) {
       if (res.near_tie) {
         res.diverged_at_tie = true;

@@ -192,6 +192,38 @@ bool visit_scored(const cache::KVCache<T>& c, F&& f) {
   return false;
 }
 
+/// scores(b, h) of a scored cache through its public class; empty for the other policies.
+template <class T>
+std::vector<float> policy_scores(const cache::KVCache<T>& c, Index b, Index h) {
+  std::vector<float> out;
+  visit_scored(c, [&](const auto& p) { out = p.scores(b, h); });
+  return out;
+}
+
+/// positions(b, h) of a scored cache through its public class; empty for the other policies.
+template <class T>
+std::vector<std::int64_t> policy_positions(const cache::KVCache<T>& c, Index b, Index h) {
+  std::vector<std::int64_t> out;
+  visit_scored(c, [&](const auto& p) { out = p.positions(b, h); });
+  return out;
+}
+
+/// budget() of an H2O-core cache through its public class; nullopt for the other policies.
+template <class T>
+std::optional<int> core_budget(const cache::KVCache<T>& c) {
+  std::optional<int> out;
+  visit_core(c, [&](const auto& p) { out = p.budget(); });
+  return out;
+}
+
+/// protected_recent() of an H2O-core cache through its public class; -1 for the other policies.
+template <class T>
+int core_protected_recent(const cache::KVCache<T>& c) {
+  int out = -1;
+  visit_core(c, [&](const auto& p) { out = p.protected_recent(); });
+  return out;
+}
+
 /// Same dimensions and the same bytes. a, b: [B, H, S, D].
 template <class T>
 bool bitwise_equal(const cache::Tensor4<T>& a, const cache::Tensor4<T>& b) {

@@ -1,0 +1,360 @@
+// Caches of every policy ("subjects"), one snapshot of everything observable about them through the
+// public API, every update API a call can go through, the calls' results in a comparable form, and
+// the parsing of error messages. No GoogleTest here: the fuzzer (fuzz/fuzz_ops.hpp) shares it with
+// the tests; support/contract.hpp adds the GoogleTest-side helpers.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+#include <veloxquant/cache.hpp>
+
+#include "support/test_support.hpp"
+
+namespace veloxquant::test {
+
+namespace vc = veloxquant::cache;
+
+inline constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+inline constexpr double kInf = std::numeric_limits<double>::infinity();
+inline constexpr double kDblMax = std::numeric_limits<double>::max();
+inline constexpr double kDenorm = std::numeric_limits<double>::denorm_min();
+
+inline bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Caches of every policy
+// ---------------------------------------------------------------------------------------------
+
+enum class Kind {
+  kStandard,
+  kSqueeze,             // no coordinator: uniform budget
+  kSqueezeCoordinated,  // one-layer coordinator: adopts in its first call
+  kSqueezeDefer,        // deferring, two-layer coordinator that never finalises (falls back)
+  kH2O,
+  kPyramid,
+  kTova,
+  kStreaming,
+  kSnap,
+};
+inline constexpr Kind kKinds[] = {Kind::kStandard,     Kind::kSqueeze,   Kind::kSqueezeCoordinated,
+                           Kind::kSqueezeDefer, Kind::kH2O,       Kind::kPyramid,
+                           Kind::kTova,         Kind::kStreaming, Kind::kSnap};
+
+inline const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::kStandard:
+      return "standard";
+    case Kind::kSqueeze:
+      return "squeeze";
+    case Kind::kSqueezeCoordinated:
+      return "squeeze+coordinator";
+    case Kind::kSqueezeDefer:
+      return "squeeze+defer";
+    case Kind::kH2O:
+      return "h2o";
+    case Kind::kPyramid:
+      return "pyramidkv";
+    case Kind::kTova:
+      return "tova";
+    case Kind::kStreaming:
+      return "streaming_llm";
+    case Kind::kSnap:
+      return "snapkv";
+  }
+  return "?";
+}
+
+/// Budget 6 everywhere (StreamingLLM: 1 sink + window 5; squeeze before adoption: 8).
+inline vc::KVCacheConfig small_config() {
+  vc::KVCacheConfig c;
+  c.squeeze_budget = 8;
+  c.h2o_budget = c.pyramid_budget = c.tova_budget = c.snap_budget = 6;
+  c.squeeze_n_sink = c.h2o_n_sink = c.pyramid_n_sink = c.tova_n_sink = c.snap_n_sink = 1;
+  c.stream_n_sink = 1;
+  c.stream_window_size = 5;
+  c.h2o_grace = 2;
+  c.snap_obs_window = 2;
+  return c;
+}
+
+template <class T>
+struct Subject {
+  std::shared_ptr<vc::SqueezeCoordinator> coordinator;
+  std::unique_ptr<vc::KVCache<T>> cache;
+};
+
+template <class T>
+Subject<T> make_subject(Kind kind, vc::KVCacheConfig c = small_config()) {
+  Subject<T> s;
+  switch (kind) {
+    case Kind::kStandard:
+      c.method = "standard";
+      break;
+    case Kind::kSqueeze:
+      c.method = "squeeze";
+      c.squeeze_budget = 6;
+      break;
+    case Kind::kSqueezeCoordinated:
+      s.coordinator = std::make_shared<vc::SqueezeCoordinator>(1, 6, 1, 1.0);
+      s.cache = std::make_unique<vc::SqueezeAttentionCache<T>>(c, 0, s.coordinator);
+      break;
+    case Kind::kSqueezeDefer:
+      c.squeeze_defer = true;
+      s.coordinator = std::make_shared<vc::SqueezeCoordinator>(2, 6, 1, 1.0);
+      s.cache = std::make_unique<vc::SqueezeAttentionCache<T>>(c, 1, s.coordinator);
+      break;
+    case Kind::kH2O:
+      c.method = "h2o";
+      break;
+    case Kind::kPyramid:
+      c.method = "pyramidkv";
+      break;
+    case Kind::kTova:
+      c.method = "tova";
+      break;
+    case Kind::kStreaming:
+      c.method = "streaming_llm";
+      break;
+    case Kind::kSnap:
+      c.method = "snapkv";
+      break;
+  }
+  if (!s.cache) s.cache = vc::KVCacheFactory::create<T>(c);
+  s.cache->set_parallel_heads(false);
+  return s;
+}
+
+/// Everything observable about a cache and its coordinator.
+struct Snapshot : BasicSnapshot {
+  std::size_t heap = 0;
+  // Scores bitwise: a NaN score (see FiniteKeysWhoseProductsOverflow...) equals itself here.
+  std::vector<std::vector<unsigned char>> scores;
+  std::vector<std::vector<std::int64_t>> positions;
+  std::optional<int> budget;
+  int protected_recent = -1;
+  int layer_budget = -1;
+  bool adopted = false;
+  double concentration = 0.0;
+  bool compressed = false;
+  std::map<int, double> reports;
+  bool finalized = false;
+
+  bool operator==(const Snapshot& o) const {
+    return BasicSnapshot::operator==(o) && heap == o.heap && scores == o.scores &&
+           positions == o.positions && budget == o.budget &&
+           protected_recent == o.protected_recent && layer_budget == o.layer_budget &&
+           adopted == o.adopted && concentration == o.concentration && compressed == o.compressed &&
+           reports == o.reports && finalized == o.finalized;
+  }
+};
+
+template <class T>
+Snapshot snapshot(const Subject<T>& s) {
+  const vc::KVCache<T>& c = *s.cache;
+  Snapshot out;
+  take_basic_snapshot(c, out);
+  out.heap = c.heap_bytes();
+  visit_scored(c, [&](const auto& p) {
+    for (Index b = 0; b < c.batch(); ++b) {
+      for (Index h = 0; h < c.heads(); ++h) {
+        const std::vector<float> sc = p.scores(b, h);
+        std::vector<unsigned char> bytes(sc.size() * sizeof(float));
+        if (!sc.empty()) std::memcpy(bytes.data(), sc.data(), bytes.size());
+        out.scores.push_back(std::move(bytes));
+        out.positions.push_back(p.positions(b, h));
+      }
+    }
+  });
+  visit_core(c, [&](const auto& p) {
+    out.budget = p.budget();
+    out.protected_recent = p.protected_recent();
+  });
+  if (const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(&c)) {
+    out.layer_budget = sq->layer_budget();
+    out.adopted = sq->budget_adopted();
+    out.concentration = sq->concentration();
+  }
+  if (const auto* snap = dynamic_cast<const vc::SnapKVCache<T>*>(&c)) {
+    out.compressed = snap->compressed();
+  }
+  if (s.coordinator) {
+    out.reports = s.coordinator->reports();
+    out.finalized = s.coordinator->is_finalized();
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The APIs a call can go through
+// ---------------------------------------------------------------------------------------------
+
+enum class Api {
+  kFetch,
+  kView,
+  kFetchInto,
+  kFetchQ,
+  kViewQ,
+  kFetchIntoQ,
+  kFetchDouble,
+  kViewDouble,
+  kFetchIntoDoubleQ,
+};
+inline constexpr Api kApis[] = {Api::kFetch,       Api::kView,       Api::kFetchInto,
+                         Api::kFetchQ,      Api::kViewQ,      Api::kFetchIntoQ,
+                         Api::kFetchDouble, Api::kViewDouble, Api::kFetchIntoDoubleQ};
+
+inline const char* api_name(Api a) {
+  switch (a) {
+    case Api::kFetch:
+      return "update_and_fetch";
+    case Api::kView:
+      return "update_and_view";
+    case Api::kFetchInto:
+      return "update_and_fetch_into";
+    case Api::kFetchQ:
+      return "update_and_fetch(queries)";
+    case Api::kViewQ:
+      return "update_and_view(queries)";
+    case Api::kFetchIntoQ:
+      return "update_and_fetch_into(queries)";
+    case Api::kFetchDouble:
+      return "update_and_fetch(double)";
+    case Api::kViewDouble:
+      return "update_and_view(double)";
+    case Api::kFetchIntoDoubleQ:
+      return "update_and_fetch_into(double, double queries)";
+  }
+  return "?";
+}
+
+/// One call's inputs: double keys/values (converted to T for the storage-type APIs) and queries
+/// [B, 2H, S, Dk] (valid, so any error is about the keys and values).
+struct Call {
+  vc::Tensor4<double> keys, values, queries;
+};
+
+inline Call random_call(std::mt19937& rng, const Shape& k, const Shape& v) {
+  Call c{random_doubles(rng, k), random_doubles(rng, v),
+         random_doubles(rng, {k[0], 2 * k[1], k[2], k[3]})};
+  return c;
+}
+
+/// What a call gave back, comparable between a cache and its twin: fetched tensors, or a view's
+/// rows keyed by position (the order of earlier rows in a view is free, docs/design.md 2.3) with the
+/// positions of the call's own rows, which come last in arrival order.
+struct Returned {
+  std::vector<unsigned char> keys, values;
+  Shape key_shape{}, value_shape{};
+  std::map<std::int64_t, std::vector<unsigned char>> view_rows;
+  std::vector<std::int64_t> view_tail;
+
+  bool operator==(const Returned& o) const {
+    return keys == o.keys && values == o.values && key_shape == o.key_shape &&
+           value_shape == o.value_shape && view_rows == o.view_rows && view_tail == o.view_tail;
+  }
+};
+
+template <class T>
+Returned from_view(const vc::KVView<T>& v) {
+  Returned r;
+  for (Index b = 0; b < v.batch(); ++b) {
+    for (Index h = 0; h < v.heads(); ++h) {
+      for (Index i = 0; i < v.rows(); ++i) {
+        std::vector<unsigned char> bytes(static_cast<std::size_t>(v.key_dim() + v.value_dim()) *
+                                         sizeof(T));
+        std::memcpy(bytes.data(), v.keys(b, h).row(i).data(),
+                    static_cast<std::size_t>(v.key_dim()) * sizeof(T));
+        std::memcpy(bytes.data() + static_cast<std::size_t>(v.key_dim()) * sizeof(T),
+                    v.values(b, h).row(i).data(),
+                    static_cast<std::size_t>(v.value_dim()) * sizeof(T));
+        const std::int64_t pos = v.positions(b, h)(i);
+        r.view_rows[(b * v.heads() + h) * 1000000 + pos] = std::move(bytes);
+        if (i >= v.rows() - v.new_rows()) r.view_tail.push_back(pos);
+      }
+    }
+  }
+  return r;
+}
+
+template <class T>
+Returned from_pair(const vc::KVPair<T>& p) {
+  Returned r;
+  r.keys = bytes_of(p.first);
+  r.values = bytes_of(p.second);
+  r.key_shape = shape_of(p.first);
+  r.value_shape = shape_of(p.second);
+  return r;
+}
+
+/// Runs one call through `api`. `into` is the reused output of the fetch_into APIs.
+template <class T>
+Returned invoke(vc::KVCache<T>& cache, Api api, const Call& c, vc::KVPair<T>& into) {
+  const vc::Tensor4<T> k = c.keys.template cast<T>();
+  const vc::Tensor4<T> v = c.values.template cast<T>();
+  const vc::Tensor4<float> q = c.queries.template cast<float>();
+  switch (api) {
+    case Api::kFetch:
+      return from_pair(cache.update_and_fetch(k, v));
+    case Api::kView:
+      return from_view(cache.update_and_view(k, v));
+    case Api::kFetchInto:
+      cache.update_and_fetch_into(k, v, into);
+      return from_pair(into);
+    case Api::kFetchQ:
+      return from_pair(cache.update_and_fetch(k, v, q));
+    case Api::kViewQ:
+      return from_view(cache.update_and_view(k, v, q));
+    case Api::kFetchIntoQ:
+      cache.update_and_fetch_into(k, v, q, into);
+      return from_pair(into);
+    case Api::kFetchDouble:
+      return from_pair(cache.update_and_fetch(c.keys, c.values));
+    case Api::kViewDouble:
+      return from_view(cache.update_and_view(c.keys, c.values));
+    case Api::kFetchIntoDoubleQ:
+      cache.update_and_fetch_into(c.keys, c.values, c.queries, into);
+      return from_pair(into);
+  }
+  return {};
+}
+
+inline constexpr Shape kKeys{2, 2, 3, 4};
+inline constexpr Shape kValues{2, 2, 3, 3};
+
+inline Shape with_s(Shape s, Index S) {
+  s[2] = S;
+  return s;
+}
+
+/// Parses "b=.., h=.., s=.., d=.." out of an error message; nullopt if absent.
+inline std::optional<Shape> named_index(const std::string& what) {
+  Shape out{};
+  std::size_t at = 0;
+  const char* keys[] = {"b=", "h=", "s=", "d="};
+  for (int i = 0; i < 4; ++i) {
+    at = what.find(keys[i], at);
+    if (at == std::string::npos) return std::nullopt;
+    at += 2;
+    std::size_t used = 0;
+    try {
+      out[static_cast<std::size_t>(i)] = std::stoll(what.substr(at), &used);
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+    at += used;
+  }
+  return out;
+}
+
+
+}  // namespace veloxquant::test
