@@ -56,8 +56,13 @@
 //     (against the Gram-matrix reference, 1e-9), budget_adopted(), and the coordinator's reports,
 //     finalisation and resolved budget against a model of docs/design.md 5.4.
 // Checks after every rejected call: it threw std::invalid_argument (nothing else), and state(),
-// offset(), the accounting, dims, scores, positions, budget, and the coordinator are exactly as
-// before (strong guarantee, docs/design.md 8). A call expected to be valid must not throw, and vice versa.
+// offset(), the accounting, heap_bytes(), dims, scores, positions, budget(), protected_recent(),
+// layer_budget(), compressed(), concentration(), budget_adopted() and the coordinator (reports,
+// finalisation, generation) are exactly as before (strong guarantee, docs/design.md 8): the shared
+// Snapshot of tests/support/subjects.hpp. A call expected to be valid must not throw, and vice versa.
+// Policy state (scores, positions, budget, n_sink, protected window) is read through the public
+// policy classes (tests/support/test_support.hpp: visit_core / visit_scored and the policy_* /
+// core_* helpers), never through the library's detail layer.
 //
 // Tolerance for float32 scoring against the double oracle (the only excused difference):
 //   The library scores in float32, the oracle in double. When the oracle takes an eviction decision
@@ -109,6 +114,7 @@
 
 #include "reference/oracle.hpp"
 #include "reference/policy_oracles.hpp"
+#include "support/subjects.hpp"
 
 namespace veloxquant::fuzz {
 
@@ -139,6 +145,7 @@ namespace detail {
 
 namespace vc = veloxquant::cache;
 namespace ref = veloxquant::reference;
+namespace vt = veloxquant::test;
 using Index = Eigen::Index;
 using Positions = std::vector<std::int64_t>;
 using Rows = std::vector<std::vector<double>>;
@@ -401,34 +408,9 @@ struct HeadModel {
   std::vector<std::vector<T>> fed_keys, fed_values;
 };
 
-/// What a cache reports about itself without being called; compared around rejected calls.
-struct Snapshot {
-  std::int64_t offset = 0, tokens_seen = 0, tokens_kept = 0;
-  std::size_t kept = 0, full = 0;
-  Index batch = 0, heads = 0, key_dim = 0, value_dim = 0;
-  std::vector<Index> kshape, vshape;
-  std::vector<unsigned char> kbytes, vbytes;
-  std::vector<std::vector<float>> scores;
-  std::vector<Positions> positions;
-  std::optional<int> budget;
-  int protected_recent = 0;
-  bool compressed = false, adopted = false;
-  double concentration = 0.0;
-  std::map<int, double> reports;
-  bool finalized = false;
-  std::uint64_t generation = 0;
-
-  bool operator==(const Snapshot& o) const {
-    return offset == o.offset && tokens_seen == o.tokens_seen && tokens_kept == o.tokens_kept &&
-           kept == o.kept && full == o.full && batch == o.batch && heads == o.heads &&
-           key_dim == o.key_dim && value_dim == o.value_dim && kshape == o.kshape &&
-           vshape == o.vshape && kbytes == o.kbytes && vbytes == o.vbytes && scores == o.scores &&
-           positions == o.positions && budget.value_or(-1) == o.budget.value_or(-1) &&
-           protected_recent == o.protected_recent && compressed == o.compressed &&
-           adopted == o.adopted && concentration == o.concentration && reports == o.reports &&
-           finalized == o.finalized && generation == o.generation;
-  }
-};
+/// Everything a cache and its coordinator report without being called (the shared snapshot of
+/// tests/support/subjects.hpp, read through the public API); compared around rejected calls.
+using Snapshot = vt::Snapshot;
 
 /// The window a call returned, copied out of the tensors or the view: per head n rows.
 template <class T>
@@ -814,8 +796,10 @@ class Harness {
   void bind_cache() {
     vc::KVCache<T>* c = layer_cache_;
     expect(c != nullptr, "no cache was made");
-    scored_ = dynamic_cast<vc::detail::ScoredCache<T>*>(c);
-    core_ = dynamic_cast<vc::detail::H2OCore<T>*>(c);
+    // Scores, positions, budget, n_sink and protected window are read through the public policy
+    // classes (tests/support/test_support.hpp), never through the library's detail layer.
+    scored_ = vt::visit_scored(*c, [](const auto&) {});
+    core_ = vt::visit_core(*c, [](const auto&) {});
     squeeze_ = dynamic_cast<vc::SqueezeAttentionCache<T>*>(c);
     h2o_ = dynamic_cast<vc::H2OCache<T>*>(c);
     pyramid_ = dynamic_cast<vc::PyramidKVCache<T>*>(c);
@@ -1574,7 +1558,7 @@ class Harness {
     for (std::size_t i = 0; i < heads_.size(); ++i) {
       const Index b = static_cast<Index>(i) / H_, h = static_cast<Index>(i) % H_;
       if (scored_) {
-        out[i] = scored_->positions(b, h);
+        out[i] = vt::policy_positions(*layer_cache_, b, h);
       } else if (heads_[i].stream) {
         out[i] = heads_[i].stream->positions();
       } else {
@@ -1598,8 +1582,8 @@ class Harness {
     if (w.is_view) expect(w.S == S, "view new_rows() " + std::to_string(w.S) + " != S");
     if (n == 0) return;
     // Rows retained before the call, from state() taken before the call (ascending position).
-    const auto* kb = reinterpret_cast<const T*>(before.kbytes.data());
-    const auto* vb = reinterpret_cast<const T*>(before.vbytes.data());
+    const auto* kb = reinterpret_cast<const T*>(before.keys.data());
+    const auto* vb = reinterpret_cast<const T*>(before.values.data());
     const auto dk = static_cast<std::size_t>(Dk), dv = static_cast<std::size_t>(Dv);
     for (Index b = 0; b < B; ++b) {
       for (Index h = 0; h < H; ++h) {
@@ -1884,86 +1868,55 @@ class Harness {
   // State checks
   // ------------------------------------------------------------------------------------------
 
-  Snapshot snapshot() const {
-    Snapshot s;
-    const vc::KVCache<T>& c = *layer_cache_;
-    s.offset = c.offset();
-    s.tokens_seen = c.tokens_seen();
-    s.tokens_kept = c.tokens_kept();
-    s.kept = c.kept_bytes();
-    s.full = c.full_seq_bytes();
-    s.batch = c.batch();
-    s.heads = c.heads();
-    s.key_dim = c.key_dim();
-    s.value_dim = c.value_dim();
-    const vc::KVPair<T> st = c.state();
-    for (std::size_t i = 0; i < 4; ++i) {
-      s.kshape.push_back(st.first.dimension(i));
-      s.vshape.push_back(st.second.dimension(i));
-    }
-    const auto* kb = reinterpret_cast<const unsigned char*>(st.first.data());
-    const auto* vb = reinterpret_cast<const unsigned char*>(st.second.data());
-    s.kbytes.assign(kb, kb + static_cast<std::size_t>(st.first.size()) * sizeof(T));
-    s.vbytes.assign(vb, vb + static_cast<std::size_t>(st.second.size()) * sizeof(T));
-    if (scored_) {
-      for (Index b = 0; b < c.batch(); ++b) {
-        for (Index h = 0; h < c.heads(); ++h) {
-          s.scores.push_back(scored_->scores(b, h));
-          s.positions.push_back(scored_->positions(b, h));
-        }
-      }
-    }
-    if (core_) {
-      s.budget = core_->budget();
-      s.protected_recent = core_->protected_recent();
-    }
-    if (snap_) s.compressed = snap_->compressed();
-    if (squeeze_) {
-      s.adopted = squeeze_->budget_adopted();
-      s.concentration = squeeze_->concentration();
-    }
-    if (coordinator_) {
-      s.reports = coordinator_->reports();
-      s.finalized = coordinator_->is_finalized();
-      s.generation = coordinator_->generation();
-    }
-    return s;
-  }
+  Snapshot snapshot() const { return vt::snapshot(*layer_cache_, coordinator_.get()); }
 
   static std::string diff(const Snapshot& a, const Snapshot& b) {
+    const auto shape = [](const vt::Shape& x) {
+      return fmt_vec(std::vector<Index>(x.begin(), x.end()));
+    };
     std::ostringstream os;
     if (a.offset != b.offset) os << " offset " << a.offset << "->" << b.offset;
     if (a.tokens_seen != b.tokens_seen)
       os << " tokens_seen " << a.tokens_seen << "->" << b.tokens_seen;
-    if (a.kept != b.kept) os << " kept_bytes " << a.kept << "->" << b.kept;
-    if (a.kshape != b.kshape)
-      os << " state shape " << fmt_vec(a.kshape) << "->" << fmt_vec(b.kshape);
-    if (a.kbytes != b.kbytes || a.vbytes != b.vbytes) os << " state bytes";
+    if (a.tokens_kept != b.tokens_kept)
+      os << " tokens_kept " << a.tokens_kept << "->" << b.tokens_kept;
+    if (a.kept_bytes != b.kept_bytes) os << " kept_bytes " << a.kept_bytes << "->" << b.kept_bytes;
+    if (a.full_seq_bytes != b.full_seq_bytes)
+      os << " full_seq_bytes " << a.full_seq_bytes << "->" << b.full_seq_bytes;
+    if (a.heap != b.heap) os << " heap_bytes " << a.heap << "->" << b.heap;
+    if (a.key_shape != b.key_shape || a.value_shape != b.value_shape)
+      os << " state shape " << shape(a.key_shape) << "->" << shape(b.key_shape);
+    if (a.keys != b.keys || a.values != b.values) os << " state bytes";
     if (a.batch != b.batch || a.heads != b.heads || a.key_dim != b.key_dim ||
         a.value_dim != b.value_dim)
       os << " dims";
     if (a.scores != b.scores) os << " scores";
     if (a.positions != b.positions) os << " positions";
-    if (a.budget.value_or(-1) != b.budget.value_or(-1)) os << " budget";
+    if (a.budget != b.budget) os << " budget";
+    if (a.protected_recent != b.protected_recent) os << " protected_recent";
+    if (a.layer_budget != b.layer_budget) os << " layer_budget";
     if (a.compressed != b.compressed) os << " compressed";
     if (a.adopted != b.adopted) os << " adopted";
     if (a.concentration != b.concentration) os << " concentration";
     if (a.reports != b.reports || a.finalized != b.finalized || a.generation != b.generation)
       os << " coordinator";
+    if (!(a == b) && os.str().empty()) os << " (a field diff() does not name)";
     return os.str();
   }
 
   void check_budget_getters() {
     if (core_) {
-      expect(core_->budget().value_or(-1) == model_budget_.value_or(-1),
-             "budget() " +
-                 (core_->budget() ? std::to_string(*core_->budget()) : std::string("unknown")) +
+      const std::optional<int> budget = vt::core_budget(*layer_cache_);
+      expect(budget.value_or(-1) == model_budget_.value_or(-1),
+             "budget() " + (budget ? std::to_string(*budget) : std::string("unknown")) +
                  ", expected " +
                  (model_budget_ ? std::to_string(*model_budget_) : std::string("unknown")));
-      expect(core_->n_sink() == n_sink_, "n_sink() differs from the config");
-      expect(core_->protected_recent() == model_grace(),
-             "protected_recent() " + std::to_string(core_->protected_recent()) + ", expected " +
-                 std::to_string(model_grace()));
+      int n_sink = -1;
+      vt::visit_core(*layer_cache_, [&](const auto& p) { n_sink = p.n_sink(); });
+      expect(n_sink == n_sink_, "n_sink() differs from the config");
+      const int recent = vt::core_protected_recent(*layer_cache_);
+      expect(recent == model_grace(), "protected_recent() " + std::to_string(recent) +
+                                          ", expected " + std::to_string(model_grace()));
     }
     if (squeeze_) {
       const int want = model_budget_ ? *model_budget_ : fallback_budget();
@@ -2059,9 +2012,10 @@ class Harness {
     // Positions: reported (scored caches) or the exact oracle's.
     Positions pos;
     if (scored_) {
-      pos = scored_->positions(b, h);
+      pos = vt::policy_positions(*layer_cache_, b, h);
       expect(static_cast<Index>(pos.size()) == n, where + " positions() size differs from state()");
-      expect(scored_->scores(b, h).size() == pos.size(), where + " scores() size differs");
+      expect(vt::policy_scores(*layer_cache_, b, h).size() == pos.size(),
+             where + " scores() size differs");
     } else if (hm.stream) {
       pos = hm.stream->positions();
     } else {
@@ -2144,7 +2098,7 @@ class Harness {
       want.push_back(r.position);
       want_scores.push_back(r.score);
     }
-    const std::vector<float> got_scores = scored_->scores(b, h);
+    const std::vector<float> got_scores = vt::policy_scores(*layer_cache_, b, h);
     std::string problem;
     if (pos != want) {
       problem = where + " retains " + fmt_vec(pos) + " with scores " + fmt_vec(got_scores) +
@@ -2186,8 +2140,8 @@ class Harness {
   int layers_ = 1, layer_ = 0;
   std::vector<std::unique_ptr<vc::KVCache<T>>> owned_;
   vc::KVCache<T>* layer_cache_ = nullptr;
-  vc::detail::ScoredCache<T>* scored_ = nullptr;
-  vc::detail::H2OCore<T>* core_ = nullptr;
+  bool scored_ = false;  // H2O core, TOVA or SnapKV: publishes scores() and positions()
+  bool core_ = false;    // SqueezeAttention, H2O or PyramidKV: also budget(), protected_recent()
   vc::SqueezeAttentionCache<T>* squeeze_ = nullptr;
   vc::H2OCache<T>* h2o_ = nullptr;
   vc::PyramidKVCache<T>* pyramid_ = nullptr;

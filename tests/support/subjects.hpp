@@ -148,19 +148,21 @@ struct Snapshot : BasicSnapshot {
   bool compressed = false;
   std::map<int, double> reports;
   bool finalized = false;
+  std::uint64_t generation = 0;  // the coordinator's generation() (bumped by its reset())
 
   bool operator==(const Snapshot& o) const {
     return BasicSnapshot::operator==(o) && heap == o.heap && scores == o.scores &&
            positions == o.positions && budget == o.budget &&
            protected_recent == o.protected_recent && layer_budget == o.layer_budget &&
            adopted == o.adopted && concentration == o.concentration && compressed == o.compressed &&
-           reports == o.reports && finalized == o.finalized;
+           reports == o.reports && finalized == o.finalized && generation == o.generation;
   }
 };
 
+/// The snapshot of `c` and of its coordinator (none: nullptr), for a cache not held in a Subject
+/// (the fuzzer's, fuzz/fuzz_ops.hpp).
 template <class T>
-Snapshot snapshot(const Subject<T>& s) {
-  const vc::KVCache<T>& c = *s.cache;
+Snapshot snapshot(const vc::KVCache<T>& c, const vc::SqueezeCoordinator* coordinator) {
   Snapshot out;
   take_basic_snapshot(c, out);
   out.heap = c.heap_bytes();
@@ -187,11 +189,17 @@ Snapshot snapshot(const Subject<T>& s) {
   if (const auto* snap = dynamic_cast<const vc::SnapKVCache<T>*>(&c)) {
     out.compressed = snap->compressed();
   }
-  if (s.coordinator) {
-    out.reports = s.coordinator->reports();
-    out.finalized = s.coordinator->is_finalized();
+  if (coordinator) {
+    out.reports = coordinator->reports();
+    out.finalized = coordinator->is_finalized();
+    out.generation = coordinator->generation();
   }
   return out;
+}
+
+template <class T>
+Snapshot snapshot(const Subject<T>& s) {
+  return snapshot(*s.cache, s.coordinator.get());
 }
 
 // ---------------------------------------------------------------------------------------------
