@@ -351,7 +351,15 @@ TYPED_TEST(ContractTest, ResetStartsASequenceLikeANewCache) {
         const Call call = random_call(rng, with_s(kKeys, S), with_s(kValues, S));
         vc::KVPair<T> a, b;
         EXPECT_TRUE(invoke(*used.cache, api, call, a) == invoke(*fresh.cache, api, call, b)) << ctx;
-        EXPECT_TRUE(logical_state(used) == logical_state(fresh)) << ctx << " (S = " << S << ")";
+        // The used coordinator was reset once, so its generation is one ahead; everything else
+        // must match the fresh subject's.
+        Snapshot u = logical_state(used);
+        const Snapshot f = logical_state(fresh);
+        if (used.coordinator) {
+          EXPECT_EQ(u.generation, f.generation + 1) << ctx;
+          u.generation = f.generation;
+        }
+        EXPECT_TRUE(u == f) << ctx << " (S = " << S << ")";
       }
     }
   }
@@ -851,6 +859,324 @@ TYPED_TEST(ContractTest, ParallelHeadsAreBitIdenticalToSerialOnWideCalls) {
       if (kind == Kind::kSnap && round > 0) {
         EXPECT_EQ(serial.cache->tokens_kept(), 64 + 1 + 1 + 7 + 1 + 130 + 31) << ctx;
       }
+    }
+  }
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Moved from test_queries.cpp: the contract for calls with queries, swept over every policy
+// ---------------------------------------------------------------------------------------------
+
+/// Calls [2, 2, 3, 4] / [2, 2, 3, 3] with queries [2, 4, 3, 4] (G = 2). Every bad query tensor of
+/// bad_query_variants (subjects.hpp), through each entry point with queries, on an established
+/// cache (past its budget: evicting / compressed / reported) and on a fresh one (keys and values
+/// as T and as double): std::invalid_argument naming the queries, nothing observable changed, the
+/// fetch_into output untouched; the fresh cache then takes a call of another shape as its first
+/// call. An empty call is validated too (Hq = 3; S = 1). Afterwards the established cache
+/// continues exactly as a twin that never saw a bad call.
+TYPED_TEST(ContractTest, BadQueriesThrowAndLeaveTheCacheUnchanged) {
+  using T = TypeParam;
+  const Index B = 2, H = 2, S = 3, D = 4, Dv = 3, G = 2;
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    std::mt19937 rng(31u + static_cast<unsigned>(kind));
+    Subject<T> established = make_subject<T>(kind), twin = make_subject<T>(kind);
+    establish(established, twin, rng, kind_name(kind));
+    const vc::Tensor4<T> k = random_tensor<T>(rng, B, H, S, D);
+    const vc::Tensor4<T> v = random_tensor<T>(rng, B, H, S, Dv);
+    const vc::Tensor4<float> q = random_queries(rng, B, G * H, S, D);
+    const std::vector<BadQueries> bad = bad_query_variants(q, H, rng);
+    ASSERT_GE(bad.size(), 17u);
+    for (const BadQueries& bq : bad) {
+      for (const Api api : kQueryApis) {
+        EXPECT_EQ(bad_queries_rejected(established, api, k, v, bq), "");
+        // A fresh cache: nothing latched (B, H, D, offset, concentration, report, compression).
+        Subject<T> fresh = make_subject<T>(kind);
+        EXPECT_EQ(bad_queries_rejected(fresh, api, k, v, bq), "");
+        // Keys and values as double, through the converting overload: same checks.
+        const vc::Tensor4<double> kd = k.template cast<double>();
+        const vc::Tensor4<double> vd = v.template cast<double>();
+        EXPECT_EQ(bad_queries_rejected(fresh, api, kd, vd, bq), "");
+        // The fresh cache then takes a call of another shape as its first call.
+        const vc::Tensor4<T> k1 = random_tensor<T>(rng, 1, 3, 2, 5);
+        const vc::Tensor4<T> v1 = random_tensor<T>(rng, 1, 3, 2, 2);
+        vc::KVPair<T> o;
+        EXPECT_NO_THROW((void)invoke_with(*fresh.cache, api, k1, v1, random_queries(rng, 1, 3, 2, 5), o))
+            << bq.name;
+        EXPECT_EQ(fresh.cache->offset(), 2);
+        EXPECT_EQ(fresh.cache->heads(), 3);
+      }
+    }
+    // An empty call is validated too.
+    for (const Api api : kQueryApis) {
+      const vc::Tensor4<T> k0(B, H, 0, D), v0(B, H, 0, Dv);
+      BadQueries hq;
+      hq.name = "empty call, queries Hq = 3";
+      hq.f = vc::Tensor4<float>(B, 3, 0, D);
+      EXPECT_EQ(bad_queries_rejected(established, api, k0, v0, hq), "");
+      BadQueries s1;
+      s1.name = "empty call, queries S = 1";
+      s1.f = random_queries(rng, B, G * H, 1, D);
+      EXPECT_EQ(bad_queries_rejected(established, api, k0, v0, s1), "");
+    }
+    // The established cache continues exactly as its twin.
+    for (const Api api : kApis) valid_call_on_both(established, twin, rng, 3, api, "after the bad queries");
+  }
+}
+
+/// Empty calls (S = 0) with queries: valid ones return nothing, change nothing and latch nothing,
+/// even as a fresh cache's first call; the next call may then have any shape (here B = 1, H = 3,
+/// D = 6, G = 2); an empty call (G = 3) then returns the retained set and changes nothing.
+TYPED_TEST(ContractTest, EmptyCallsWithQueriesChangeNothing) {
+  using T = TypeParam;
+  std::mt19937 rng(21);
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    Subject<T> subject = make_subject<T>(kind);
+    for (const Api api : kQueryApis) {
+      const Snapshot before = snapshot(subject);
+      vc::KVPair<T> out;
+      const Returned o = invoke_with(*subject.cache, api, vc::Tensor4<T>(2, 2, 0, 4),
+                                     vc::Tensor4<T>(2, 2, 0, 3), vc::Tensor4<float>(2, 4, 0, 4), out);
+      EXPECT_EQ(o.key_shape[2], 0) << api_name(api);
+      EXPECT_TRUE(o.view_rows.empty() && o.view_tail.empty()) << api_name(api);
+      EXPECT_TRUE(snapshot(subject) == before) << api_name(api);
+    }
+    // First real call with another B, H and D; then an empty call returns the retained set.
+    const vc::Tensor4<T> k = random_tensor<T>(rng, 1, 3, 5, 6);
+    const vc::Tensor4<T> v = random_tensor<T>(rng, 1, 3, 5, 2);
+    vc::KVPair<T> out;
+    (void)invoke_with(*subject.cache, Api::kFetchQ, k, v, random_queries(rng, 1, 6, 5, 6), out);
+    EXPECT_EQ(subject.cache->offset(), 5);
+    const Snapshot before = snapshot(subject);
+    const Returned o = invoke_with(*subject.cache, Api::kFetchQ, vc::Tensor4<T>(1, 3, 0, 6),
+                                   vc::Tensor4<T>(1, 3, 0, 2), vc::Tensor4<float>(1, 9, 0, 6), out);
+    EXPECT_EQ(o.keys, before.keys);
+    EXPECT_EQ(o.values, before.values);
+    EXPECT_TRUE(snapshot(subject) == before);
+  }
+}
+
+/// Key and value errors are reported before query errors: with bad queries (Hq not a multiple of
+/// H) too, the message is the key/value one (a NaN key: names the key and its [b, h, s, d]; values
+/// whose S differs from the keys'), never the queries; nothing changes.
+TYPED_TEST(ContractTest, KeyAndValueErrorsComeBeforeQueryErrors) {
+  using T = TypeParam;
+  std::mt19937 rng(8);
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    Subject<T> subject = make_subject<T>(kind);
+    vc::Tensor4<T> k = random_tensor<T>(rng, 2, 2, 3, 4);
+    k(1, 0, 2, 3) = T(std::numeric_limits<float>::quiet_NaN());
+    const vc::Tensor4<T> v = random_tensor<T>(rng, 2, 2, 3, 3);
+    const vc::Tensor4<T> v_bad = random_tensor<T>(rng, 2, 2, 2, 3);  // S differs from the keys'
+    const vc::Tensor4<T> k_ok = random_tensor<T>(rng, 2, 2, 3, 4);
+    const vc::Tensor4<float> q_bad_heads = random_queries(rng, 2, 3, 3, 4);  // Hq not a multiple of H
+    for (const Api api : kQueryApis) {
+      const Snapshot before = snapshot(subject);
+      vc::KVPair<T> out;
+      const std::string m1 = invalid_argument_message(
+          [&] { (void)invoke_with(*subject.cache, api, k, v, q_bad_heads, out); });
+      EXPECT_TRUE(contains(m1, "key")) << m1;
+      EXPECT_FALSE(contains(m1, "quer")) << m1;
+      EXPECT_EQ(named_index(m1), std::optional<Shape>(Shape{1, 0, 2, 3})) << m1;
+      const std::string m2 = invalid_argument_message(
+          [&] { (void)invoke_with(*subject.cache, api, k_ok, v_bad, q_bad_heads, out); });
+      EXPECT_FALSE(m2.empty());
+      EXPECT_FALSE(contains(m2, "quer")) << m2;
+      EXPECT_TRUE(snapshot(subject) == before) << api_name(api);
+    }
+  }
+}
+
+/// A non-finite query in the LAST element of a 130-token call on an established cache (all earlier
+/// tokens valid; the call would evict) changes nothing; the same call with finite queries then
+/// gives what it gives on a twin that never saw the bad call (the differential runs of
+/// test_queries.cpp check such calls against the oracles).
+TYPED_TEST(ContractTest, NonFiniteQueryInTheLastTokenOfALongCallChangesNothing) {
+  using T = TypeParam;
+  const Index S = 130, G = 2;
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    std::mt19937 rng(12u + static_cast<unsigned>(kind));
+    Subject<T> subject = make_subject<T>(kind), twin = make_subject<T>(kind);
+    establish(subject, twin, rng, kind_name(kind));
+    const Call call = random_call(rng, with_s(kKeys, S), with_s(kValues, S));
+    const vc::Tensor4<T> k = call.keys.template cast<T>(), v = call.values.template cast<T>();
+    BadQueries bq;
+    bq.name = "NaN in the last query element of a 130-token call";
+    bq.f = call.queries.template cast<float>();
+    ASSERT_EQ(bq.f.dimension(1), G * kKeys[1]);
+    bq.f(kKeys[0] - 1, G * kKeys[1] - 1, S - 1, kKeys[3] - 1) = std::numeric_limits<float>::quiet_NaN();
+    for (const Api api : kQueryApis) EXPECT_EQ(bad_queries_rejected(subject, api, k, v, bq), "");
+    // Then the same call with the finite queries, as on the twin.
+    vc::KVPair<T> a_out, b_out;
+    EXPECT_TRUE(invoke(*subject.cache, Api::kViewQ, call, a_out) ==
+                invoke(*twin.cache, Api::kViewQ, call, b_out));
+    EXPECT_TRUE(snapshot(subject) == snapshot(twin));
+    valid_call_on_both(subject, twin, rng, 1, Api::kFetchQ, "next decode");
+  }
+}
+
+/// Heads spread over threads give bitwise the serial result with queries on wide calls: B = 2,
+/// H = 4, G = 4, D = 32, Dv = 16, budgets of 96 with 2 sinks (H2O grace 4, SnapKV obs_window 8;
+/// the plain squeeze subjects keep their budget of 6), a prefill of 300 tokens (half) or 160 (10
+/// blocks of 16 tokens at G = 4; the serial blocked products are slow on a loaded machine), then
+/// calls of 1, 7, 130, 1, 1 tokens through fetch, view and fetch_into in turn. Returns and
+/// everything observable but the heap agree after every call; the bounded policies hold their
+/// budget (SnapKV: its compressed prompt and every later row), every subject reached the offset.
+TYPED_TEST(ContractTest, ParallelHeadsWithQueriesAreBitIdenticalToSerialOnWideCalls) {
+  using T = TypeParam;
+  vc::KVCacheConfig config = small_config();
+  config.squeeze_budget = config.h2o_budget = config.pyramid_budget = config.tova_budget =
+      config.snap_budget = 96;
+  config.squeeze_n_sink = config.h2o_n_sink = config.pyramid_n_sink = config.tova_n_sink =
+      config.snap_n_sink = config.stream_n_sink = 2;
+  config.stream_window_size = 94;
+  config.h2o_grace = 4;
+  config.snap_obs_window = 8;
+  const Index B = 2, H = 4, G = 4, D = 32, Dv = 16;
+  const Index prefill = std::is_same_v<T, Eigen::half> ? 300 : 160;
+  const std::vector<Index> sizes = {prefill, 1, 7, 130, 1, 1};
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    Subject<T> serial = make_subject<T>(kind, config), parallel = make_subject<T>(kind, config);
+    serial.cache->set_parallel_heads(false);
+    parallel.cache->set_parallel_heads(true);
+    std::mt19937 rng(1234u + static_cast<unsigned>(kind));
+    vc::KVPair<T> oa, ob;
+    int c = 0;
+    for (const Index S : sizes) {
+      const Api api = kQueryApis[c % 3];
+      const vc::Tensor4<T> k = random_tensor<T>(rng, B, H, S, D);
+      const vc::Tensor4<T> v = random_tensor<T>(rng, B, H, S, Dv);
+      const vc::Tensor4<float> q = random_queries(rng, B, G * H, S, D);
+      const Returned a = invoke_with(*serial.cache, api, k, v, q, oa);
+      const Returned b = invoke_with(*parallel.cache, api, k, v, q, ob);
+      ASSERT_TRUE(a == b) << "call " << c << " S=" << S << " " << api_name(api);
+      ASSERT_TRUE(logical_state(serial) == logical_state(parallel)) << "call " << c << " S=" << S;
+      ++c;
+    }
+    const std::int64_t offset = prefill + 140;
+    EXPECT_EQ(serial.cache->offset(), offset);
+    std::int64_t kept = 96;
+    if (kind == Kind::kStandard) kept = offset;
+    if (kind == Kind::kSqueeze || kind == Kind::kSqueezeCoordinated) kept = 6;
+    if (kind == Kind::kSnap) kept = 96 + 140;
+    EXPECT_EQ(serial.cache->tokens_kept(), kept);
+  }
+}
+
+/// StreamingLLM (2 sinks, a window of 10) and the standard cache ignore valid queries: with
+/// queries (G = 1, 2, 4 in turn, entries N(0, 9)) they return and hold bitwise what they do without,
+/// through fetch, view and fetch_into, over calls of 7, 1, 1, 0, 12, 1, 70, 1, 1, 3, 1 tokens
+/// ([2, 2, S, 5] keys, [2, 2, S, 3] values).
+TYPED_TEST(ContractTest, StreamingAndStandardIgnoreQueriesBitwise) {
+  using T = TypeParam;
+  vc::KVCacheConfig config = small_config();
+  config.stream_n_sink = 2;
+  config.stream_window_size = 10;
+  for (const Kind kind : {Kind::kStandard, Kind::kStreaming}) {
+    SCOPED_TRACE(kind_name(kind));
+    Subject<T> with = make_subject<T>(kind, config), without = make_subject<T>(kind, config);
+    std::mt19937 rng(kind == Kind::kStreaming ? 5u : 6u);
+    const Index B = 2, H = 2, D = 5, Dv = 3;
+    const Index sizes[] = {7, 1, 1, 0, 12, 1, 70, 1, 1, 3, 1};
+    vc::KVPair<T> out_with, out_without;
+    int c = 0;
+    for (const Index S : sizes) {
+      const Api api = kQueryApis[c % 3];
+      const Index G = Index{1} << (c % 3);  // 1, 2, 4: G may change from call to call
+      const vc::Tensor4<T> k = random_tensor<T>(rng, B, H, S, D);
+      const vc::Tensor4<T> v = random_tensor<T>(rng, B, H, S, Dv);
+      const vc::Tensor4<float> q = random_queries(rng, B, G * H, S, D, 3.0);
+      const Returned a = invoke_with(*with.cache, api, k, v, q, out_with);
+      const Returned b = invoke_without_queries(*without.cache, api, k, v, out_without);
+      EXPECT_TRUE(a == b) << "call " << c << " (S=" << S << ", " << api_name(api) << ")";
+      EXPECT_TRUE(snapshot(with) == snapshot(without)) << "call " << c;
+      ++c;
+    }
+    EXPECT_EQ(with.cache->offset(), 98);
+    // Not vacuous: StreamingLLM evicted (2 sinks + a window of 10), the standard cache kept all.
+    EXPECT_EQ(with.cache->tokens_kept(), kind == Kind::kStreaming ? 12 : 98);
+  }
+}
+
+/// Query element types: double, half and bfloat16 queries give bitwise what their float32
+/// conversion gives (double queries with double keys and values through the converting
+/// overload), and bfloat16 keys and values (converted by the cache) what their conversion to T
+/// gives; returns and everything observable, after every call of 40, 1, 1, 9, 1, 100, 1, 1, 0, 3,
+/// 1 tokens through fetch, view and fetch_into ([2, 2, S, 8] keys, [2, 2, S, 3] values, G = 2;
+/// budgets 16, 2 sinks, SnapKV obs_window 8). Not vacuous: on a scored policy the queries gave
+/// other scores than the key-as-query proxy.
+TYPED_TEST(ContractTest, QueriesOfEveryElementTypeEqualTheirFloatConversion) {
+  using T = TypeParam;
+  vc::KVCacheConfig config = small_config();
+  config.squeeze_budget = config.h2o_budget = config.pyramid_budget = config.tova_budget =
+      config.snap_budget = 16;
+  config.squeeze_n_sink = config.h2o_n_sink = config.pyramid_n_sink = config.tova_n_sink =
+      config.snap_n_sink = 2;
+  config.h2o_grace = 4;
+  config.snap_obs_window = 8;
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    const auto make = [&] { return make_subject<T>(kind, config); };
+    // Pairs of caches: (reference fed float32 queries, subject fed another query type).
+    Subject<T> ref_double = make(), by_double = make();
+    Subject<T> ref_half = make(), by_half = make();
+    Subject<T> ref_bf16 = make(), by_bf16 = make();
+    Subject<T> ref_kb = make(), by_kb = make();
+    Subject<T> plain = make();
+    std::mt19937 rng(99u + static_cast<unsigned>(kind));
+    const Index B = 2, H = 2, G = 2, D = 8, Dv = 3;
+    const Index sizes[] = {40, 1, 1, 9, 1, 100, 1, 1, 0, 3, 1};
+    vc::KVPair<T> o1, o2, o3, o4, o5, o6, o7, o8, o9;
+    int c = 0;
+    for (const Index S : sizes) {
+      const Api api = kQueryApis[c % 3];
+      const std::string where = "call " + std::to_string(c) + " " + api_name(api);
+      // Keys and values as double through the converting overload vs converted to T first.
+      const vc::Tensor4<double> kd = random_doubles(rng, B, H, S, D);
+      const vc::Tensor4<double> vd = random_doubles(rng, B, H, S, Dv);
+      const vc::Tensor4<T> k = kd.template cast<T>();
+      const vc::Tensor4<T> v = vd.template cast<T>();
+      vc::Tensor4<double> qd = random_doubles(rng, B, G * H, S, D);
+      for (Index i = 0; i < qd.size(); ++i) qd.data()[i] *= 1.7;  // values float32 must round
+      const vc::Tensor4<float> qd_f = qd.template cast<float>();
+      const vc::Tensor4<Eigen::half> qh =
+          random_doubles(rng, B, G * H, S, D).template cast<Eigen::half>();
+      const vc::Tensor4<float> qh_f = qh.template cast<float>();
+      const vc::Tensor4<Eigen::bfloat16> qb =
+          random_doubles(rng, B, G * H, S, D).template cast<Eigen::bfloat16>();
+      const vc::Tensor4<float> qb_f = qb.template cast<float>();
+
+      EXPECT_TRUE(invoke_with(*ref_double.cache, api, k, v, qd_f, o1) ==
+                  invoke_with(*by_double.cache, api, kd, vd, qd, o2))
+          << where << " (double)";
+      EXPECT_TRUE(snapshot(ref_double) == snapshot(by_double)) << where << " (double)";
+      EXPECT_TRUE(invoke_with(*ref_half.cache, api, k, v, qh_f, o3) ==
+                  invoke_with(*by_half.cache, api, k, v, qh, o4))
+          << where << " (half)";
+      EXPECT_TRUE(snapshot(ref_half) == snapshot(by_half)) << where << " (half)";
+      EXPECT_TRUE(invoke_with(*ref_bf16.cache, api, k, v, qb_f, o5) ==
+                  invoke_with(*by_bf16.cache, api, k, v, qb, o6))
+          << where << " (bfloat16)";
+      EXPECT_TRUE(snapshot(ref_bf16) == snapshot(by_bf16)) << where << " (bfloat16)";
+      // Keys and values as bfloat16 (converted to T by the cache) with float32 queries.
+      const vc::Tensor4<Eigen::bfloat16> kb = kd.template cast<Eigen::bfloat16>();
+      const vc::Tensor4<Eigen::bfloat16> vb = vd.template cast<Eigen::bfloat16>();
+      const vc::Tensor4<T> kb_t = kb.template cast<T>(), vb_t = vb.template cast<T>();
+      EXPECT_TRUE(invoke_with(*ref_kb.cache, api, kb_t, vb_t, qd_f, o8) ==
+                  invoke_with(*by_kb.cache, api, kb, vb, qd_f, o9))
+          << where << " (bfloat16 keys)";
+      EXPECT_TRUE(snapshot(ref_kb) == snapshot(by_kb)) << where << " (bfloat16 keys)";
+      (void)invoke_without_queries(*plain.cache, api, k, v, o7);
+      ++c;
+    }
+    // Not vacuous: the queries changed the scores relative to the key-as-query proxy.
+    if (visit_scored(*plain.cache, [](const auto&) {})) {
+      EXPECT_NE(policy_scores(*ref_double.cache, 0, 0), policy_scores(*plain.cache, 0, 0));
     }
   }
 }

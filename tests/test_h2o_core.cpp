@@ -186,20 +186,8 @@ std::string compare_with_oracle(const Cache& cache,
               << ") score " << got << ", oracle " << want;
           return err.str();
         }
-        const auto ri = static_cast<Index>(r);
-        for (Index d = 0; d < rc.Dk; ++d) {
-          if (to_double(st.first(b, h, ri, d)) != rows[r].key[static_cast<std::size_t>(d)]) {
-            err << "state() key differs at head (" << b << ", " << h << ") row " << r << " d " << d;
-            return err.str();
-          }
-        }
-        for (Index d = 0; d < rc.Dv; ++d) {
-          if (to_double(st.second(b, h, ri, d)) != rows[r].value[static_cast<std::size_t>(d)]) {
-            err << "state() value differs at head (" << b << ", " << h << ") row " << r << " d "
-                << d;
-            return err.str();
-          }
-        }
+        const std::string row_err = compare_state_row(st, b, h, static_cast<Index>(r), rows[r]);
+        if (!row_err.empty()) return row_err;
       }
     }
   }

@@ -123,19 +123,8 @@ std::string compare_with_oracle(const vc::SnapKVCache<T>& cache,
               << ", oracle " << row.score;
           return err.str();
         }
-        const auto ri = static_cast<Index>(r);
-        for (Index d = 0; d < Dk; ++d) {
-          if (to_double(st.first(b, h, ri, d)) != row.key[static_cast<std::size_t>(d)]) {
-            err << "state() key differs at head (" << b << ", " << h << ") row " << r;
-            return err.str();
-          }
-        }
-        for (Index d = 0; d < Dv; ++d) {
-          if (to_double(st.second(b, h, ri, d)) != row.value[static_cast<std::size_t>(d)]) {
-            err << "state() value differs at head (" << b << ", " << h << ") row " << r;
-            return err.str();
-          }
-        }
+        const std::string row_err = compare_state_row(st, b, h, static_cast<Index>(r), row);
+        if (!row_err.empty()) return row_err;
       }
     }
   }
@@ -147,60 +136,6 @@ std::string compare_with_oracle(const vc::SnapKVCache<T>& cache,
   return err.str();
 }
 
-/// A call's update_and_view result (SPEC 2.3): n_before + S rows, the call's rows last in arrival
-/// order at positions offset_before.., the others exactly the rows retained before (any order).
-template <class T>
-std::string compare_view(const vc::KVView<T>& view,
-                         const std::vector<std::vector<ref::OracleRow>>& before,
-                         const vc::Tensor4<T>& keys, const vc::Tensor4<T>& values,
-                         std::int64_t offset_before) {
-  std::ostringstream err;
-  const Index B = keys.dimension(0), H = keys.dimension(1), S = keys.dimension(2);
-  const Index Dk = keys.dimension(3), Dv = values.dimension(3);
-  const auto n_before = static_cast<Index>(before.front().size());
-  if (view.rows() != n_before + S || view.new_rows() != S || view.batch() != B ||
-      view.heads() != H || view.key_dim() != Dk || view.value_dim() != Dv) {
-    err << "view holds " << view.rows() << " rows (" << view.new_rows() << " new), expected "
-        << n_before << " + " << S;
-    return err.str();
-  }
-  for (Index b = 0; b < B; ++b) {
-    for (Index h = 0; h < H; ++h) {
-      const auto& prev = before[static_cast<std::size_t>(b * H + h)];
-      const auto kk = view.keys(b, h);
-      const auto vv = view.values(b, h);
-      const auto pp = view.positions(b, h);
-      // Old rows: sorted by position they must equal the retained set before the call.
-      std::vector<Index> order(static_cast<std::size_t>(n_before));
-      for (Index r = 0; r < n_before; ++r) order[static_cast<std::size_t>(r)] = r;
-      std::sort(order.begin(), order.end(), [&pp](Index x, Index y) { return pp(x) < pp(y); });
-      for (Index i = 0; i < n_before; ++i) {
-        const Index r = order[static_cast<std::size_t>(i)];
-        const ref::OracleRow& want = prev[static_cast<std::size_t>(i)];
-        bool same = pp(r) == want.position;
-        for (Index d = 0; d < Dk; ++d)
-          same = same && to_double(kk(r, d)) == want.key[static_cast<std::size_t>(d)];
-        for (Index d = 0; d < Dv; ++d)
-          same = same && to_double(vv(r, d)) == want.value[static_cast<std::size_t>(d)];
-        if (!same) {
-          err << "view head (" << b << ", " << h << "): retained row " << i << " differs";
-          return err.str();
-        }
-      }
-      for (Index s = 0; s < S; ++s) {
-        const Index r = n_before + s;
-        bool same = pp(r) == offset_before + s;
-        for (Index d = 0; d < Dk; ++d) same = same && kk(r, d) == keys(b, h, s, d);
-        for (Index d = 0; d < Dv; ++d) same = same && vv(r, d) == values(b, h, s, d);
-        if (!same) {
-          err << "view head (" << b << ", " << h << "): call row " << s << " differs";
-          return err.str();
-        }
-      }
-    }
-  }
-  return err.str();
-}
 
 // ---------------------------------------------------------------------------------------------
 // Random sequences against the oracle

@@ -140,20 +140,8 @@ std::string compare_state(const vc::StreamingLLMCache<T>& cache,
       const auto& rows = o.rows();
       for (Index r = 0; r < n; ++r) {
         const auto& row = rows[static_cast<std::size_t>(r)];
-        for (Index d = 0; d < rc.Dk; ++d) {
-          if (to_double(st.first(b, h, r, d)) != row.key[static_cast<std::size_t>(d)]) {
-            err << "state() key of head (" << b << ", " << h << ") row " << r << " (position "
-                << row.position << ") d " << d << " is not the input's";
-            return err.str();
-          }
-        }
-        for (Index d = 0; d < rc.Dv; ++d) {
-          if (to_double(st.second(b, h, r, d)) != row.value[static_cast<std::size_t>(d)]) {
-            err << "state() value of head (" << b << ", " << h << ") row " << r << " (position "
-                << row.position << ") d " << d << " is not the input's";
-            return err.str();
-          }
-        }
+        const std::string row_err = compare_state_row(st, b, h, r, row);
+        if (!row_err.empty()) return row_err;
       }
     }
   }
@@ -175,76 +163,6 @@ std::string compare_state(const vc::StreamingLLMCache<T>& cache,
   return err.str();
 }
 
-/// What update_and_view returned (SPEC 2.3): positions are a permutation of the rows retained
-/// before the call plus the call's rows, the call's rows last in arrival order; contents match.
-template <class T>
-std::string compare_view(const vc::KVView<T>& view,
-                         const std::vector<std::vector<ref::OracleRow>>& before,
-                         const vc::Tensor4<T>& keys, const vc::Tensor4<T>& values,
-                         const RunConfig& rc, std::int64_t offset_before) {
-  std::ostringstream err;
-  const Index S = keys.dimension(2);
-  const auto n_before = static_cast<Index>(before.front().size());
-  if (view.rows() != n_before + S || view.new_rows() != S || view.batch() != rc.B ||
-      view.heads() != rc.H || view.key_dim() != rc.Dk || view.value_dim() != rc.Dv) {
-    err << "view has " << view.rows() << " rows (" << view.new_rows() << " new), expected "
-        << n_before << " + " << S;
-    return err.str();
-  }
-  for (Index b = 0; b < rc.B; ++b) {
-    for (Index h = 0; h < rc.H; ++h) {
-      const auto& prev = before[static_cast<std::size_t>(b * rc.H + h)];
-      std::map<std::int64_t, std::size_t> index_of;
-      for (std::size_t i = 0; i < prev.size(); ++i) index_of[prev[i].position] = i;
-      const auto k = view.keys(b, h);
-      const auto v = view.values(b, h);
-      const auto p = view.positions(b, h);
-      Positions old_positions;
-      for (Index r = 0; r < view.rows(); ++r) {
-        const std::int64_t pos = p(r);
-        std::vector<double> want_k, want_v;
-        if (r < n_before) {
-          old_positions.push_back(pos);
-          const auto it = index_of.find(pos);
-          if (it == index_of.end()) {
-            err << "view row " << r << " of head (" << b << ", " << h << ") has position " << pos
-                << ", not retained before the call";
-            return err.str();
-          }
-          want_k = prev[it->second].key;
-          want_v = prev[it->second].value;
-        } else {
-          if (pos != offset_before + (r - n_before)) {
-            err << "view row " << r << " of head (" << b << ", " << h << ") has position " << pos
-                << ", expected the call's token " << offset_before + (r - n_before);
-            return err.str();
-          }
-          want_k = row_of(keys, b, h, r - n_before);
-          want_v = row_of(values, b, h, r - n_before);
-        }
-        for (Index d = 0; d < rc.Dk; ++d) {
-          if (to_double(k(r, d)) != want_k[static_cast<std::size_t>(d)]) {
-            err << "view key differs at head (" << b << ", " << h << ") row " << r << " d " << d;
-            return err.str();
-          }
-        }
-        for (Index d = 0; d < rc.Dv; ++d) {
-          if (to_double(v(r, d)) != want_v[static_cast<std::size_t>(d)]) {
-            err << "view value differs at head (" << b << ", " << h << ") row " << r << " d " << d;
-            return err.str();
-          }
-        }
-      }
-      std::sort(old_positions.begin(), old_positions.end());
-      if (old_positions != ref::policy_detail::positions_of(prev)) {
-        err << "view of head (" << b << ", " << h
-            << ") is not a permutation of the rows retained before the call";
-        return err.str();
-      }
-    }
-  }
-  return err.str();
-}
 
 struct RunStats {
   int calls = 0;
@@ -298,7 +216,7 @@ void run_against_oracle(const RunConfig& rc, RunStats& stats) {
     if (rc.view) {
       const vc::KVView<T> view =
           rc.as_double ? cache.update_and_view(kd, vd) : cache.update_and_view(keys, values);
-      err = compare_view(view, before, keys, values, rc, offset);
+      err = compare_view(view, before, keys, values, offset);
     } else {
       const vc::KVPair<T> got =
           rc.as_double ? cache.update_and_fetch(kd, vd) : cache.update_and_fetch(keys, values);

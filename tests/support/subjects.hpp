@@ -7,10 +7,12 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -362,6 +364,166 @@ inline std::optional<Shape> named_index(const std::string& what) {
     at += used;
   }
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Calls with queries of any element type, and the list of bad queries
+// ---------------------------------------------------------------------------------------------
+
+/// The three entry points with queries (float32 queries and keys as T in the typed sweeps).
+inline constexpr Api kQueryApis[] = {Api::kFetchQ, Api::kViewQ, Api::kFetchIntoQ};
+
+inline bool is_view_api(Api a) { return a == Api::kView || a == Api::kViewQ || a == Api::kViewDouble; }
+inline bool is_into_api(Api a) {
+  return a == Api::kFetchInto || a == Api::kFetchIntoQ || a == Api::kFetchIntoDoubleQ;
+}
+
+/// One call through the entry point of `api` (fetch, view or fetch_into) with keys and values of
+/// any element type U (converted by the cache when U is not T) and queries of any element type Q.
+/// k, v: [B, H, S, D*]; q: [B, G * H, S, Dk].
+template <class T, class U, class Q>
+Returned invoke_with(vc::KVCache<T>& cache, Api api, const vc::Tensor4<U>& k,
+                     const vc::Tensor4<U>& v, const vc::Tensor4<Q>& q, vc::KVPair<T>& into) {
+  if (is_view_api(api)) return from_view(cache.update_and_view(k, v, q));
+  if (is_into_api(api)) {
+    cache.update_and_fetch_into(k, v, q, into);
+    return from_pair(into);
+  }
+  return from_pair(cache.update_and_fetch(k, v, q));
+}
+
+/// The same call without queries (key-as-query scoring).
+template <class T, class U>
+Returned invoke_without_queries(vc::KVCache<T>& cache, Api api, const vc::Tensor4<U>& k,
+                                const vc::Tensor4<U>& v, vc::KVPair<T>& into) {
+  if (is_view_api(api)) return from_view(cache.update_and_view(k, v));
+  if (is_into_api(api)) {
+    cache.update_and_fetch_into(k, v, into);
+    return from_pair(into);
+  }
+  return from_pair(cache.update_and_fetch(k, v));
+}
+
+/// Random [B, Hq, S, D] float32 queries with N(0, sigma^2) entries.
+inline vc::Tensor4<float> random_queries(std::mt19937& rng, Index B, Index Hq, Index S, Index D,
+                                         double sigma = 1.0) {
+  std::normal_distribution<double> dist(0.0, sigma);
+  vc::Tensor4<float> t(B, Hq, S, D);
+  for (Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<float>(dist(rng));
+  return t;
+}
+
+/// One invalid query tensor (the query side of the list of bad calls); as float32, double or half.
+struct BadQueries {
+  std::string name;
+  enum class Type { kFloat, kDouble, kHalf } type = Type::kFloat;
+  vc::Tensor4<float> f;
+  vc::Tensor4<double> d;
+  vc::Tensor4<Eigen::half> h;
+};
+
+/// Every way a query tensor can be wrong for a call with valid queries `q` ([B, G * H, S, D])
+/// against H KV heads: B, Hq, S or D off, and non-finite entries at several places (also a double
+/// that overflows float32, and a half infinity).
+inline std::vector<BadQueries> bad_query_variants(const vc::Tensor4<float>& q, Index H,
+                                                  std::mt19937& rng) {
+  const Index B = q.dimension(0), Hq = q.dimension(1), S = q.dimension(2), D = q.dimension(3);
+  std::vector<BadQueries> out;
+  const auto shaped = [&](std::string name, Index b, Index hq, Index s, Index d) {
+    BadQueries bq;
+    bq.name = std::move(name);
+    bq.f = random_queries(rng, b, hq, s, d);
+    out.push_back(std::move(bq));
+  };
+  shaped("queries B + 1", B + 1, Hq, S, D);
+  shaped("queries B - 1", B - 1, Hq, S, D);
+  shaped("queries Hq = 0", B, 0, S, D);
+  if (H > 1) {
+    shaped("queries Hq = G*H + 1 (not a multiple of H)", B, Hq + 1, S, D);
+    shaped("queries Hq = H - 1 (not a multiple of H)", B, H - 1, S, D);
+  }
+  shaped("queries S + 1", B, Hq, S + 1, D);
+  if (S > 0) shaped("queries S - 1", B, Hq, S - 1, D);
+  shaped("queries D + 1", B, Hq, S, D + 1);
+  shaped("queries D - 1", B, Hq, S, D - 1);
+  if (q.size() == 0) return out;
+  std::uniform_int_distribution<Index> any(0, q.size() - 1);
+  const std::vector<std::pair<std::string, std::pair<double, Index>>> bad = {
+      {"NaN query first", {kNaN, 0}},
+      {"NaN query last", {kNaN, q.size() - 1}},
+      {"NaN query inside", {kNaN, any(rng)}},
+      {"+Inf query", {kInf, any(rng)}},
+      {"-Inf query", {-kInf, any(rng)}}};
+  for (const auto& [name, at] : bad) {
+    BadQueries bq;
+    bq.name = name + " at flat index " + std::to_string(at.second);
+    bq.f = q;
+    bq.f.data()[at.second] = static_cast<float>(at.first);
+    out.push_back(std::move(bq));
+  }
+  for (const double big : {1e300, -1e300, 1e39}) {
+    BadQueries bq;
+    const Index at = any(rng);
+    bq.name = "double query " + std::to_string(big) + " (overflows float32) at " + std::to_string(at);
+    bq.type = BadQueries::Type::kDouble;
+    bq.d = q.template cast<double>();
+    bq.d.data()[at] = big;
+    out.push_back(std::move(bq));
+  }
+  {
+    BadQueries bq;
+    const Index at = any(rng);
+    bq.name = "half +Inf query at " + std::to_string(at);
+    bq.type = BadQueries::Type::kHalf;
+    bq.h = q.template cast<Eigen::half>();
+    bq.h.data()[at] = Eigen::half(std::numeric_limits<float>::infinity());
+    out.push_back(std::move(bq));
+  }
+  return out;
+}
+
+/// The call of invoke_with with the bad queries `bq` (whatever their element type).
+template <class T, class U>
+Returned invoke_with(vc::KVCache<T>& cache, Api api, const vc::Tensor4<U>& k,
+                     const vc::Tensor4<U>& v, const BadQueries& bq, vc::KVPair<T>& into) {
+  switch (bq.type) {
+    case BadQueries::Type::kFloat:
+      return invoke_with(cache, api, k, v, bq.f, into);
+    case BadQueries::Type::kDouble:
+      return invoke_with(cache, api, k, v, bq.d, into);
+    case BadQueries::Type::kHalf:
+      return invoke_with(cache, api, k, v, bq.h, into);
+  }
+  return {};
+}
+
+/// The call of invoke_with with the bad queries `bq` through `api`, checked against the strong
+/// guarantee (docs/design.md 8): std::invalid_argument whose message names the queries, nothing
+/// observable changed (snapshot), and a fetch_into output of an earlier call (the cache's state)
+/// left untouched. Returns the first failure, or "".
+template <class T, class U>
+std::string bad_queries_rejected(Subject<T>& s, Api api, const vc::Tensor4<U>& k,
+                                 const vc::Tensor4<U>& v, const BadQueries& bq) {
+  const std::string where = bq.name + " through " + api_name(api);
+  const Snapshot before = snapshot(s);
+  vc::KVPair<T> into = s.cache->state();
+  const std::vector<unsigned char> into_keys = bytes_of(into.first);
+  const std::vector<unsigned char> into_values = bytes_of(into.second);
+  std::string what;
+  try {
+    (void)invoke_with(*s.cache, api, k, v, bq, into);
+    return where + " was accepted";
+  } catch (const std::invalid_argument& e) {
+    what = e.what();
+  } catch (const std::exception& e) {
+    return where + ": threw something other than std::invalid_argument: " + e.what();
+  }
+  if (!contains(what, "quer")) return where + ": message does not name the queries: " + what;
+  if (!(snapshot(s) == before)) return where + " changed the cache";
+  if (bytes_of(into.first) != into_keys || bytes_of(into.second) != into_values) {
+    return where + ": the fetch_into output was touched";
+  }
+  return "";
 }
 
 

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <optional>
 #include <random>
 #include <regex>
@@ -321,6 +322,107 @@ std::string compare_returned(const cache::KVPair<T>& got,
                              const cache::Tensor4<T>& keys, const cache::Tensor4<T>& values,
                              const RunConfig& rc) {
   return compare_returned(got, before, keys, values, rc.B, rc.H, rc.Dk, rc.Dv);
+}
+
+/// Row r of head (b, h) of a state() pair (keys [B, H, n, Dk], values [B, H, n, Dv]) against an
+/// oracle row: every key and value element bitwise equal after conversion to double. Returns the
+/// first mismatch, or "".
+template <class T>
+std::string compare_state_row(const cache::KVPair<T>& st, Index b, Index h, Index r,
+                              const reference::OracleRow& row) {
+  std::ostringstream err;
+  for (Index d = 0; d < st.first.dimension(3); ++d) {
+    if (to_double(st.first(b, h, r, d)) != row.key[static_cast<std::size_t>(d)]) {
+      err << "state() key differs at head (" << b << ", " << h << ") row " << r << " (position "
+          << row.position << ") d " << d;
+      return err.str();
+    }
+  }
+  for (Index d = 0; d < st.second.dimension(3); ++d) {
+    if (to_double(st.second(b, h, r, d)) != row.value[static_cast<std::size_t>(d)]) {
+      err << "state() value differs at head (" << b << ", " << h << ") row " << r << " (position "
+          << row.position << ") d " << d;
+      return err.str();
+    }
+  }
+  return "";
+}
+
+/// Checks what update_and_view returned (docs/design.md 2.3, 4.4): n_before + S rows per head; the
+/// first n_before are exactly the rows retained before the call (`before[b * H + h]`, ascending
+/// position) in any order, their positions saying which is which; the call's rows come last, in
+/// arrival order, at positions offset_before, offset_before + 1, ... Returns the first mismatch,
+/// or "". keys: [B, H, S, Dk]; values: [B, H, S, Dv].
+template <class T>
+std::string compare_view(const cache::KVView<T>& view,
+                         const std::vector<std::vector<reference::OracleRow>>& before,
+                         const cache::Tensor4<T>& keys, const cache::Tensor4<T>& values,
+                         std::int64_t offset_before) {
+  std::ostringstream err;
+  const Index B = keys.dimension(0), H = keys.dimension(1), S = keys.dimension(2);
+  const Index Dk = keys.dimension(3), Dv = values.dimension(3);
+  const auto n_before = static_cast<Index>(before.front().size());
+  if (view.rows() != n_before + S || view.new_rows() != S || view.batch() != B ||
+      view.heads() != H || view.key_dim() != Dk || view.value_dim() != Dv) {
+    err << "view has " << view.rows() << " rows (" << view.new_rows() << " new), expected "
+        << n_before << " + " << S;
+    return err.str();
+  }
+  for (Index b = 0; b < B; ++b) {
+    for (Index h = 0; h < H; ++h) {
+      const auto& prev = before[static_cast<std::size_t>(b * H + h)];
+      std::map<std::int64_t, std::size_t> index_of;
+      for (std::size_t i = 0; i < prev.size(); ++i) index_of[prev[i].position] = i;
+      const auto k = view.keys(b, h);
+      const auto v = view.values(b, h);
+      const auto p = view.positions(b, h);
+      std::vector<std::int64_t> old_positions;
+      for (Index r = 0; r < view.rows(); ++r) {
+        const std::int64_t pos = p(r);
+        std::vector<double> want_k, want_v;
+        if (r < n_before) {
+          old_positions.push_back(pos);
+          const auto it = index_of.find(pos);
+          if (it == index_of.end()) {
+            err << "view row " << r << " of head (" << b << ", " << h << ") has position " << pos
+                << ", not retained before the call";
+            return err.str();
+          }
+          want_k = prev[it->second].key;
+          want_v = prev[it->second].value;
+        } else {
+          if (pos != offset_before + (r - n_before)) {
+            err << "view row " << r << " of head (" << b << ", " << h << ") has position " << pos
+                << ", expected the call's token " << offset_before + (r - n_before);
+            return err.str();
+          }
+          want_k = row_of(keys, b, h, r - n_before);
+          want_v = row_of(values, b, h, r - n_before);
+        }
+        for (Index d = 0; d < Dk; ++d) {
+          if (to_double(k(r, d)) != want_k[static_cast<std::size_t>(d)]) {
+            err << "view key differs at head (" << b << ", " << h << ") row " << r << " d " << d;
+            return err.str();
+          }
+        }
+        for (Index d = 0; d < Dv; ++d) {
+          if (to_double(v(r, d)) != want_v[static_cast<std::size_t>(d)]) {
+            err << "view value differs at head (" << b << ", " << h << ") row " << r << " d " << d;
+            return err.str();
+          }
+        }
+      }
+      std::sort(old_positions.begin(), old_positions.end());
+      std::vector<std::int64_t> want_positions;
+      for (const auto& row : prev) want_positions.push_back(row.position);
+      if (old_positions != want_positions) {
+        err << "view of head (" << b << ", " << h
+            << ") is not a permutation of the rows retained before the call";
+        return err.str();
+      }
+    }
+  }
+  return err.str();
 }
 
 /// Tokens [s0, s0 + n) of a [B, H, S, D] tensor (a slice along S).
