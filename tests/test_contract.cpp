@@ -281,7 +281,7 @@ TYPED_TEST(ContractTest, ParallelHeadsAreBitIdenticalToSerial) {
       const std::string ctx = std::string(kind_name(kind)) + ", " + api_name(api);
       Subject<T> serial = make_subject<T>(kind);
       Subject<T> parallel = make_subject<T>(kind);
-      parallel.cache->set_parallel_heads(true);
+      enable_parallel_heads(*parallel.cache);
       ASSERT_TRUE(parallel.cache->parallel_heads());
       std::mt19937 rng(500u + static_cast<unsigned>(kind));
       // Wider than the other sweeps: 3 x 4 heads, a 40-token prefill across kernel blocks.
@@ -816,7 +816,7 @@ TYPED_TEST(ContractTest, ParallelHeadsAreBitIdenticalToSerialOnWideCalls) {
     Subject<T> serial = make_subject<T>(kind, config);
     Subject<T> parallel = make_subject<T>(kind, config);
     serial.cache->set_parallel_heads(false);
-    parallel.cache->set_parallel_heads(true);
+    enable_parallel_heads(*parallel.cache);
     EXPECT_FALSE(serial.cache->parallel_heads());
     ASSERT_TRUE(parallel.cache->parallel_heads());
     std::mt19937 rng(42u + static_cast<unsigned>(kind));
@@ -1043,7 +1043,7 @@ TYPED_TEST(ContractTest, ParallelHeadsWithQueriesAreBitIdenticalToSerialOnWideCa
     SCOPED_TRACE(kind_name(kind));
     Subject<T> serial = make_subject<T>(kind, config), parallel = make_subject<T>(kind, config);
     serial.cache->set_parallel_heads(false);
-    parallel.cache->set_parallel_heads(true);
+    enable_parallel_heads(*parallel.cache);
     std::mt19937 rng(1234u + static_cast<unsigned>(kind));
     vc::KVPair<T> oa, ob;
     int c = 0;

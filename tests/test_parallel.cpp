@@ -41,7 +41,7 @@ TYPED_TEST(ParallelHeadsTest, ParallelRunIsBitIdenticalToSerialRun) {
     auto serial = make_cache<T>(method);
     auto parallel = make_cache<T>(method);
     serial->set_parallel_heads(false);
-    parallel->set_parallel_heads(true);
+    veloxquant::test::enable_parallel_heads(*parallel);
     std::mt19937 rng(42);
     // Big enough that the parallel path is taken (B*H = 16 heads, 400-token prefill, D = 64).
     std::vector<Index> calls = {400, 1, 1, 7, 1, 130, 1};

@@ -26,7 +26,6 @@ function(veloxquant_add_packaging_test name mode)
       -DCXX_COMPILER=${CMAKE_CXX_COMPILER}
       -DEIGEN3_DIR=${VELOXQUANT_EIGEN3_DIR}
       -DEXPECTED_VERSION=${PROJECT_VERSION}
-      -DEXPECT_OPENMP=${VELOXQUANT_WITH_OPENMP}
       -P ${CMAKE_CURRENT_LIST_DIR}/run_consumer.cmake)
   set_tests_properties(${name} PROPERTIES
     LABELS packaging TIMEOUT 300 SKIP_REGULAR_EXPRESSION "veloxquant-packaging: SKIPPED")

@@ -10,7 +10,6 @@
 #                          how the consumer is configured: same generator, compiler and Eigen as the
 #                          library's build (Eigen through its CMake package, Eigen3_DIR)
 #   EXPECTED_VERSION       the project version the package must report
-#   EXPECT_OPENMP          whether the library was configured with OpenMP
 #
 # Consumers are built in Release in their own tree: a few seconds of configure plus one compile.
 
@@ -60,9 +59,6 @@ function(build_and_run_cmake_consumer project)
   endif()
   if(EIGEN3_DIR)
     list(APPEND args "-DEigen3_DIR=${EIGEN3_DIR}")
-  endif()
-  if(DEFINED EXPECT_OPENMP)
-    list(APPEND args "-DVELOXQUANT_EXPECT_OPENMP=${EXPECT_OPENMP}")
   endif()
   if(EXPECTED_VERSION)
     list(APPEND args "-DVELOXQUANT_EXPECTED_VERSION=${EXPECTED_VERSION}")

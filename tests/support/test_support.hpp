@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <optional>
@@ -19,6 +20,7 @@
 #include <regex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 #include <veloxquant/cache.hpp>
 
@@ -223,6 +225,23 @@ int core_protected_recent(const cache::KVCache<T>& c) {
   int out = -1;
   visit_core(c, [&](const auto& p) { out = p.protected_recent(); });
   return out;
+}
+
+/// A parallel-for for the tests: every task on a thread of its own (docs/design.md 7.3).
+inline cache::ParallelFor thread_parallel_for() {
+  return [](int tasks, const std::function<void(int)>& task) {
+    std::vector<std::thread> threads;
+    threads.reserve(static_cast<std::size_t>(tasks));
+    for (int t = 0; t < tasks; ++t) threads.emplace_back([&task, t] { task(t); });
+    for (auto& th : threads) th.join();
+  };
+}
+
+/// Lets `c` spread the heads of its calls over `workers` threads.
+template <class T>
+void enable_parallel_heads(cache::KVCache<T>& c, int workers = 4) {
+  c.set_parallel_for(thread_parallel_for(), workers);
+  c.set_parallel_heads(true);
 }
 
 /// Same dimensions and the same bytes. a, b: [B, H, S, D].

@@ -32,8 +32,6 @@
   VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::detail::HeadStore<T>)   \
   VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::KVView<T>)              \
   VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::KVCache<T>)             \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::detail::ScoredCache<T>) \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::detail::H2OCore<T>)     \
   VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::SqueezeAttentionCache<T>) \
   VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::H2OCache<T>)            \
   VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::PyramidKVCache<T>)      \

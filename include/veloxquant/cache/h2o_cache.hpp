@@ -6,7 +6,8 @@
 
 #include <Eigen/Core>
 
-#include "detail/h2o_core.hpp"
+#include "detail/policy.hpp"
+#include "kv_cache.hpp"
 #include "kv_cache_config.hpp"
 
 namespace veloxquant::cache {
@@ -14,17 +15,28 @@ namespace veloxquant::cache {
 /// Cumulative attention-mass eviction at `h2o_budget` rows per head, `h2o_n_sink` sinks, the
 /// newest `h2o_grace` rows protected and scores decayed by `h2o_decay` per token.
 template <class T = Eigen::half>
-class H2OCache : public detail::H2OCore<T> {
-  using Core = detail::H2OCore<T>;
-
+class H2OCache : public KVCache<T> {
  public:
   /// Validates `config` as method "h2o"; throws std::invalid_argument.
-  explicit H2OCache(const KVCacheConfig& config)
-      : Core((detail::validate_as(config, "h2o"), config.h2o_n_sink), config.h2o_decay,
-             detail::GracePolicy{false, 0.0, config.h2o_grace}, config.h2o_budget) {}
+  explicit H2OCache(const KVCacheConfig& config) : KVCache<T>(rule_of(config)) {}
 
-  /// The fixed budget (rows per head).
-  int layer_budget() const { return *this->budget(); }
+  using KVCache<T>::budget;
+  using KVCache<T>::n_sink;
+  using KVCache<T>::protected_recent;
+  using KVCache<T>::decay;
+
+ private:
+  static detail::Rule rule_of(const KVCacheConfig& config) {
+    detail::validate_as(config, "h2o");
+    detail::Rule r;
+    r.kind = detail::RuleKind::cumulative;
+    r.budget = config.h2o_budget;
+    r.n_sink = config.h2o_n_sink;
+    r.recent_by_ratio = false;
+    r.grace = config.h2o_grace;
+    r.decay = static_cast<float>(config.h2o_decay);
+    return r;
+  }
 };
 
 }  // namespace veloxquant::cache

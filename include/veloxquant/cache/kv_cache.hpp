@@ -1,51 +1,32 @@
-// veloxquant — KVCache<T>: the standard append-only cache and the base of every eviction cache
-// (mirrors mlx_lm's KVCache), plus KVView<T>, the zero-copy window of one call
-// (docs/design.md 2.2, 2.3).
+// veloxquant — KVCache<T>: the standard append-only cache (mirrors mlx_lm's KVCache), the base of
+// every eviction cache, and the one pipeline every call goes through (docs/design.md 2.2, 7.1):
+// validation, the strong guarantee, storage and the loop over heads live here; a policy is data
+// (detail::Rule) plus, for SqueezeAttention alone, two hooks. Also KVView<T>, the zero-copy window
+// of one call (docs/design.md 2.3).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <Eigen/Core>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "detail/checks.hpp"
 #include "detail/head_store.hpp"
-#include "detail/queries.hpp"
+#include "detail/input.hpp"
+#include "detail/policy.hpp"
+#include "detail/scratch.hpp"
 #include "kv_cache_config.hpp"
+#include "parallel.hpp"
 #include "tensor.hpp"
 
 namespace veloxquant::cache {
-
-namespace detail {
-
-/// While alive, Eigen products started on this thread (and in OpenMP teams it forks) run
-/// single-threaded: OpenMP's thread-count setting is per thread, so the caller's own setting and
-/// other threads are untouched, and it is restored on destruction.
-class OneEigenThread {
- public:
-#ifdef _OPENMP
-  OneEigenThread() : saved_(omp_get_max_threads()) { omp_set_num_threads(1); }
-  ~OneEigenThread() { omp_set_num_threads(saved_); }
-
- private:
-  int saved_;
-#else
-  OneEigenThread() = default;
-#endif
- public:
-  OneEigenThread(const OneEigenThread&) = delete;
-  OneEigenThread& operator=(const OneEigenThread&) = delete;
-};
-
-}  // namespace detail
 
 /// Zero-copy view of the rows a call hands back: one block of `rows()` rows per (b, h), living in
 /// the cache's own storage. Valid until the next non-const call on the cache. Rows retained before
@@ -73,30 +54,24 @@ class KVView {
 
   /// Keys of head (b, h): [rows(), Dk].
   RowsMap keys(Eigen::Index b, Eigen::Index h) const {
-    check(b, h);
     return RowsMap(rows_ ? head(b, h).keys_data() : nullptr, rows_, key_dim_);
   }
   /// Values of head (b, h): [rows(), Dv].
   RowsMap values(Eigen::Index b, Eigen::Index h) const {
-    check(b, h);
     return RowsMap(rows_ ? head(b, h).values_data() : nullptr, rows_, value_dim_);
   }
   /// Position of each row of head (b, h): [rows()].
   PositionsMap positions(Eigen::Index b, Eigen::Index h) const {
-    check(b, h);
     return PositionsMap(rows_ ? head(b, h).positions_data() : nullptr, rows_);
   }
 
  private:
   // Throws std::out_of_range for a head outside [0, B) x [0, H) (also on an empty view).
-  void check(Eigen::Index b, Eigen::Index h) const {
+  const detail::HeadStore<T>& head(Eigen::Index b, Eigen::Index h) const {
     if (b < 0 || b >= batch_ || h < 0 || h >= n_heads_) {
       throw std::out_of_range("KVView: head (" + std::to_string(b) + ", " + std::to_string(h) +
                               ") out of range");
     }
-  }
-  const detail::HeadStore<T>& head(Eigen::Index b, Eigen::Index h) const {
-    check(b, h);
     return (*heads_)[static_cast<std::size_t>(b * n_heads_ + h)];
   }
 
@@ -120,44 +95,48 @@ class KVCache {
   /// An empty standard cache; validates `config`.
   explicit KVCache(const KVCacheConfig& config) { config.validate(); }
   virtual ~KVCache() = default;
-  KVCache(const KVCache&) = default;
-  KVCache& operator=(const KVCache&) = default;
-  KVCache(KVCache&&) noexcept = default;
-  KVCache& operator=(KVCache&&) noexcept = default;
+  // A cache is polymorphic and owns per-call state: it is neither copied nor moved (hold it by
+  // std::unique_ptr, as the factory and the builder do).
+  KVCache(const KVCache&) = delete;
+  KVCache& operator=(const KVCache&) = delete;
 
   /// Absorbs a call's rows and returns the rows retained before it plus all of its own rows, in
   /// ascending position. keys: [B, H, S, Dk], values: [B, H, S, Dv]; returns [B, H, n, D].
   virtual KVPair<T> update_and_fetch(const Tensor4<T>& keys, const Tensor4<T>& values) {
     KVPair<T> out;
-    fetch_into(keys, values, nullptr, out, "update_and_fetch");
+    (void)run(rows_of(keys), rows_of(values), nullptr, "update_and_fetch", &out);
+    return out;
+  }
+  /// Inputs of another element type (half, bfloat16, float, double): read in place, each row
+  /// converted to T as it is stored. keys: [B, H, S, Dk], values: [B, H, S, Dv]
+  template <class U>
+  KVPair<T> update_and_fetch(const Tensor4<U>& keys, const Tensor4<U>& values) {
+    KVPair<T> out;
+    (void)run(rows_of(keys), rows_of(values), nullptr, "update_and_fetch", &out);
     return out;
   }
 
   /// update_and_fetch into caller-owned tensors: `out` is resized only when its shape changes, so
-  /// a decode loop that passes the same `out` every step copies without allocating (fresh output
-  /// tensors cost page faults that can exceed the copy itself). Same result as update_and_fetch.
+  /// a decode loop that passes the same `out` every step copies without allocating.
   /// keys: [B, H, S, Dk], values: [B, H, S, Dv]; out: [B, H, n, Dk] and [B, H, n, Dv]
   void update_and_fetch_into(const Tensor4<T>& keys, const Tensor4<T>& values, KVPair<T>& out) {
-    fetch_into(keys, values, nullptr, out, "update_and_fetch_into");
+    (void)run(rows_of(keys), rows_of(values), nullptr, "update_and_fetch_into", &out);
   }
-
-  /// Converting overload: inputs of another element type (half, bfloat16, float, double) are
-  /// converted to T first. keys: [B, H, S, Dk], values: [B, H, S, Dv]
+  /// update_and_fetch_into with inputs of another element type (read in place).
   template <class U>
-  KVPair<T> update_and_fetch(const Tensor4<U>& keys, const Tensor4<U>& values) {
-    return update_and_fetch(to_storage(keys), to_storage(values));
+  void update_and_fetch_into(const Tensor4<U>& keys, const Tensor4<U>& values, KVPair<T>& out) {
+    (void)run(rows_of(keys), rows_of(values), nullptr, "update_and_fetch_into", &out);
   }
 
   /// Same work as update_and_fetch, but returns a view into the cache's own storage.
   /// keys: [B, H, S, Dk], values: [B, H, S, Dv]
   KVView<T> update_and_view(const Tensor4<T>& keys, const Tensor4<T>& values) {
-    return update(keys, values, nullptr, "update_and_view");
+    return run(rows_of(keys), rows_of(values), nullptr, "update_and_view", nullptr);
   }
-
-  /// Converting overload of update_and_view.
+  /// update_and_view with inputs of another element type (read in place).
   template <class U>
   KVView<T> update_and_view(const Tensor4<U>& keys, const Tensor4<U>& values) {
-    return update_and_view(to_storage(keys), to_storage(values));
+    return run(rows_of(keys), rows_of(values), nullptr, "update_and_view", nullptr);
   }
 
   /// Real-query scoring ("observed attention", docs/design.md 4.6): the same call, with the queries
@@ -165,39 +144,33 @@ class KVCache {
   /// j / G. The scored policies rank rows by this real attention instead of the key-as-query proxy
   /// (H2O core: mass of each token's G query heads over the rows it attends to, eviction once per
   /// call; TOVA: the current token's attention; SnapKV: the last obs_window tokens'); StreamingLLM
-  /// and the standard cache validate and ignore them. Keys/values of any input type are converted
-  /// to T, queries to float32. Throws std::invalid_argument (cache unchanged) for a query tensor
-  /// that is not [B, G·H, S, Dk] or holds a non-finite value.
-  /// keys: [B, H, S, Dk], values: [B, H, S, Dv], queries: [B, Hq = G·H, S, Dk]
+  /// and the standard cache validate and ignore them. Throws std::invalid_argument (cache
+  /// unchanged) for a query tensor that is not [B, G·H, S, Dk] or holds a value that is not
+  /// finite in float32. keys: [B, H, S, Dk], values: [B, H, S, Dv], queries: [B, Hq = G·H, S, Dk]
   template <class U, class Q>
   KVPair<T> update_and_fetch(const Tensor4<U>& keys, const Tensor4<U>& values,
                              const Tensor4<Q>& queries) {
     KVPair<T> out;
-    with_queries(keys, values, queries, [&](const auto& k, const auto& v, const auto* q) {
-      fetch_into(k, v, q, out, "update_and_fetch");
-    });
+    const detail::InputRows q = rows_of(queries);
+    (void)run(rows_of(keys), rows_of(values), &q, "update_and_fetch", &out);
     return out;
   }
-
   /// update_and_view with real queries (see update_and_fetch above).
   /// keys: [B, H, S, Dk], values: [B, H, S, Dv], queries: [B, Hq = G·H, S, Dk]
   template <class U, class Q>
   KVView<T> update_and_view(const Tensor4<U>& keys, const Tensor4<U>& values,
                             const Tensor4<Q>& queries) {
-    return with_queries(keys, values, queries, [&](const auto& k, const auto& v, const auto* q) {
-      return update(k, v, q, "update_and_view");
-    });
+    const detail::InputRows q = rows_of(queries);
+    return run(rows_of(keys), rows_of(values), &q, "update_and_view", nullptr);
   }
-
   /// update_and_fetch_into with real queries (see update_and_fetch above).
   /// keys: [B, H, S, Dk], values: [B, H, S, Dv], queries: [B, Hq = G·H, S, Dk];
   /// out: [B, H, n, Dk] and [B, H, n, Dv]
   template <class U, class Q>
   void update_and_fetch_into(const Tensor4<U>& keys, const Tensor4<U>& values,
                              const Tensor4<Q>& queries, KVPair<T>& out) {
-    with_queries(keys, values, queries, [&](const auto& k, const auto& v, const auto* q) {
-      fetch_into(k, v, q, out, "update_and_fetch_into");
-    });
+    const detail::InputRows q = rows_of(queries);
+    (void)run(rows_of(keys), rows_of(values), &q, "update_and_fetch_into", &out);
   }
 
   /// Position the next token will take (tokens per sequence absorbed since the last reset).
@@ -205,13 +178,32 @@ class KVCache {
 
   /// The retained set, rows in ascending position: [B, H, n, D] (keys and values).
   KVPair<T> state() const {
-    return copy_rows([](const detail::HeadStore<T>& h) -> const std::vector<detail::Slot>& {
-      return h.order();
-    });
+    KVPair<T> out;
+    copy_retained(out);
+    return out;
+  }
+
+  /// Positions of head (b, h)'s retained rows, ascending: [n] (empty before the first call).
+  /// Throws std::out_of_range for a head outside [0, B) x [0, H).
+  std::vector<std::int64_t> positions(Index b, Index h) const {
+    std::vector<std::int64_t> out;
+    if (heads_.empty()) return out;
+    const auto& head = head_at(b, h);
+    for (const detail::Slot s : head.order()) out.push_back(head.position(s));
+    return out;
+  }
+  /// Scores of head (b, h)'s retained rows, ascending position: [n] (0 for policies that do not
+  /// score; empty before the first call). Throws std::out_of_range outside [0, B) x [0, H).
+  std::vector<float> scores(Index b, Index h) const {
+    std::vector<float> out;
+    if (heads_.empty()) return out;
+    const auto& head = head_at(b, h);
+    for (const detail::Slot s : head.order()) out.push_back(head.score(s));
+    return out;
   }
 
   /// True when trim() can roll back tokens (only the standard cache).
-  virtual bool is_trimmable() const { return true; }
+  virtual bool is_trimmable() const { return rule_.kind == detail::RuleKind::keep_all; }
 
   /// Drops the newest min(n, offset()) tokens and returns how many were dropped. Non-trimmable
   /// caches return 0 and change nothing. Throws std::invalid_argument for n < 0.
@@ -233,7 +225,11 @@ class KVCache {
     dims_ = detail::LayerDims{};
     offset_ = 0;
     tokens_seen_ = 0;
+    rule_.compressed = false;
   }
+
+  /// The rows per head the cache evicts down to; -1 for the standard cache (docs/design.md 2.6).
+  virtual int layer_budget() const { return rule_.budget.value_or(-1); }
 
   /// Bytes of retained K and V over all heads (sizeof(T) per element).
   std::size_t kept_bytes() const {
@@ -256,15 +252,27 @@ class KVCache {
   /// Rows retained in head (b=0, h=0).
   std::int64_t tokens_kept() const { return heads_.empty() ? 0 : heads_.front().live(); }
 
-  /// Heap bytes the cache holds right now (row storage, bookkeeping and capacity).
-  virtual std::size_t heap_bytes() const {
-    std::size_t total = heads_.capacity() * sizeof(detail::HeadStore<T>);
+  /// Heap bytes the cache holds right now (rows, bookkeeping, scratch, by capacity).
+  std::size_t heap_bytes() const {
+    std::size_t total = heads_.capacity() * sizeof(detail::HeadStore<T>) +
+                        scratch_.capacity() * sizeof(detail::Scratch);
     for (const auto& h : heads_) total += h.heap_bytes();
+    for (const auto& s : scratch_) total += s.heap_bytes();
     return total;
   }
 
-  /// Lets calls spread the B·H heads over OpenMP threads (when built with OpenMP; default on).
-  /// Results are identical either way.
+  /// Lets calls spread their heads over the engine's threads (docs/design.md 7.3): `run` executes
+  /// up to `workers` tasks at once. Without one (the default) heads run serially. Results are
+  /// bit-identical either way. Throws std::invalid_argument for workers < 1.
+  void set_parallel_for(ParallelFor run, int workers) {
+    if (workers < 1) {
+      throw std::invalid_argument("set_parallel_for: workers (" + std::to_string(workers) +
+                                  ") must be >= 1");
+    }
+    parallel_for_ = std::move(run);
+    workers_ = parallel_for_ ? workers : 1;
+  }
+  /// Switches the use of the parallel-for given to set_parallel_for on or off (default on).
   void set_parallel_heads(bool on) { parallel_heads_ = on; }
   bool parallel_heads() const { return parallel_heads_; }
 
@@ -275,131 +283,184 @@ class KVCache {
   Index value_dim() const { return dims_.value_dim; }
 
  protected:
-  /// Before anything is mutated: may inspect the keys and throw. keys: [B, H, S, Dk]
-  virtual void inspect_call(const Tensor4<T>& /*keys*/) {}
-  /// After capacity is reserved, before the rows are appended. May throw only before it changes
-  /// the cache's logical state (strong guarantee).
-  virtual void prepare_call(const Tensor4<T>& /*keys*/) {}
-  /// Takes the `count` rows just appended at slots [first, first + count) of `head` into the live
-  /// set (and evicts). The standard cache keeps them all. Must not throw.
-  /// `worker` (0 <= worker < workers()) names the scratch to use; heads may run in parallel.
-  /// `queries` is this head's slice of the call's queries ([G, count, Dk] float32), empty when the
-  /// call brought none.
-  virtual void absorb_rows(detail::HeadStore<T>& head, detail::Slot first, Index count,
-                           int /*worker*/, const detail::QuerySlice& /*queries*/) {
-    for (Index i = 0; i < count; ++i) head.push_live(static_cast<detail::Slot>(first + i));
-  }
-  /// Reserves the policy's scratch of `workers` workers for a call holding up to `rows` rows per
-  /// head, `new_rows` of them new, with `groups` query heads per KV head (0: no queries); may throw.
-  virtual void reserve_scratch(Index /*rows*/, Index /*key_dim*/, Index /*new_rows*/,
-                               int /*workers*/, Index /*groups*/) {}
-  /// Workers the next call may use: the OpenMP thread count when built with OpenMP and
-  /// parallel heads are enabled, else 1.
-  int workers() const {
-#ifdef _OPENMP
-    return parallel_heads_ ? std::max(1, omp_get_max_threads()) : 1;
-#else
-    return 1;
-#endif
-  }
-  /// Rows a head needs in steady state (budget + 1), or max() when unbounded. Sizes growth.
-  virtual Index steady_rows() const { return std::numeric_limits<Index>::max(); }
+  /// A policy's cache: `rule` says what the calls do with rows (docs/design.md 7.1).
+  explicit KVCache(const detail::Rule& rule) : rule_(rule) {}
 
-  /// Converts an input tensor to the storage type. t: [B, H, S, D]
-  template <class U>
-  static Tensor4<T> to_storage(const Tensor4<U>& t) {
-    static_assert(is_input_type_v<U>, "veloxquant: inputs must be half, bfloat16, float or double");
-    return t.template cast<T>();
-  }
+  /// Hook: before anything changes; may inspect the call's keys ([B, H, S, Dk], any input type)
+  /// and throw.
+  virtual void inspect_call(const detail::InputRows& /*keys*/) {}
+  /// Hook: after storage and scratch are reserved, before any row is touched. May throw only
+  /// before it changes anything (the strong guarantee); may change the budget (set_budget).
+  virtual void start_call() {}
 
-  std::vector<detail::HeadStore<T>>& head_stores() { return heads_; }
-  const std::vector<detail::HeadStore<T>>& head_stores() const { return heads_; }
-  const detail::LayerDims& dims() const { return dims_; }
+  const detail::Rule& rule() const { return rule_; }
+  // Policy accessors, published by the classes they mean something for (`using`).
+  /// The budget in force (rows per head), or empty while it is unknown.
+  std::optional<int> budget() const { return rule_.budget; }
+  /// Leading positions never evicted.
+  int n_sink() const { return rule_.n_sink; }
+  /// Newest rows never evicted under the current budget (0 while the budget is unknown).
+  int protected_recent() const { return rule_.protected_recent(); }
+  /// Per-token decay of cumulative scores.
+  float decay() const { return rule_.decay; }
+  /// Makes `budget` the budget in force; the heads are brought within it (docs/design.md 4.5) at
+  /// the start of the call in progress, or of the next one.
+  void set_budget(std::optional<int> budget) {
+    rule_.budget = budget;
+    rebudget_ = true;
+  }
 
  private:
-  // Converts keys and values to T and queries to float32 where their types differ (no copy
-  // otherwise), then returns f(keys, values, &queries).
-  template <class U, class Q, class F>
-  static decltype(auto) with_queries(const Tensor4<U>& keys, const Tensor4<U>& values,
-                                     const Tensor4<Q>& queries, F f) {
-    static_assert(is_input_type_v<U> && is_input_type_v<Q>,
-                  "veloxquant: keys, values and queries must be half, bfloat16, float or double");
-    Tensor4<float> q_converted;
-    const Tensor4<float>* q = &q_converted;
-    if constexpr (std::is_same_v<Q, float>) {
-      q = &queries;
-    } else {
-      q_converted = queries.template cast<float>();
+  template <class U>
+  static detail::InputRows rows_of(const Tensor4<U>& t) {
+    static_assert(is_input_type_v<U>, "veloxquant: inputs must be half, bfloat16, float or double");
+    return detail::head_major_rows(t.data(), t.dimension(0), t.dimension(1), t.dimension(2),
+                                   t.dimension(3));
+  }
+
+  // Head (b, h); std::out_of_range outside [0, B) x [0, H).
+  const detail::HeadStore<T>& head_at(Index b, Index h) const {
+    if (b < 0 || b >= dims_.batch || h < 0 || h >= dims_.heads) {
+      throw std::out_of_range("scores/positions: head (" + std::to_string(b) + ", " +
+                              std::to_string(h) + ") out of range");
     }
-    if constexpr (std::is_same_v<U, T>) {
-      return f(keys, values, q);
-    } else {
-      return f(to_storage(keys), to_storage(values), q);
-    }
-  }
-
-  // Validates the call's queries (after the keys and values) and describes them for the kernels.
-  // queries: [B, Hq, S, Dk] or nullptr; keys: [B, H, S, Dk]
-  static detail::CallQueries checked_queries(const Tensor4<float>* queries, const Tensor4<T>& keys,
-                                             const char* api) {
-    if (queries == nullptr) return {};
-    detail::check_queries(*queries, keys, api);
-    return detail::CallQueries{queries->data(), queries->dimension(1) / keys.dimension(1),
-                               keys.dimension(2), keys.dimension(3)};
-  }
-
-  // The shared body of every update_*; `api` names the caller in errors.
-  // queries: [B, Hq, S, Dk] or nullptr
-  KVView<T> update(const Tensor4<T>& keys, const Tensor4<T>& values,
-                   const Tensor4<float>* queries, const char* api) {
-    detail::check_update(keys, values, dims_, api);
-    detail::check_rows_fit(live_rows(), keys.dimension(2), api);
-    return update_checked(keys, values, checked_queries(queries, keys, api));
-  }
-
-  // update() after the input checks passed.
-  KVView<T> update_checked(const Tensor4<T>& keys, const Tensor4<T>& values,
-                           const detail::CallQueries& queries) {
-    const Index S = keys.dimension(2);
-    if (S == 0) {
-      for (auto& h : heads_) h.compact();
-      return make_view(dims_.known ? heads_.front().live() : 0, 0, keys, values);
-    }
-    inspect_call(keys);
-    reserve_for_call(keys, values, queries.groups);
-    // The call returns the rows retained before it: snapshot them before a re-budget at the start
-    // of the call (prepare_call) marks any dead; they stay in their slots until the next call.
-    for (auto& h : heads_) h.begin_window();
-    prepare_call(keys);
-    absorb_call(keys, values, queries);
-    offset_ += S;
-    tokens_seen_ += dims_.batch * dims_.heads * S;
-    return make_view(heads_.front().physical(), S, keys, values);
-  }
-
-  // update + copy of the returned window into `out`. The output is sized before the cache changes
-  // (the window is the rows retained before the call plus the call's rows), so a bad_alloc leaves
-  // the cache unchanged. out: [B, H, n, Dk] and [B, H, n, Dv]
-  void fetch_into(const Tensor4<T>& keys, const Tensor4<T>& values, const Tensor4<float>* queries,
-                  KVPair<T>& out, const char* api) {
-    detail::check_update(keys, values, dims_, api);
-    detail::check_rows_fit(live_rows(), keys.dimension(2), api);
-    const detail::CallQueries call_queries = checked_queries(queries, keys, api);
-    const Index rows = live_rows() + keys.dimension(2);
-    resize_pair(out, keys.dimension(0), keys.dimension(1), rows, keys.dimension(3),
-                values.dimension(3));
-    const KVView<T> view = update_checked(keys, values, call_queries);
-    if (view.new_rows() == 0 && !dims_.known) return;  // [B, H, 0, D]
-    const bool whole_window = view.new_rows() != 0;
-    copy_rows_into(
-        [whole_window](const detail::HeadStore<T>& h) -> const std::vector<detail::Slot>& {
-          return whole_window ? h.window() : h.order();
-        },
-        out);
+    return heads_[static_cast<std::size_t>(b * dims_.heads + h)];
   }
 
   // Rows each head holds (the same for all heads), 0 before the first call.
   Index live_rows() const { return dims_.known ? heads_.front().live() : 0; }
+
+  std::size_t row_bytes() const {
+    return static_cast<std::size_t>(dims_.key_dim + dims_.value_dim) * sizeof(T);
+  }
+
+  // The one body of every update API; `api` names the caller in errors; `out` (fetch and
+  // fetch_into) receives a copy of the window. keys: [B, H, S, Dk], values: [B, H, S, Dv],
+  // queries: [B, G·H, S, Dk] or nullptr.
+  KVView<T> run(const detail::InputRows& keys, const detail::InputRows& values,
+                const detail::InputRows* queries, const char* api, KVPair<T>* out) {
+    // 1. Validation: nothing has changed if it throws.
+    detail::check_update<T>(keys, values, dims_, api);
+    detail::check_rows_fit(live_rows(), keys.seq, api);
+    if (queries) detail::check_queries(*queries, keys, api);
+    const Index S = keys.seq;
+    // The output is sized first (the window is the retained rows plus the call's), so a bad_alloc
+    // leaves the cache unchanged.
+    if (out) resize_pair(*out, keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim);
+    if (S == 0) {
+      for (auto& h : heads_) h.compact();
+      if (out && dims_.known) copy_retained(*out);
+      return make_view(live_rows(), 0, keys, values);
+    }
+    // 2. The policy inspects the call (may throw); 3. storage and scratch are reserved (may
+    // throw bad_alloc); 4. the policy starts the call (may throw before it changes anything).
+    inspect_call(keys);
+    const Index groups = queries ? queries->heads / keys.heads : 0;
+    const detail::CallPlan plan = detail::plan_call(rule_, S, groups);
+    std::vector<detail::HeadStore<T>> fresh = reserve(keys, values, plan);
+    start_call();
+    // 5. No-throw from here on.
+    if (!dims_.known) {
+      heads_.swap(fresh);
+      dims_ = detail::LayerDims{keys.batch, keys.heads, keys.dim, values.dim, true};
+    }
+    if (plan.compress) rule_.compressed = true;
+    absorb_heads(keys, values, queries, groups, plan);
+    rebudget_ = false;
+    offset_ += S;
+    tokens_seen_ += dims_.batch * dims_.heads * S;
+    if (out) copy_window(*out);
+    return make_view(heads_.front().physical(), S, keys, values);
+  }
+
+  // Reserves room for the call: fresh heads for a cache's first call (returned, swapped in by
+  // run()), otherwise compaction (logically invisible) and growth of every head; then the scratch
+  // of every worker. The logical state is unchanged even if an allocation throws.
+  std::vector<detail::HeadStore<T>> reserve(const detail::InputRows& keys,
+                                            const detail::InputRows& values,
+                                            const detail::CallPlan& plan) {
+    const Index S = keys.seq;
+    std::vector<detail::HeadStore<T>> fresh;
+    if (!dims_.known) {
+      const Index n = keys.batch * keys.heads;
+      fresh.reserve(static_cast<std::size_t>(n));
+      for (Index i = 0; i < n; ++i) {
+        fresh.emplace_back(keys.dim, values.dim);
+        fresh.back().reserve(S);
+      }
+    } else {
+      for (auto& h : heads_) {
+        h.compact();
+        const Index needed = h.live() + S;
+        h.shrink_if_oversized(needed);
+        if (h.capacity() < needed) {
+          const Index grown = h.capacity() + h.capacity() / 2;
+          h.reserve(std::max(needed, std::min(grown, std::max(rule_.steady_rows(), needed))));
+        }
+      }
+    }
+    const detail::ScratchSize size{plan.rows, live_rows() + S, detail::padded_dim(keys.dim),
+                                   plan.gather};
+    const auto workers = static_cast<std::size_t>(tasks_for(keys.batch * keys.heads, size));
+    if (scratch_.size() < workers) scratch_.resize(workers);
+    for (auto& s : scratch_) s.fit(size);
+    return fresh;
+  }
+
+  // Tasks a call of this size runs on: 1 unless a parallel-for is set and the call is large
+  // enough to be worth a fork.
+  int tasks_for(Index n_heads, const detail::ScratchSize& size) const {
+    if (!parallel_for_ || !parallel_heads_ || workers_ < 2 || n_heads < 2) return 1;
+    const Index work = std::max<Index>(size.rows, 1) * size.columns * size.dim * n_heads;
+    if (work < kParallelWork) return 1;
+    return static_cast<int>(std::min<Index>(workers_, n_heads));
+  }
+
+  // Steps 5 of run(): per head, the window starts, a pending re-budget applies, the call's rows
+  // are stored and the policy absorbs them. Heads are independent: with a parallel-for, each task
+  // takes a contiguous range of heads and its own scratch.
+  void absorb_heads(const detail::InputRows& keys, const detail::InputRows& values,
+                    const detail::InputRows* queries, Index groups,
+                    const detail::CallPlan& plan) noexcept {
+    const Index S = keys.seq;
+    const Index n_heads = dims_.batch * dims_.heads;
+    const detail::ScratchSize size{plan.rows, live_rows() + S, detail::padded_dim(keys.dim),
+                                   plan.gather};
+    const auto one = [&](Index i, detail::Scratch& sc) {
+      auto& head = heads_[static_cast<std::size_t>(i)];
+      const Index b = i / dims_.heads, h = i % dims_.heads;
+      head.begin_window();
+      if (rebudget_ && rule_.budget) {
+        detail::rebudget(head, *rule_.budget, rule_.n_sink, rule_.protected_recent(), sc);
+      }
+      for (Index s = 0; s < S; ++s) {
+        detail::with_row(keys, b, h, s, [&](const auto* k) {
+          using U = std::remove_cv_t<std::remove_pointer_t<decltype(k)>>;
+          (void)head.append(k, values.template row<U>(b, h, s), offset_ + s);
+        });
+      }
+      const detail::HeadQueries q{queries, b, h, groups};
+      detail::absorb_head(head, rule_, plan, S, q, sc);
+    };
+    const int tasks = tasks_for(n_heads, size);
+    if (tasks <= 1) {
+      for (Index i = 0; i < n_heads; ++i) one(i, scratch_.front());
+      return;
+    }
+    parallel_for_(tasks, [&](int task) {
+      const Index lo = n_heads * task / tasks, hi = n_heads * (task + 1) / tasks;
+      for (Index i = lo; i < hi; ++i) one(i, scratch_[static_cast<std::size_t>(task)]);
+    });
+  }
+
+  KVView<T> make_view(Index rows, Index new_rows, const detail::InputRows& keys,
+                      const detail::InputRows& values) const {
+    if (!dims_.known) {
+      return KVView<T>(&heads_, keys.batch, keys.heads, keys.dim, values.dim, 0, 0);
+    }
+    return KVView<T>(&heads_, dims_.batch, dims_.heads, dims_.key_dim, dims_.value_dim, rows,
+                     new_rows);
+  }
 
   static void resize_pair(KVPair<T>& out, Index b, Index h, Index n, Index dk, Index dv) {
     const Eigen::array<Index, 4> kshape{b, h, n, dk};
@@ -408,130 +469,52 @@ class KVCache {
     if (out.second.dimensions() != vshape) out.second.resize(vshape);
   }
 
-  std::size_t row_bytes() const {
-    return static_cast<std::size_t>(dims_.key_dim + dims_.value_dim) * sizeof(T);
+  // The retained rows of every head in ascending position into `out` (resized if needed).
+  void copy_retained(KVPair<T>& out) const {
+    copy_rows(out, [](const detail::HeadStore<T>& h, const auto& emit) {
+      for (const detail::Slot s : h.order()) emit(s);
+    });
   }
-
-  // Compacts every head and reserves room for the call; the logical state is unchanged even if
-  // an allocation throws (strong guarantee).
-  void reserve_for_call(const Tensor4<T>& keys, const Tensor4<T>& values, Index groups) {
-    const Index S = keys.dimension(2);
-    if (!dims_.known) {
-      const Index n = keys.dimension(0) * keys.dimension(1);
-      std::vector<detail::HeadStore<T>> fresh;
-      fresh.reserve(static_cast<std::size_t>(n));
-      for (Index i = 0; i < n; ++i) {
-        fresh.emplace_back(keys.dimension(3), values.dimension(3));
-        fresh.back().reserve(S);
-      }
-      reserve_scratch(S, keys.dimension(3), S, workers(), groups);
-      heads_.swap(fresh);
-      dims_ = detail::LayerDims{keys.dimension(0), keys.dimension(1), keys.dimension(3),
-                                values.dimension(3), true};
-      return;
-    }
-    Index max_needed = 0;
-    for (auto& h : heads_) {
-      h.compact();
-      const Index needed = h.live() + S;
-      h.shrink_if_oversized(needed);
-      if (h.capacity() < needed) {
-        const Index grown = h.capacity() + h.capacity() / 2;
-        const Index bound = std::max(steady_rows(), needed);
-        h.reserve(std::max(needed, std::min(grown, bound)));
-      }
-      max_needed = std::max(max_needed, needed);
-    }
-    reserve_scratch(max_needed, dims_.key_dim, S, workers(), groups);
+  // The window of the call just made: the rows retained before it, then its own.
+  void copy_window(KVPair<T>& out) const {
+    copy_rows(out, [](const detail::HeadStore<T>& h, const auto& emit) {
+      for (const detail::Slot s : h.window()) emit(s);
+      for (Index s = h.call_begin(); s < h.physical(); ++s) emit(s);
+    });
   }
-
-  // Appends the call's rows to every head and lets the policy absorb them.
-  // keys: [B, H, S, Dk], values: [B, H, S, Dv]; queries: [B, G·H, S, Dk] or none
-  void absorb_call(const Tensor4<T>& keys, const Tensor4<T>& values,
-                   const detail::CallQueries& queries) {
-    const Index S = keys.dimension(2);
-    const Index dk = dims_.key_dim, dv = dims_.value_dim;
-    const auto n_heads = static_cast<Index>(heads_.size());
-    const int n_workers = workers();
-    // Heads are independent and each runs the same serial code, so results are bit-identical
-    // whatever the number of threads. Small calls stay serial (a fork costs more than they do).
-    const bool parallel = n_workers > 1 && n_heads > 1 &&
-                          (heads_.front().live() + S) * S * dk * n_heads *
-                                  std::max<Index>(queries.groups, 1) >=
-                              kParallelWork;
-    (void)parallel;
-    // Every product of a head runs on the thread that owns the head: Eigen would otherwise spread
-    // a serial call's GEMMs over OpenMP threads of its own (measured 5-25x slower, and far worse
-    // on a loaded machine), since it parallelises whenever it is not inside a team of several.
-    [[maybe_unused]] const detail::OneEigenThread one_eigen_thread;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(n_workers) if (parallel)
-#endif
-    for (Index hi = 0; hi < n_heads; ++hi) {
-      auto& head = heads_[static_cast<std::size_t>(hi)];
-      const auto first = static_cast<detail::Slot>(head.physical());
-      for (Index s = 0; s < S; ++s) {
-        const detail::Slot slot =
-            head.append(keys.data() + (hi * S + s) * dk, values.data() + (hi * S + s) * dv,
-                        offset_ + static_cast<std::int64_t>(s));
-        head.extend_window(slot);
-      }
-#ifdef _OPENMP
-      const int worker = parallel ? omp_get_thread_num() : 0;
-#else
-      const int worker = 0;
-#endif
-      absorb_rows(head, first, S, worker, queries.slice(hi));
-    }
-  }
-
-  KVView<T> make_view(Index rows, Index new_rows, const Tensor4<T>& keys,
-                      const Tensor4<T>& values) const {
-    if (!dims_.known) {
-      return KVView<T>(&heads_, keys.dimension(0), keys.dimension(1), keys.dimension(3),
-                       values.dimension(3), 0, 0);
-    }
-    return KVView<T>(&heads_, dims_.batch, dims_.heads, dims_.key_dim, dims_.value_dim, rows,
-                     new_rows);
-  }
-
-  // Gathers rows of every head in the slot order `pick(head)` gives: [B, H, n, D] twice.
-  template <class Pick>
-  KVPair<T> copy_rows(Pick pick) const {
-    KVPair<T> out;
-    copy_rows_into(pick, out);
-    return out;
-  }
-
-  // Gathers into `out`, resizing its tensors only when their shape differs.
-  template <class Pick>
-  void copy_rows_into(Pick pick, KVPair<T>& out) const {
-    const Index n = heads_.empty() ? 0 : static_cast<Index>(pick(heads_.front()).size());
+  // Gathers, per head, the slots `each(head, emit)` emits: [B, H, n, D] twice.
+  template <class Each>
+  void copy_rows(KVPair<T>& out, Each each) const {
+    Index n = 0;
+    if (!heads_.empty()) each(heads_.front(), [&n](Index) { ++n; });
     resize_pair(out, dims_.batch, dims_.heads, n, dims_.key_dim, dims_.value_dim);
-    Tensor4<T>& k = out.first;
-    Tensor4<T>& v = out.second;
     const auto dk = static_cast<std::size_t>(dims_.key_dim);
     const auto dv = static_cast<std::size_t>(dims_.value_dim);
-    T* kout = k.data();
-    T* vout = v.data();
+    T* kout = out.first.data();
+    T* vout = out.second.data();
     for (const auto& h : heads_) {
-      for (const detail::Slot s : pick(h)) {
+      each(h, [&](Index s) {
         std::memcpy(kout, h.key_ptr(s), dk * sizeof(T));
         std::memcpy(vout, h.value_ptr(s), dv * sizeof(T));
         kout += dk;
         vout += dv;
-      }
+      });
     }
   }
 
-  // Multiply-adds per call below which heads run serially.
+  // Multiply-adds per call below which heads run serially (a fork costs more).
   static constexpr Index kParallelWork = Index{1} << 16;
 
+  detail::Rule rule_{};
+  bool rebudget_ = false;
   detail::LayerDims dims_{};
-  bool parallel_heads_ = true;
   std::vector<detail::HeadStore<T>> heads_;
+  std::vector<detail::Scratch> scratch_;
   std::int64_t offset_ = 0;
   std::int64_t tokens_seen_ = 0;
+  ParallelFor parallel_for_;
+  int workers_ = 1;
+  bool parallel_heads_ = true;
 };
 
 }  // namespace veloxquant::cache

@@ -176,4 +176,15 @@ struct KVCacheConfig {
   }
 };
 
+namespace detail {
+
+/// Validates `config` as if `method` were in use (a cache class knows its own method).
+inline void validate_as(const KVCacheConfig& config, const char* method) {
+  KVCacheConfig c = config;
+  c.method = method;
+  c.validate();
+}
+
+}  // namespace detail
+
 }  // namespace veloxquant::cache

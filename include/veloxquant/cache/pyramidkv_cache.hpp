@@ -9,7 +9,8 @@
 #include <Eigen/Core>
 
 #include "detail/budgets.hpp"
-#include "detail/h2o_core.hpp"
+#include "detail/policy.hpp"
+#include "kv_cache.hpp"
 #include "kv_cache_config.hpp"
 
 namespace veloxquant::cache {
@@ -24,18 +25,27 @@ inline std::vector<int> pyramid_budgets(int n_layers, int avg_budget, int n_sink
 /// One layer of PyramidKV: budget `pyramid_resolved_budget` (the builder sets it per layer from
 /// pyramid_budgets), else `pyramid_budget`.
 template <class T = Eigen::half>
-class PyramidKVCache : public detail::H2OCore<T> {
-  using Core = detail::H2OCore<T>;
-
+class PyramidKVCache : public KVCache<T> {
  public:
   /// Validates `config` as method "pyramidkv"; throws std::invalid_argument.
-  explicit PyramidKVCache(const KVCacheConfig& config)
-      : Core((detail::validate_as(config, "pyramidkv"), config.pyramid_n_sink), config.pyramid_decay,
-             detail::GracePolicy{true, config.pyramid_recent_ratio, 0},
-             config.pyramid_resolved_budget.value_or(config.pyramid_budget)) {}
+  explicit PyramidKVCache(const KVCacheConfig& config) : KVCache<T>(rule_of(config)) {}
 
-  /// This layer's budget (rows per head).
-  int layer_budget() const { return *this->budget(); }
+  using KVCache<T>::budget;
+  using KVCache<T>::n_sink;
+  using KVCache<T>::protected_recent;
+  using KVCache<T>::decay;
+
+ private:
+  static detail::Rule rule_of(const KVCacheConfig& config) {
+    detail::validate_as(config, "pyramidkv");
+    detail::Rule r;
+    r.kind = detail::RuleKind::cumulative;
+    r.budget = config.pyramid_resolved_budget.value_or(config.pyramid_budget);
+    r.n_sink = config.pyramid_n_sink;
+    r.recent_ratio = config.pyramid_recent_ratio;
+    r.decay = static_cast<float>(config.pyramid_decay);
+    return r;
+  }
 };
 
 }  // namespace veloxquant::cache

@@ -15,16 +15,20 @@
 // Deliberate differences from the Python reference are listed in docs/design.md 9.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <Eigen/Core>
 
 #include "detail/concentration.hpp"
-#include "detail/h2o_core.hpp"
+#include "detail/input.hpp"
+#include "detail/policy.hpp"
+#include "kv_cache.hpp"
 #include "kv_cache_config.hpp"
 #include "squeeze_coordinator.hpp"
 #include "tensor.hpp"
@@ -38,11 +42,10 @@ double concentration_score(const Eigen::MatrixBase<Derived>& rows) {
   return detail::concentration_score(rows);
 }
 
-/// One layer of SqueezeAttention-adapted eviction (docs/design.md 5).
+/// One layer of SqueezeAttention-adapted eviction (docs/design.md 5): the H2O core whose budget
+/// the shared coordinator decides from every layer's concentration.
 template <class T = Eigen::half>
-class SqueezeAttentionCache : public detail::H2OCore<T> {
-  using Core = detail::H2OCore<T>;
-
+class SqueezeAttentionCache : public KVCache<T> {
  public:
   using Index = Eigen::Index;
 
@@ -52,16 +55,14 @@ class SqueezeAttentionCache : public detail::H2OCore<T> {
   explicit SqueezeAttentionCache(const KVCacheConfig& config,
                                  std::optional<int> layer_id = std::nullopt,
                                  std::shared_ptr<SqueezeCoordinator> coordinator = nullptr)
-      : Core(checked(config, layer_id).squeeze_n_sink, config.squeeze_decay,
-             detail::GracePolicy{true, config.squeeze_recent_ratio, 0},
-             initial_budget(config, layer_id, coordinator)),
+      : KVCache<T>(rule_of(config, layer_id, coordinator)),
         config_(config),
         layer_id_(layer_id),
         coordinator_(std::move(coordinator)) {}
 
   /// This layer's budget: the resolved one once adopted, else the fallback
   /// (squeeze_resolved_budget or squeeze_budget).
-  int layer_budget() const {
+  int layer_budget() const override {
     const std::optional<int> b = this->budget();
     return b ? *b : fallback_budget();
   }
@@ -76,8 +77,13 @@ class SqueezeAttentionCache : public detail::H2OCore<T> {
   /// The layer id reported to the coordinator, if any.
   std::optional<int> layer_id() const { return layer_id_; }
 
+  using KVCache<T>::budget;
+  using KVCache<T>::n_sink;
+  using KVCache<T>::protected_recent;
+  using KVCache<T>::decay;
+
   void reset() override {
-    Core::reset();
+    KVCache<T>::reset();
     concentration_ = 0.0;
     pending_concentration_ = 0.0;
     calls_ = 0;
@@ -85,32 +91,37 @@ class SqueezeAttentionCache : public detail::H2OCore<T> {
     adopted_ = false;
     report_generation_ = 0;
     if (coordinated() && config_.squeeze_defer) {
-      this->clear_budget();
+      this->set_budget(std::nullopt);
     } else {
       this->set_budget(fallback_budget());
     }
   }
 
  protected:
-  void inspect_call(const Tensor4<T>& keys) override {
+  void inspect_call(const detail::InputRows& keys) override {
     if (calls_ != 0) return;
-    // Mean concentration over every (b, h) of the first call (the reference sampled head (0,0)).
-    const Index B = keys.dimension(0), H = keys.dimension(1), S = keys.dimension(2);
-    const Index D = keys.dimension(3);
+    // Mean concentration over every (b, h) of the first call (the reference sampled head (0,0)),
+    // on the keys as stored (T).
+    std::vector<T> row(static_cast<std::size_t>(keys.dim));
     double sum = 0.0;
-    for (Index i = 0; i < B * H; ++i) {
-      using RowsMap =
-          Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
-      sum += detail::concentration_score(RowsMap(keys.data() + i * S * D, S, D));
+    for (Index b = 0; b < keys.batch; ++b) {
+      for (Index h = 0; h < keys.heads; ++h) {
+        detail::ConcentrationSums sums;
+        for (Index s = 0; s < keys.seq; ++s) {
+          detail::read_row(keys, b, h, s, row.data());
+          sums.add(keys.dim, [&](Index j) { return static_cast<double>(row[static_cast<std::size_t>(j)]); });
+        }
+        sum += sums.score();
+      }
     }
-    pending_concentration_ = sum / static_cast<double>(B * H);
+    pending_concentration_ = sum / static_cast<double>(keys.batch * keys.heads);
     if (!std::isfinite(pending_concentration_)) {
       throw std::invalid_argument("SqueezeAttentionCache: concentration of the first call is "
                                   "not finite");
     }
   }
 
-  void prepare_call(const Tensor4<T>& /*keys*/) override {
+  void start_call() override {
     if (calls_ == 0) {
       // The report is the only step here that can throw (bad_alloc, a mutex error); it comes
       // before any change to this cache, so a throw leaves the cache as it was.
@@ -133,18 +144,22 @@ class SqueezeAttentionCache : public detail::H2OCore<T> {
   }
 
  private:
-  static const KVCacheConfig& checked(const KVCacheConfig& config, std::optional<int> layer_id) {
+  static detail::Rule rule_of(const KVCacheConfig& config, std::optional<int> layer_id,
+                              const std::shared_ptr<SqueezeCoordinator>& coordinator) {
     detail::validate_as(config, "squeeze");
     if (layer_id && *layer_id < 0) {
       throw std::invalid_argument("SqueezeAttentionCache: layer_id (" + std::to_string(*layer_id) +
                                   ") must be >= 0");
     }
-    return config;
-  }
-  static std::optional<int> initial_budget(const KVCacheConfig& config, std::optional<int> layer_id,
-                                           const std::shared_ptr<SqueezeCoordinator>& coordinator) {
-    if (layer_id && coordinator && config.squeeze_defer) return std::nullopt;
-    return config.squeeze_resolved_budget.value_or(config.squeeze_budget);
+    detail::Rule r;
+    r.kind = detail::RuleKind::cumulative;
+    if (!(layer_id && coordinator && config.squeeze_defer)) {
+      r.budget = config.squeeze_resolved_budget.value_or(config.squeeze_budget);
+    }
+    r.n_sink = config.squeeze_n_sink;
+    r.recent_ratio = config.squeeze_recent_ratio;
+    r.decay = static_cast<float>(config.squeeze_decay);
+    return r;
   }
   bool coordinated() const { return coordinator_ && layer_id_; }
   int fallback_budget() const {

@@ -10,6 +10,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "fp.hpp"
+
 namespace veloxquant::cache::detail {
 
 /// Round to nearest, ties to even, independent of the floating-point environment.
@@ -65,7 +67,7 @@ inline std::vector<int> squeeze_budgets(const std::vector<double>& concentration
   std::vector<int> out(n);
   for (std::size_t i = 0; i < n; ++i) {
     const double w = sum <= 0.0 ? 1.0 : raw[i] * nd / sum;
-    const double b = static_cast<double>(avg_budget) * ((1.0 - strength) + strength * w);
+    const double b = product(static_cast<double>(avg_budget), (1.0 - strength) + product(strength, w));
     out[i] = to_budget(b, floor_budget);
   }
   return out;
@@ -84,12 +86,12 @@ inline std::vector<int> pyramid_budgets(int n_layers, int avg_budget, int n_sink
   const auto n = static_cast<std::size_t>(n_layers);
   const double avg = avg_budget;
   const double fl = floor_budget;
-  const double span = (avg - fl) * (beta - 1.0);
+  const double span = product(avg - fl, beta - 1.0);
   const double top = avg + span;
   const double bottom = avg - span;
   std::vector<double> v(n);
   for (std::size_t i = 0; i < n; ++i) {
-    v[i] = top + (bottom - top) * static_cast<double>(i) / static_cast<double>(n - 1);
+    v[i] = top + product(bottom - top, static_cast<double>(i)) / static_cast<double>(n - 1);
   }
   std::vector<bool> clamped(n, false);
   for (std::size_t pass = 0; pass < n; ++pass) {
@@ -101,7 +103,7 @@ inline std::vector<int> pyramid_budgets(int n_layers, int avg_budget, int n_sink
     }
     double total = 0.0;
     for (double x : v) total += x;
-    const double excess = total - avg * static_cast<double>(n);
+    const double excess = total - product(avg, static_cast<double>(n));
     if (excess <= 1e-9) break;
     double slack = 0.0;
     bool any_free = false;
@@ -113,7 +115,7 @@ inline std::vector<int> pyramid_budgets(int n_layers, int avg_budget, int n_sink
     }
     if (!any_free || slack <= 1e-9) break;
     for (std::size_t i = 0; i < n; ++i) {
-      if (!clamped[i]) v[i] -= excess * (v[i] - fl) / slack;
+      if (!clamped[i]) v[i] -= product(excess, v[i] - fl) / slack;
     }
   }
   std::vector<int> out(n);

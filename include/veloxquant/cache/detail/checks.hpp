@@ -1,47 +1,49 @@
-// veloxquant — input validation at the API boundary (docs/design.md 8): shapes and finiteness.
+// veloxquant — input validation at the API boundary (docs/design.md 8): shapes, finiteness and
+// capacity, all before the cache changes.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include <Eigen/Core>
 
-#include "../tensor.hpp"
+#include "input.hpp"
 
 namespace veloxquant::cache::detail {
 
 /// Shape of one cache's calls, fixed by its first call with S >= 1 (until reset()).
 struct LayerDims {
-  Eigen::Index batch = 0;
-  Eigen::Index heads = 0;
-  Eigen::Index key_dim = 0;
-  Eigen::Index value_dim = 0;
+  Index batch = 0;
+  Index heads = 0;
+  Index key_dim = 0;
+  Index value_dim = 0;
   bool known = false;
 };
 
-template <class T>
-std::string shape_str(const Tensor4<T>& t) {
+inline std::string shape_str(const InputRows& t) {
   std::ostringstream os;
-  os << '[' << t.dimension(0) << ", " << t.dimension(1) << ", " << t.dimension(2) << ", "
-     << t.dimension(3) << ']';
+  os << '[' << t.batch << ", " << t.heads << ", " << t.seq << ", " << t.dim << ']';
   return os.str();
 }
 
-/// True when every element of x[0..n) is finite. A branch-free exponent-bits test that the
-/// compiler vectorises (the per-element isfinite of half/bfloat16 does not).
+/// True when every element of x[0..n) is finite: a branch-free exponent-bits test.
 template <class T>
-bool all_finite(const T* x, Eigen::Index n) {
-  using Bits = std::conditional_t<sizeof(T) == 2, std::uint16_t, std::uint32_t>;
-  static_assert(sizeof(T) == sizeof(Bits), "storage types are 16 or 32 bits");
-  constexpr auto exponent = static_cast<Bits>(std::is_same_v<T, float>            ? 0x7F800000u
-                                              : std::is_same_v<T, Eigen::bfloat16> ? 0x7F80u
-                                                                                    : 0x7C00u);
+bool all_finite(const T* x, Index n) {
+  using Bits = std::conditional_t<sizeof(T) == 2, std::uint16_t,
+                                  std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>>;
+  static_assert(sizeof(T) == sizeof(Bits), "element types are 16, 32 or 64 bits");
+  constexpr auto exponent = static_cast<Bits>(std::is_same_v<T, double>   ? 0x7FF0000000000000ull
+                                              : std::is_same_v<T, float>  ? 0x7F800000ull
+                                              : std::is_same_v<T, Eigen::bfloat16> ? 0x7F80ull
+                                                                                   : 0x7C00ull);
   Bits bad = 0;
-  for (Eigen::Index i = 0; i < n; ++i) {
+  for (Index i = 0; i < n; ++i) {
     Bits b;
     std::memcpy(&b, x + i, sizeof(Bits));
     bad |= static_cast<Bits>((b & exponent) == exponent);
@@ -49,10 +51,42 @@ bool all_finite(const T* x, Eigen::Index n) {
   return bad == 0;
 }
 
+/// Index of the first element of row (b, h, s) of `in` that is not finite once converted to X
+/// (the storage type for keys, float32 for queries), and that value; -1 when all are.
+/// buf: scratch of in.dim elements of X.
+template <class X>
+Index first_non_finite(const InputRows& in, Index b, Index h, Index s, std::vector<X>& buf,
+                       double& value) {
+  const Index d = in.dim;
+  if (in.type == element_type_of<X>()) {
+    const X* p = in.row<X>(b, h, s);
+    if (all_finite(p, d)) return -1;
+    for (Index j = 0; j < d; ++j) {
+      if (!all_finite(p + j, 1)) {
+        value = static_cast<double>(p[j]);
+        return j;
+      }
+    }
+    return -1;
+  }
+  buf.resize(static_cast<std::size_t>(d));
+  with_row(in, b, h, s, [&](const auto* p) {
+    for (Index j = 0; j < d; ++j) buf[static_cast<std::size_t>(j)] = static_cast<X>(p[j]);
+  });
+  if (all_finite(buf.data(), d)) return -1;
+  for (Index j = 0; j < d; ++j) {
+    if (!all_finite(buf.data() + j, 1)) {
+      value = static_cast<double>(buf[static_cast<std::size_t>(j)]);
+      return j;
+    }
+  }
+  return -1;
+}
+
 /// Throws std::invalid_argument when a head that holds `live` rows cannot take `new_rows` more:
 /// rows are addressed by 32-bit slots, so a head holds at most 2^31 - 1 rows.
-inline void check_rows_fit(Eigen::Index live, Eigen::Index new_rows, const char* api) {
-  constexpr Eigen::Index kMaxRows = 2147483647;  // std::numeric_limits<std::int32_t>::max()
+inline void check_rows_fit(Index live, Index new_rows, const char* api) {
+  constexpr Index kMaxRows = 2147483647;  // std::numeric_limits<std::int32_t>::max()
   if (new_rows > kMaxRows - live) {
     std::ostringstream os;
     os << api << ": a head holding " << live << " rows cannot take " << new_rows
@@ -62,10 +96,10 @@ inline void check_rows_fit(Eigen::Index live, Eigen::Index new_rows, const char*
 }
 
 /// Throws std::invalid_argument for keys/values whose shapes disagree with each other or with the
-/// dims of the first call, for a zero B, H or D, and for a non-finite key (first bad index).
-/// keys: [B, H, S, Dk], values: [B, H, S, Dv]
+/// dims of the first call, for a zero B, H or D, and for a key that is not finite once stored as
+/// T (the first bad index). keys: [B, H, S, Dk], values: [B, H, S, Dv]
 template <class T>
-void check_update(const Tensor4<T>& keys, const Tensor4<T>& values, const LayerDims& dims,
+void check_update(const InputRows& keys, const InputRows& values, const LayerDims& dims,
                   const char* api) {
   const auto fail = [&](const std::string& what) {
     std::ostringstream os;
@@ -73,32 +107,65 @@ void check_update(const Tensor4<T>& keys, const Tensor4<T>& values, const LayerD
        << ')';
     throw std::invalid_argument(os.str());
   };
-  if (keys.dimension(0) != values.dimension(0) || keys.dimension(1) != values.dimension(1) ||
-      keys.dimension(2) != values.dimension(2)) {
+  if (keys.batch != values.batch || keys.heads != values.heads || keys.seq != values.seq) {
     fail("keys and values must share B, H and S");
   }
-  if (keys.dimension(0) == 0 || keys.dimension(1) == 0) fail("B and H must be >= 1");
-  if (keys.dimension(3) == 0 || values.dimension(3) == 0) fail("head dim D must be >= 1");
-  if (dims.known) {
-    if (keys.dimension(0) != dims.batch || keys.dimension(1) != dims.heads ||
-        keys.dimension(3) != dims.key_dim || values.dimension(3) != dims.value_dim) {
-      std::ostringstream os;
-      os << "B, H or D differ from the first call's (B=" << dims.batch << ", H=" << dims.heads
-         << ", key D=" << dims.key_dim << ", value D=" << dims.value_dim << ")";
-      fail(os.str());
+  if (keys.batch == 0 || keys.heads == 0) fail("B and H must be >= 1");
+  if (keys.dim == 0 || values.dim == 0) fail("head dim D must be >= 1");
+  if (dims.known && (keys.batch != dims.batch || keys.heads != dims.heads ||
+                     keys.dim != dims.key_dim || values.dim != dims.value_dim)) {
+    std::ostringstream os;
+    os << "B, H or D differ from the first call's (B=" << dims.batch << ", H=" << dims.heads
+       << ", key D=" << dims.key_dim << ", value D=" << dims.value_dim << ")";
+    fail(os.str());
+  }
+  std::vector<T> buf;
+  double value = 0.0;
+  for (Index b = 0; b < keys.batch; ++b) {
+    for (Index h = 0; h < keys.heads; ++h) {
+      for (Index s = 0; s < keys.seq; ++s) {
+        const Index d = first_non_finite<T>(keys, b, h, s, buf, value);
+        if (d < 0) continue;
+        std::ostringstream os;
+        os << "non-finite key at [b=" << b << ", h=" << h << ", s=" << s << ", d=" << d
+           << "] (value " << value << " after conversion to the storage type)";
+        fail(os.str());
+      }
     }
   }
-  const T* k = keys.data();
-  const Eigen::Index n = keys.size();
-  if (all_finite(k, n)) return;
-  for (Eigen::Index i = 0; i < n; ++i) {
-    if (!(Eigen::numext::isfinite)(k[i])) {
-      const Eigen::Index d = keys.dimension(3), s = keys.dimension(2), h = keys.dimension(1);
-      std::ostringstream os;
-      os << "non-finite key at [b=" << i / (d * s * h) << ", h=" << (i / (d * s)) % h
-         << ", s=" << (i / d) % s << ", d=" << i % d << "] (value " << static_cast<double>(k[i])
-         << " after conversion to the storage type)";
-      fail(os.str());
+}
+
+/// Throws std::invalid_argument unless `queries` fits the call: [B, G * H, S, Dk] with the keys'
+/// B, S and Dk and an integer G >= 1, every element finite once converted to float32. Called after
+/// check_update, before the cache changes. queries: [B, Hq, S, Dk]; keys: [B, H, S, Dk]
+inline void check_queries(const InputRows& queries, const InputRows& keys, const char* api) {
+  const auto fail = [&](const std::string& what) {
+    std::ostringstream os;
+    os << api << ": " << what << " (queries " << shape_str(queries) << ", keys " << shape_str(keys)
+       << ')';
+    throw std::invalid_argument(os.str());
+  };
+  const Index H = keys.heads;
+  const Index Hq = queries.heads;
+  if (queries.batch != keys.batch) fail("queries must have the keys' batch size B");
+  if (Hq == 0 || Hq % H != 0) {
+    fail("query heads Hq (" + std::to_string(Hq) +
+         ") must be a positive multiple of the KV heads H (" + std::to_string(H) + ")");
+  }
+  if (queries.seq != keys.seq) fail("queries must have the keys' sequence length S");
+  if (queries.dim != keys.dim) fail("queries must have the keys' head dim D");
+  std::vector<float> buf;
+  double value = 0.0;
+  for (Index b = 0; b < queries.batch; ++b) {
+    for (Index h = 0; h < Hq; ++h) {
+      for (Index s = 0; s < queries.seq; ++s) {
+        const Index d = first_non_finite<float>(queries, b, h, s, buf, value);
+        if (d < 0) continue;
+        std::ostringstream os;
+        os << "non-finite query at [b=" << b << ", hq=" << h << ", s=" << s << ", d=" << d
+           << "] (value " << static_cast<float>(value) << " after conversion to float32)";
+        fail(os.str());
+      }
     }
   }
 }

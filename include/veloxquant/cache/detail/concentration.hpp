@@ -1,47 +1,56 @@
 // veloxquant — concentration_score kernel (docs/design.md 5.1): mean pairwise cosine similarity in
-// O(n D).
+// O(n D), from running sums, so rows can be added a call at a time.
 #pragma once
 
 #include <cmath>
+#include <vector>
 
 #include <Eigen/Core>
 
+#include "fp.hpp"
+
 namespace veloxquant::cache::detail {
 
-/// Mean off-diagonal cosine similarity of the rows of `rows` (n x D, any scalar type).
-/// Uses |sum_i u_i|^2 - sum_i |u_i|^2 for the off-diagonal Gram sum; accumulates in double.
-/// Returns 0.0 when n < 2.
+/// The running sums of concentration_score: sum_i u_i (D doubles), sum_i |u_i|^2 and n, with
+/// u_i = k_i / (|k_i| + 1e-8). The off-diagonal Gram sum is |sum_i u_i|^2 - sum_i |u_i|^2.
+class ConcentrationSums {
+ public:
+  /// Adds one row; x(j) gives element j as double, j < d (d fixed by the first row).
+  template <class Get>
+  void add(Eigen::Index d, Get x) {
+    if (sum_.empty()) sum_.assign(static_cast<std::size_t>(d), 0.0);
+    double nrm2 = 0.0;
+    for (Eigen::Index j = 0; j < d; ++j) nrm2 += product(x(j), x(j));
+    const double inv = 1.0 / (std::sqrt(nrm2) + 1e-8);
+    for (Eigen::Index j = 0; j < d; ++j) sum_[static_cast<std::size_t>(j)] += product(x(j), inv);
+    diag_ += product(product(nrm2, inv), inv);
+    ++n_;
+  }
+  /// Mean off-diagonal cosine similarity of the rows added; 0.0 for fewer than two.
+  double score() const {
+    if (n_ < 2) return 0.0;
+    double total = 0.0;
+    for (const double s : sum_) total += product(s, s);
+    const double nd = static_cast<double>(n_);
+    return (total - diag_) / (nd * (nd - 1.0));
+  }
+  Eigen::Index rows() const { return n_; }
+
+ private:
+  std::vector<double> sum_;
+  double diag_ = 0.0;
+  Eigen::Index n_ = 0;
+};
+
+/// Mean off-diagonal cosine similarity of the rows of `rows` (n x D, any scalar type), accumulated
+/// in double; 0.0 when n < 2.
 template <class Derived>
 double concentration_score(const Eigen::MatrixBase<Derived>& rows) {
-  const Eigen::Index n = rows.rows();
-  const Eigen::Index d = rows.cols();
-  if (n < 2) return 0.0;
-  // Accumulate sum_i u_i without a heap allocation for the common head dims.
-  constexpr Eigen::Index kStack = 256;
-  double stack_sum[kStack];
-  Eigen::VectorXd heap_sum;
-  double* sum = stack_sum;
-  if (d > kStack) {
-    heap_sum.setZero(d);
-    sum = heap_sum.data();
-  } else {
-    for (Eigen::Index j = 0; j < d; ++j) stack_sum[j] = 0.0;
+  ConcentrationSums sums;
+  for (Eigen::Index i = 0; i < rows.rows(); ++i) {
+    sums.add(rows.cols(), [&](Eigen::Index j) { return static_cast<double>(rows(i, j)); });
   }
-  double diag = 0.0;
-  for (Eigen::Index i = 0; i < n; ++i) {
-    double nrm2 = 0.0;
-    for (Eigen::Index j = 0; j < d; ++j) {
-      const double x = static_cast<double>(rows(i, j));
-      nrm2 += x * x;
-    }
-    const double inv = 1.0 / (std::sqrt(nrm2) + 1e-8);
-    for (Eigen::Index j = 0; j < d; ++j) sum[j] += static_cast<double>(rows(i, j)) * inv;
-    diag += nrm2 * inv * inv;
-  }
-  double total = 0.0;
-  for (Eigen::Index j = 0; j < d; ++j) total += sum[j] * sum[j];
-  const double nd = static_cast<double>(n);
-  return (total - diag) / (nd * (nd - 1.0));
+  return sums.score();
 }
 
 }  // namespace veloxquant::cache::detail

@@ -1,11 +1,12 @@
-// veloxquant — per-head row storage shared by every cache policy.
+// veloxquant — per-head row storage shared by every policy (docs/design.md 7.1).
 //
-// A head keeps its rows in "slots": key rows [cap, Dk] and value rows [cap, Dv] of T, one
-// position (int64), one score (float32) and one alive flag per slot. `order` lists the live slots
-// in ascending position. Evicting a row only clears its alive flag and removes it from `order`
-// (O(n) scalar work, no data movement); the hole is refilled at the start of the next call by
-// moving one row from the tail (O(D) movement), so the returned window of the current call stays
-// addressable until then (docs/design.md 2.3, 7 and B).
+// A head keeps its rows in "slots": key rows [cap, Dk] and value rows [cap, Dv] of T, and per slot a
+// position (int64), a score (float32) and an alive flag. `order` lists the live slots in ascending
+// position. Evicting a row clears its alive flag (and drops it from `order`), with no data
+// movement; the hole is refilled at the start of the next call by moving one row from the tail
+// (O(D)), so every row the current call returned stays addressable until then: the window of a
+// call is slots [0, physical()), the rows retained before it (`window()` lists them in ascending
+// position) followed by the call's rows in arrival order.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include <Eigen/Core>
 
 #include "assert.hpp"
+#include "simd_kernels.hpp"
 
 namespace veloxquant::cache::detail {
 
@@ -37,11 +39,12 @@ class HeadStore {
   /// Slots in use, live or dead (dead ones are refilled by compact()).
   Index physical() const { return n_phys_; }
   Index capacity() const { return cap_; }
+  /// First slot of the current call's rows (== physical() before they are appended).
+  Index call_begin() const { return call_begin_; }
 
   /// Makes room for `rows` slots; exact capacity; strong exception guarantee.
   void reserve(Index rows) {
-    if (rows <= cap_) return;
-    reallocate(rows);
+    if (rows > cap_) reallocate(rows);
   }
 
   /// Releases capacity beyond `rows` when more than half of it is unused (hysteresis against
@@ -51,37 +54,46 @@ class HeadStore {
     if (cap_ > 2 * rows && cap_ > 16) reallocate(std::max(rows, n_phys_));
   }
 
-  /// Refills the holes left by evictions with rows from the tail. After it, slots [0, live())
-  /// hold exactly the live rows. Never allocates; the logical state is unchanged.
+  /// Refills the holes left by evictions with rows from the tail, so that slots [0, live()) hold
+  /// exactly the live rows. Never allocates; the logical state is unchanged.
   void compact() noexcept {
     const Index n_live = live();
-    if (n_phys_ == n_live) return;
-    Index tail = n_phys_ - 1;
-    for (Index h = 0; h < n_live; ++h) {
-      if (alive_[static_cast<std::size_t>(h)]) continue;
-      while (!alive_[static_cast<std::size_t>(tail)]) --tail;
-      move_slot(tail, h);
-      // Leave a forwarding address in the vacated slot for the pass over `order` below.
-      pos_[static_cast<std::size_t>(tail)] = h;
-      alive_[static_cast<std::size_t>(tail)] = kMoved;
-      --tail;
+    if (n_phys_ != n_live) {
+      Index tail = n_phys_ - 1;
+      for (Index h = 0; h < n_live; ++h) {
+        if (alive_[at(h)]) continue;
+        while (!alive_[at(tail)]) --tail;
+        move_slot(tail, h);
+        // A forwarding address in the vacated slot for the pass over `order` below.
+        pos_[at(tail)] = h;
+        alive_[at(tail)] = kMoved;
+        --tail;
+      }
+      for (Slot& s : order_) {
+        if (s >= n_live) s = static_cast<Slot>(pos_[at(s)]);
+      }
+      n_phys_ = n_live;
     }
-    for (Slot& s : order_) {
-      if (s >= n_live) s = static_cast<Slot>(pos_[static_cast<std::size_t>(s)]);
-    }
-    n_phys_ = n_live;
+    call_begin_ = n_phys_;
   }
 
-  /// Appends one row in a new slot (capacity must be reserved) and returns its slot.
-  /// The row is alive but not yet in `order` (the policy decides when it joins).
-  Slot append(const T* key, const T* value, std::int64_t position) noexcept {
+  /// Records the live order as the rows retained before the call (the start of its window).
+  void begin_window() noexcept {
+    window_.assign(order_.begin(), order_.end());
+    call_begin_ = n_phys_;
+  }
+
+  /// Appends one row in a new slot (capacity must be reserved) with score 0, alive but not yet in
+  /// `order` (the policy decides when it joins); returns its slot. key: [Dk], value: [Dv] of U.
+  template <class U>
+  Slot append(const U* key, const U* value, std::int64_t position) noexcept {
     VELOXQUANT_ASSERT(n_phys_ < cap_, "append beyond reserved capacity");
     const Index s = n_phys_++;
-    std::memcpy(key_ptr(s), key, sizeof(T) * static_cast<std::size_t>(dk_));
-    std::memcpy(value_ptr(s), value, sizeof(T) * static_cast<std::size_t>(dv_));
-    pos_[static_cast<std::size_t>(s)] = position;
-    score_[static_cast<std::size_t>(s)] = 0.0f;
-    alive_[static_cast<std::size_t>(s)] = kAlive;
+    store_row(key, key_ptr(s), dk_);
+    store_row(value, value_ptr(s), dv_);
+    pos_[at(s)] = position;
+    score_[at(s)] = 0.0f;
+    alive_[at(s)] = kAlive;
     return static_cast<Slot>(s);
   }
 
@@ -90,62 +102,33 @@ class HeadStore {
     VELOXQUANT_ASSERT(order_.size() < order_.capacity(), "order capacity");
     order_.push_back(s);
   }
-
-  /// Evicts the live row at index `i` of `order`. O(n) scalar work, no row movement.
-  void evict_at(Index i) noexcept {
-    const Slot s = order_[static_cast<std::size_t>(i)];
-    alive_[static_cast<std::size_t>(s)] = kDead;
-    order_.erase(order_.begin() + i);
-  }
-
-  /// Evicts the live rows at indices [i, j) of `order`. O(n) scalar work, no row movement.
-  void evict_range(Index i, Index j) noexcept {
-    for (Index k = i; k < j; ++k) alive_[static_cast<std::size_t>(order_[static_cast<std::size_t>(k)])] = kDead;
-    order_.erase(order_.begin() + i, order_.begin() + j);
-  }
-
-  /// Marks slot `s` dead without touching `order` (the caller rebuilds it with drop_dead()).
-  void mark_dead(Slot s) noexcept { alive_[static_cast<std::size_t>(s)] = kDead; }
-
-  /// Replaces the live order (the caller marked every dropped slot dead). o: live slots, ascending
-  /// position; must fit the reserved capacity.
-  void replace_order(const std::vector<Slot>& o) noexcept {
-    VELOXQUANT_ASSERT(o.size() <= order_.capacity(), "order capacity");
-    order_.assign(o.begin(), o.end());
-  }
-
+  /// Marks slot `s` dead (drop_dead() then removes it from `order`).
+  void mark_dead(Slot s) noexcept { alive_[at(s)] = kDead; }
   /// Removes dead slots from `order`, keeping the order of the rest.
   void drop_dead() noexcept {
     order_.erase(std::remove_if(order_.begin(), order_.end(),
-                                [this](Slot s) { return alive_[static_cast<std::size_t>(s)] != kAlive; }),
+                                [this](Slot s) { return alive_[at(s)] != kAlive; }),
                  order_.end());
+  }
+  /// Replaces the live order (every slot left out must be dead). o: ascending position.
+  void assign_order(const Slot* o, Index n) noexcept {
+    VELOXQUANT_ASSERT(static_cast<std::size_t>(n) <= order_.capacity(), "order capacity");
+    order_.assign(o, o + n);
   }
 
   /// Drops the newest `n` live rows (standard cache trim; valid only with no holes).
   void drop_newest(Index n) noexcept {
     VELOXQUANT_ASSERT(n_phys_ == live(), "drop_newest with holes");
     for (Index i = 0; i < n; ++i) {
-      alive_[static_cast<std::size_t>(order_.back())] = kDead;
+      alive_[at(order_.back())] = kDead;
       order_.pop_back();
     }
     compact();
   }
 
-  /// Forgets every row; keeps the capacity.
-  void clear() noexcept {
-    order_.clear();
-    window_.clear();
-    n_phys_ = 0;
-  }
-
-  /// Records the current live order as the start of the call's returned window.
-  void begin_window() noexcept { window_.assign(order_.begin(), order_.end()); }
-  /// Adds a slot of the current call to the returned window.
-  void extend_window(Slot s) noexcept { window_.push_back(s); }
-
   /// Live slots in ascending position.
   const std::vector<Slot>& order() const { return order_; }
-  /// The slots the last call returned, in ascending position.
+  /// The rows retained before the current call, ascending position.
   const std::vector<Slot>& window() const { return window_; }
 
   T* key_ptr(Index s) { return k_.data() + s * dk_; }
@@ -155,11 +138,13 @@ class HeadStore {
   const T* keys_data() const { return k_.data(); }
   const T* values_data() const { return v_.data(); }
   const std::int64_t* positions_data() const { return pos_.data(); }
+  float* scores_data() { return score_.data(); }
+  std::uint8_t* alive_data() { return alive_.data(); }
 
-  std::int64_t position(Index s) const { return pos_[static_cast<std::size_t>(s)]; }
-  float score(Index s) const { return score_[static_cast<std::size_t>(s)]; }
-  float& score(Index s) { return score_[static_cast<std::size_t>(s)]; }
-  bool alive(Index s) const { return alive_[static_cast<std::size_t>(s)] == kAlive; }
+  std::int64_t position(Index s) const { return pos_[at(s)]; }
+  float score(Index s) const { return score_[at(s)]; }
+  float& score(Index s) { return score_[at(s)]; }
+  bool alive(Index s) const { return alive_[at(s)] == kAlive; }
 
   /// Heap bytes held by this head (all buffers, by capacity).
   std::size_t heap_bytes() const {
@@ -168,17 +153,20 @@ class HeadStore {
            alive_.capacity() + order_.capacity() * sizeof(Slot) + window_.capacity() * sizeof(Slot);
   }
 
- private:
   static constexpr std::uint8_t kDead = 0;
   static constexpr std::uint8_t kAlive = 1;
+
+ private:
   static constexpr std::uint8_t kMoved = 2;
+
+  static std::size_t at(Index s) { return static_cast<std::size_t>(s); }
 
   void move_slot(Index from, Index to) noexcept {
     std::memcpy(key_ptr(to), key_ptr(from), sizeof(T) * static_cast<std::size_t>(dk_));
     std::memcpy(value_ptr(to), value_ptr(from), sizeof(T) * static_cast<std::size_t>(dv_));
-    pos_[static_cast<std::size_t>(to)] = pos_[static_cast<std::size_t>(from)];
-    score_[static_cast<std::size_t>(to)] = score_[static_cast<std::size_t>(from)];
-    alive_[static_cast<std::size_t>(to)] = kAlive;
+    pos_[at(to)] = pos_[at(from)];
+    score_[at(to)] = score_[at(from)];
+    alive_[at(to)] = kAlive;
   }
 
   // Allocates every buffer at exactly `rows` slots, copies the slots in use, then swaps.
@@ -201,8 +189,8 @@ class HeadStore {
     std::copy_n(score_.begin(), used, score.begin());
     std::copy_n(alive_.begin(), used, alive.begin());
     order.assign(order_.begin(), order_.end());
-    // The previous call's window is dead once a new call reallocates: it is not carried over
-    // (a long prompt's window would otherwise pin its capacity).
+    // The previous call's window is not carried over: reallocation happens only when a new call
+    // starts (a long prompt's window would otherwise pin its capacity).
     k_.swap(k);
     v_.swap(v);
     pos_.swap(pos);
@@ -217,13 +205,14 @@ class HeadStore {
   Index dv_ = 0;
   Index n_phys_ = 0;
   Index cap_ = 0;
-  std::vector<T> k_;                  // [cap, Dk]
-  std::vector<T> v_;                  // [cap, Dv]
-  std::vector<std::int64_t> pos_;     // [cap]
-  std::vector<float> score_;          // [cap]
-  std::vector<std::uint8_t> alive_;   // [cap]
-  std::vector<Slot> order_;           // live slots, ascending position
-  std::vector<Slot> window_;          // last call's returned window, ascending position
+  Index call_begin_ = 0;
+  std::vector<T> k_;                 // [cap, Dk]
+  std::vector<T> v_;                 // [cap, Dv]
+  std::vector<std::int64_t> pos_;    // [cap]
+  std::vector<float> score_;         // [cap]
+  std::vector<std::uint8_t> alive_;  // [cap]
+  std::vector<Slot> order_;          // live slots, ascending position
+  std::vector<Slot> window_;         // rows retained before the current call, ascending position
 };
 
 }  // namespace veloxquant::cache::detail

@@ -1,0 +1,362 @@
+// veloxquant — what every policy does with a call's rows, as data (Rule) and one driver per head
+// (docs/design.md 4, 6, 7). The scored policies share one attention path: a block of tokens'
+// query rows against the columns they may attend to (logits kernel), then per token a softmax over
+// its visible columns averaged over its query rows (softmax_mean), then the policy's step: decay
+// and accumulate (H2O core), replace (TOVA), or rank once (SnapKV); and one selection kernel
+// decides evictions (select.hpp).
+//
+// Columns are either the head's storage slots themselves (one-token calls, and calls scored with
+// queries whose evictions come once at the end: no copy at all) or the live rows gathered per block
+// (multi-token calls that evict per token, so that a long prompt attends over the budget, not over
+// everything it has seen). An evicted or dead column gets logit -inf and so weight exactly 0.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+
+#include <Eigen/Core>
+
+#include "head_store.hpp"
+#include "input.hpp"
+#include "scratch.hpp"
+#include "select.hpp"
+#include "simd_kernels.hpp"
+
+namespace veloxquant::cache::detail {
+
+/// The policies, by what they do with rows.
+enum class RuleKind : std::uint8_t {
+  keep_all,        ///< standard cache: every row stays
+  window,          ///< StreamingLLM: sinks and the newest `window` others
+  cumulative,      ///< H2O core (SqueezeAttention, H2O, PyramidKV): decayed attention mass
+  last_attention,  ///< TOVA: the current token's attention
+  prompt,          ///< SnapKV: the first call longer than the budget is ranked once
+};
+
+/// One policy's parameters and the little state it carries between calls.
+struct Rule {
+  RuleKind kind = RuleKind::keep_all;
+  std::optional<int> budget;  ///< rows per head once full; empty: unknown (no eviction)
+  int n_sink = 0;             ///< leading positions never evicted
+  // cumulative: the protected recent window g (docs/design.md 4.2 step 3) and the score decay
+  bool recent_by_ratio = true;  ///< g = floor(recent_ratio * (budget - n_sink)); else g = grace
+  double recent_ratio = 0.5;
+  int grace = 0;
+  float decay = 1.0f;
+  int window = 0;           ///< window: rows kept besides the sinks
+  int obs_window = 0;       ///< prompt: query tokens that rank the prompt
+  bool compressed = false;  ///< prompt: a call has been ranked (until reset)
+
+  /// g for the budget in force, clamped to [0, budget - n_sink - 1] so one row stays evictable;
+  /// 0 while the budget is unknown.
+  int protected_recent() const {
+    if (!budget) return 0;
+    const long long span = static_cast<long long>(*budget) - n_sink;
+    long long g = recent_by_ratio
+                      ? static_cast<long long>(std::floor(recent_ratio * static_cast<double>(span)))
+                      : static_cast<long long>(grace);
+    g = std::min(g, span - 1);
+    g = std::max(g, 0LL);
+    return static_cast<int>(g);
+  }
+  /// Rows a head holds in steady state (sizes storage growth): budget + 1, or unbounded.
+  Index steady_rows() const {
+    switch (kind) {
+      case RuleKind::window:
+        return static_cast<Index>(n_sink) + window + 1;
+      case RuleKind::cumulative:
+      case RuleKind::last_attention:
+        if (budget) return static_cast<Index>(*budget) + 1;
+        break;
+      case RuleKind::keep_all:
+      case RuleKind::prompt:
+        break;
+    }
+    return std::numeric_limits<Index>::max();
+  }
+};
+
+/// Tokens of a call per logits product: about 64 logit rows.
+inline constexpr Index kBlockRows = 64;
+
+/// How one call is absorbed (the same for every head of the call).
+struct CallPlan {
+  bool compress = false;  ///< prompt: this call is ranked and cut to the budget
+  bool gather = false;    ///< blocks attend over gathered live rows (per-token eviction, S > 1)
+  Index block = 1;        ///< tokens per logits product
+  Index rows = 0;         ///< logit rows per product (0: nothing is scored)
+};
+
+/// The plan of a call of S >= 1 tokens with `groups` query heads per KV head (0: key-as-query).
+inline CallPlan plan_call(const Rule& r, Index S, Index groups) {
+  CallPlan p;
+  const Index G = std::max<Index>(groups, 1);
+  switch (r.kind) {
+    case RuleKind::keep_all:
+    case RuleKind::window:
+      break;
+    case RuleKind::prompt:
+      p.compress = !r.compressed && r.budget && S > *r.budget;
+      if (p.compress) p.rows = std::min<Index>(r.obs_window, S) * G;
+      break;
+    case RuleKind::cumulative:
+    case RuleKind::last_attention: {
+      const bool once_per_call = r.kind == RuleKind::cumulative && groups > 0;
+      p.gather = S > 1 && !once_per_call;
+      p.block = S == 1 ? 1 : std::max<Index>(1, kBlockRows / G);
+      p.rows = std::min(p.block, S) * G;
+      break;
+    }
+  }
+  return p;
+}
+
+/// One KV head's query heads for the call (docs/design.md 4.6): query head g of this KV head is
+/// head h * G + g of the call's queries. Empty (rows == nullptr) without queries.
+struct HeadQueries {
+  const InputRows* rows = nullptr;
+  Index b = 0, h = 0, groups = 0;
+
+  explicit operator bool() const { return rows != nullptr; }
+  /// Query head g of the call's token s as float32. out: [padded_dim(D)]
+  void read(Index g, Index s, float* out) const { read_float_row(*rows, b, h * groups + g, s, out); }
+};
+
+/// Re-budget (docs/design.md 4.5): keeps the sinks, the newest `g` rows and the highest-score
+/// others up to `budget`; among equal scores the later positions survive.
+template <class T>
+void rebudget(HeadStore<T>& head, int budget, int n_sink, int g, Scratch& sc) {
+  const Index n = head.live();
+  if (n <= budget) return;
+  const Slot* ord = head.order().data();
+  Index sinks = 0;
+  while (sinks < n && head.position(ord[sinks]) < n_sink) ++sinks;
+  const Index hi = std::max(sinks, n - g);
+  const Index keep = std::max<Index>(0, budget - sinks - (n - hi));
+  const Index m = hi - sinks;
+  if (m <= keep) return;
+  std::int32_t* picks = sc.picks.data();
+  std::copy(ord + sinks, ord + hi, picks);
+  order_worst_first(picks, m, m - keep, head.scores_data(), head.positions_data(),
+                    Tie::evict_earliest);
+  for (Index i = 0; i < m - keep; ++i) head.mark_dead(picks[i]);
+  head.drop_dead();
+}
+
+/// The scored policies' driver: absorbs the `count` rows appended at slots
+/// [call_begin(), call_begin() + count) of `head` (docs/design.md 4.2, 4.6, 6).
+template <class T>
+void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, Index count,
+                   const HeadQueries& q, Scratch& sc) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  constexpr std::int64_t kNone = std::numeric_limits<std::int64_t>::min();
+  constexpr std::int64_t kAll = std::numeric_limits<std::int64_t>::max();
+  const Index first = head.call_begin();
+  const Index d = head.key_dim(), dp = padded_dim(d);
+  const Index G = q ? q.groups : 1;
+  const bool tova = rule.kind == RuleKind::last_attention;
+  const bool once_per_call = !tova && q;  // docs/design.md 4.6: evictions once, at the end
+  const int g = rule.protected_recent();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  // A re-budget at the start of the call left dead slots before the call's rows.
+  const bool holes = !plan.gather && head.live() < first;
+  Index live = head.live();
+  bool killed = false;
+  for (Index i0 = 0; i0 < count; i0 += plan.block) {
+    const Index nb = std::min(plan.block, count - i0);
+    // The columns: storage slots [0, first + i0 + nb), or the live rows then the block's rows.
+    Index nc = first + i0;
+    const Slot* slot = nullptr;
+    float* score = head.scores_data();
+    const std::int64_t* pos = head.positions_data();
+    std::uint8_t* alive = head.alive_data();
+    if (plan.gather) {
+      nc = head.live();
+      slot = sc.slot.data();
+      score = sc.score.data();
+      std::int64_t* gpos = sc.pos.data();
+      pos = gpos;
+      alive = sc.alive.data();
+      const Slot* ord = head.order().data();
+      for (Index j = 0; j < nc + nb; ++j) {
+        const Slot sl = j < nc ? ord[j] : static_cast<Slot>(first + i0 + (j - nc));
+        sc.slot.data()[j] = sl;
+        score[j] = head.score(sl);
+        gpos[j] = head.position(sl);
+        alive[j] = 1;
+      }
+    }
+    const Index ncols = nc + nb;
+    const Index ld = Scratch::ld(ncols);
+    // The block's query rows: per token its G query heads, or its own key (key-as-query).
+    float* qrows = sc.queries.data();
+    for (Index t = 0; t < nb; ++t) {
+      for (Index gi = 0; gi < G; ++gi) {
+        float* dst = qrows + (t * G + gi) * dp;
+        if (q) {
+          q.read(gi, i0 + t, dst);
+        } else {
+          load_query_row(head.key_ptr(first + i0 + t), d, dst);
+        }
+      }
+    }
+    float* lg = sc.logits.data();
+    logits(qrows, nb * G, dp, head.keys_data(), d, slot, ncols, d, scale, lg, ld, sc.keys.data());
+    if (holes) {
+      for (Index c = 0; c < first; ++c) {
+        if (alive[c]) continue;
+        for (Index r = 0; r < nb * G; ++r) lg[r * ld + c] = kNegInf;
+      }
+    }
+    float* w = sc.weights.data();
+    for (Index t = 0; t < nb; ++t) {
+      const Index ct = nc + t;
+      const auto s = static_cast<Slot>(first + i0 + t);
+      float* rows_t = lg + t * G * ld;
+      const auto kill = [&](Index c) {
+        alive[c] = HeadStore<T>::kDead;
+        killed = true;
+        if (!plan.gather) return;
+        head.mark_dead(slot[c]);
+        for (Index r = (t + 1) * G; r < nb * G; ++r) lg[r * ld + c] = kNegInf;
+      };
+      if (tova) {
+        if (!plan.gather) head.push_live(s);
+        ++live;
+        if (!rule.budget || live <= *rule.budget) continue;
+        softmax_mean(rows_t, G, ld, ct + 1, w);  // over every row, itself included
+        std::copy(w, w + ct + 1, score);
+        const Index k = worst_of(score, pos, alive, ct + 1, rule.n_sink, kAll, Tie::evict_earliest);
+        if (k >= 0) kill(k), --live;
+        continue;
+      }
+      if (once_per_call) {
+        // Over the rows retained before the call and the call's rows up to itself.
+        softmax_mean(rows_t, G, ld, ct + 1, w);
+        decay_accumulate(score, w, ct + 1, rule.decay);
+        head.push_live(s);
+        continue;
+      }
+      // Key-as-query (docs/design.md 4.2): the key attends over the rows retained before it.
+      if (live == 0) {
+        score[ct] = 1.0f;
+      } else {
+        softmax_mean(rows_t, 1, ld, ct, w);
+        decay_accumulate(score, w, ct, rule.decay);
+        score[ct] = 0.0f;
+      }
+      if (!plan.gather) head.push_live(s);
+      ++live;
+      if (!rule.budget || live <= *rule.budget) continue;
+      // Protected: sinks and the newest g rows. The newest g live rows are always the last g of
+      // the position-ordered sequence (a row is protected from the moment it arrives until g
+      // newer ones have, and only unprotected rows are evicted).
+      std::int64_t newest = kAll;
+      if (g > 0) {
+        if (plan.gather) {
+          newest = ct + 1 >= g ? pos[ct + 1 - g] : kNone;
+        } else {
+          newest = live >= g ? head.position(head.order()[static_cast<std::size_t>(live - g)]) : kNone;
+        }
+      }
+      const Index k = worst_of(score, pos, alive, ct + 1, rule.n_sink, newest, Tie::evict_earliest);
+      if (k >= 0) kill(k), --live;
+    }
+    if (plan.gather) {
+      // Scores back to their slots; the live order is the surviving columns in column order.
+      std::int32_t* order = sc.picks.data();
+      Index n = 0;
+      for (Index c = 0; c < ncols; ++c) {
+        if (!alive[c]) continue;
+        head.score(slot[c]) = score[c];
+        order[n++] = slot[c];
+      }
+      head.assign_order(order, n);
+    }
+  }
+  if (!plan.gather && killed) head.drop_dead();
+  if (once_per_call && rule.budget) rebudget(head, *rule.budget, rule.n_sink, g, sc);
+}
+
+/// SnapKV (docs/design.md 6): ranks the `count` rows of the call at [call_begin(), +count) by the
+/// mean, over the last w = min(obs_window, count) tokens' query rows (their keys, or their G query
+/// heads), of their softmax over all the call's rows (no causal mask); keeps the call's first
+/// min(n_sink, budget) rows and the top budget - sinks others (ties: the earliest stay).
+template <class T>
+void compress_prompt(HeadStore<T>& head, const Rule& rule, Index count, const HeadQueries& q,
+                     Scratch& sc) {
+  const Index first = head.call_begin();
+  const Index d = head.key_dim(), dp = padded_dim(d);
+  const Index G = q ? q.groups : 1;
+  const Index w = std::min<Index>(rule.obs_window, count);
+  float* qrows = sc.queries.data();
+  for (Index t = 0; t < w; ++t) {
+    for (Index gi = 0; gi < G; ++gi) {
+      float* dst = qrows + (t * G + gi) * dp;
+      if (q) {
+        q.read(gi, count - w + t, dst);
+      } else {
+        load_query_row(head.key_ptr(first + count - w + t), d, dst);
+      }
+    }
+  }
+  const Index ld = Scratch::ld(count);
+  float* lg = sc.logits.data();
+  float* mean = sc.weights.data();
+  logits(qrows, w * G, dp, head.key_ptr(first), d, nullptr, count, d,
+         1.0f / std::sqrt(static_cast<float>(d)), lg, ld, sc.keys.data());
+  softmax_mean(lg, w * G, ld, count, mean);
+  for (Index i = 0; i < count; ++i) {
+    head.score(first + i) = mean[i];
+    head.push_live(static_cast<Slot>(first + i));
+  }
+  const int budget = *rule.budget;
+  const Index sinks = std::min<Index>(rule.n_sink, budget);
+  const Index keep = budget - sinks;
+  const Index m = count - sinks;
+  if (m <= keep) return;
+  std::int32_t* picks = sc.picks.data();
+  for (Index i = 0; i < m; ++i) picks[i] = static_cast<std::int32_t>(first + sinks + i);
+  order_worst_first(picks, m, m - keep, head.scores_data(), head.positions_data(),
+                    Tie::evict_latest);
+  for (Index i = 0; i < m - keep; ++i) head.mark_dead(picks[i]);
+  head.drop_dead();
+}
+
+/// Absorbs the `count` rows appended at [call_begin(), call_begin() + count) of `head` by `rule`.
+template <class T>
+void absorb_head(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, Index count,
+                 const HeadQueries& q, Scratch& sc) {
+  const Index first = head.call_begin();
+  switch (rule.kind) {
+    case RuleKind::cumulative:
+    case RuleKind::last_attention:
+      absorb_scored(head, rule, plan, count, q, sc);
+      return;
+    case RuleKind::prompt:
+      if (plan.compress) {
+        compress_prompt(head, rule, count, q, sc);
+        return;
+      }
+      break;
+    case RuleKind::window: {
+      for (Index i = 0; i < count; ++i) head.push_live(static_cast<Slot>(first + i));
+      const Slot* ord = head.order().data();
+      Index sinks = 0;
+      while (sinks < head.live() && head.position(ord[sinks]) < rule.n_sink) ++sinks;
+      const Index excess = head.live() - sinks - rule.window;
+      if (excess <= 0) return;
+      for (Index i = sinks; i < sinks + excess; ++i) head.mark_dead(ord[i]);
+      head.drop_dead();
+      return;
+    }
+    case RuleKind::keep_all:
+      break;
+  }
+  for (Index i = 0; i < count; ++i) head.push_live(static_cast<Slot>(first + i));
+}
+
+}  // namespace veloxquant::cache::detail

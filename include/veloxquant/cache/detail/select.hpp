@@ -1,0 +1,52 @@
+// veloxquant — the one selection kernel (docs/design.md 4.2, 4.5, 6): which rows go when a head is
+// over budget. Every policy ranks rows by one order: lower score first, and among equal scores the
+// earlier position first (H2O core, TOVA, re-budget: "ties evict the earliest") or the later first
+// (SnapKV: "ties keep the earliest"). A NaN score (only possible with keys whose products
+// overflow float32) ranks below every number, so the order stays a strict weak order.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include <Eigen/Core>
+
+namespace veloxquant::cache::detail {
+
+using Index = Eigen::Index;
+
+/// Which of two rows of equal score goes first.
+enum class Tie : std::uint8_t { evict_earliest, evict_latest };
+
+/// True when row (score sa, position pa) goes before row (sb, pb).
+inline bool evicts_before(float sa, std::int64_t pa, float sb, std::int64_t pb, Tie tie) {
+  const bool na = std::isnan(sa), nb = std::isnan(sb);
+  if (na != nb) return na;
+  if (!na && sa != sb) return sa < sb;
+  return tie == Tie::evict_earliest ? pa < pb : pa > pb;
+}
+
+/// The row to evict first among the rows i < n that are alive and whose position p satisfies
+/// lo <= p < hi (the unprotected ones), by the order above; -1 when none qualifies.
+/// score, pos, alive: [n]
+inline Index worst_of(const float* score, const std::int64_t* pos, const std::uint8_t* alive,
+                      Index n, std::int64_t lo, std::int64_t hi, Tie tie) {
+  Index best = -1;
+  for (Index i = 0; i < n; ++i) {
+    if (!alive[i] || pos[i] < lo || pos[i] >= hi) continue;
+    if (best < 0 || evicts_before(score[i], pos[i], score[best], pos[best], tie)) best = i;
+  }
+  return best;
+}
+
+/// Moves the `k` rows to evict first among the `n` candidates (indices into score and pos) to the
+/// front of `candidates`, by the order above (the rest in any order). Does nothing when k >= n.
+inline void order_worst_first(std::int32_t* candidates, Index n, Index k, const float* score,
+                              const std::int64_t* pos, Tie tie) {
+  if (k <= 0 || k >= n) return;
+  std::nth_element(candidates, candidates + k, candidates + n, [&](std::int32_t a, std::int32_t b) {
+    return evicts_before(score[a], pos[a], score[b], pos[b], tie);
+  });
+}
+
+}  // namespace veloxquant::cache::detail

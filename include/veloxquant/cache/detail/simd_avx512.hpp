@@ -1,0 +1,90 @@
+// veloxquant — the AVX-512F vector layer (docs/design.md 7.2): sixteen float lanes, explicit FMAs.
+// Compiled with a target attribute whatever the consumer's flags, and run only where the CPU has
+// it.
+#pragma once
+
+#include "cpu.hpp"
+#if VELOXQUANT_DETAIL_X86
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include <Eigen/Core>
+
+#include "simd_common.hpp"
+
+VELOXQUANT_DETAIL_TARGET_AVX512_BEGIN
+namespace veloxquant::cache::detail::avx512 {
+
+inline constexpr int kLanes = 16;
+using V = __m512;
+
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vset(float a) { return _mm512_set1_ps(a); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a); }
+inline V vload_row(const float* p) { return _mm512_loadu_ps(p); }
+inline V vload_row(const Eigen::half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline V vload_row(const Eigen::bfloat16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
+inline V vmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+
+inline V vexp_flush(V x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpLow));
+  const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
+  x = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), x);
+  V y = _mm512_set1_ps(kExpP0);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpP1));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpP2));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpP3));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpP4));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpP5));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  const __mmask16 keep = _mm512_cmp_ps_mask(y, _mm512_set1_ps(kSoftmaxMinWeight), _CMP_NLT_UQ);
+  return _mm512_maskz_mov_ps(keep, y);
+}
+
+// Sixteen lanes fold to eight (lane i + lane i + 8), then the AVX2 tree.
+inline __m128 fold4(V a) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+inline float vreduce_add(V a) {
+  const __m128 t = fold4(a);
+  const __m128 h = _mm_hadd_ps(t, t);
+  return _mm_cvtss_f32(_mm_hadd_ps(h, h));
+}
+inline void vreduce_add4(V a, V b, V c, V d, float* out) {
+  _mm_storeu_ps(out, _mm_hadd_ps(_mm_hadd_ps(fold4(a), fold4(b)), _mm_hadd_ps(fold4(c), fold4(d))));
+}
+inline float vreduce_max(V a) { return _mm512_reduce_max_ps(a); }
+
+inline void vstore_row(float* p, V a) { _mm512_storeu_ps(p, a); }
+inline void vstore_row(Eigen::half* p, V a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+}
+inline void vstore_row(Eigen::bfloat16* p, V a) {
+  alignas(64) float f[kLanes];
+  _mm512_store_ps(f, a);
+  for (int i = 0; i < kLanes; ++i) p[i] = Eigen::bfloat16(f[i]);
+}
+
+}  // namespace veloxquant::cache::detail::avx512
+VELOXQUANT_DETAIL_TARGET_AVX512_END
+
+#endif  // VELOXQUANT_DETAIL_X86

@@ -1,0 +1,47 @@
+// veloxquant — constants shared by every vector layer (docs/design.md 7.2): the exp polynomial
+// and the softmax underflow threshold, so that every path computes the same function.
+#pragma once
+
+// Target regions: the code between BEGIN and END is compiled for that instruction set whatever the
+// consumer's flags (GCC: target pragma; Clang: an attribute on every function). GCC 12 reports its
+// own AVX-512 intrinsics (built on _mm512_undefined_*) as maybe-uninitialized; the AVX-512 region
+// silences that one warning.
+#if defined(__clang__)
+#define VELOXQUANT_DETAIL_TARGET_AVX2_BEGIN \
+  _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c\"))), apply_to = function)")
+#define VELOXQUANT_DETAIL_TARGET_AVX2_END _Pragma("clang attribute pop")
+#define VELOXQUANT_DETAIL_TARGET_AVX512_BEGIN                                                     \
+  _Pragma(                                                                                      \
+      "clang attribute push(__attribute__((target(\"avx512f,avx2,fma,f16c\"))), apply_to = function)")
+#define VELOXQUANT_DETAIL_TARGET_AVX512_END _Pragma("clang attribute pop")
+#else
+#define VELOXQUANT_DETAIL_TARGET_AVX2_BEGIN \
+  _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c\")")
+#define VELOXQUANT_DETAIL_TARGET_AVX2_END _Pragma("GCC pop_options")
+#define VELOXQUANT_DETAIL_TARGET_AVX512_BEGIN                                   \
+  _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx2,fma,f16c\")") \
+      _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")
+#define VELOXQUANT_DETAIL_TARGET_AVX512_END _Pragma("GCC diagnostic pop") _Pragma("GCC pop_options")
+#endif
+
+namespace veloxquant::cache::detail {
+
+/// Weights below exp(-87) (the bottom of float32's normal range) are taken as exactly 0: rows that
+/// receive no attention must not collect a tiny, age-dependent score, or the exact-tie rules of
+/// docs/design.md 4.2/4.5 would be decided by rounding noise.
+inline constexpr float kSoftmaxMinWeight = 1.6458115e-38f;  // exp(-87)
+
+// exp(x) = 2^n * exp(r), n = round(x * log2(e)), r = x - n * ln(2) in two parts, exp(r) from a
+// degree-7 polynomial (the classic single-precision coefficients); x is clamped at -88 first.
+inline constexpr float kExpLow = -88.0f;
+inline constexpr float kLog2e = 1.44269504088896341f;
+inline constexpr float kLn2Hi = 0.693359375f;
+inline constexpr float kLn2Lo = -2.12194440e-4f;
+inline constexpr float kExpP0 = 1.9875691500e-4f;
+inline constexpr float kExpP1 = 1.3981999507e-3f;
+inline constexpr float kExpP2 = 8.3334519073e-3f;
+inline constexpr float kExpP3 = 4.1665795894e-2f;
+inline constexpr float kExpP4 = 1.6666665459e-1f;
+inline constexpr float kExpP5 = 5.0000001201e-1f;
+
+}  // namespace veloxquant::cache::detail

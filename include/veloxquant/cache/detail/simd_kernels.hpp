@@ -1,0 +1,123 @@
+// veloxquant — the numeric kernels of every policy (docs/design.md 7.2), compiled for each
+// instruction set the build can target and chosen at run time (cpu.hpp): scaled dot products of
+// query rows with stored key rows, softmax with the mean over several rows, score decay, and row
+// conversion. The x86 paths carry GCC/Clang target attributes, so they exist whatever -march the
+// consumer builds with, and their arithmetic is explicit (no contraction left to the compiler):
+// results are bit-identical across builds that run the same path.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+#include "cpu.hpp"
+#include "simd_common.hpp"
+
+#if VELOXQUANT_DETAIL_X86
+#include <emmintrin.h>
+#include <immintrin.h>
+#endif
+
+namespace veloxquant::cache::detail {
+using Index = Eigen::Index;
+}  // namespace veloxquant::cache::detail
+
+#include "simd_scalar.hpp"
+
+namespace veloxquant::cache::detail::scalar {
+#include "simd_kernels.inl"
+}  // namespace veloxquant::cache::detail::scalar
+
+#if VELOXQUANT_DETAIL_X86
+
+#include "simd_sse2.hpp"
+namespace veloxquant::cache::detail::sse2 {
+#include "simd_kernels.inl"
+}  // namespace veloxquant::cache::detail::sse2
+
+#include "simd_avx2.hpp"
+VELOXQUANT_DETAIL_TARGET_AVX2_BEGIN
+namespace veloxquant::cache::detail::avx2 {
+#include "simd_kernels.inl"
+}  // namespace veloxquant::cache::detail::avx2
+VELOXQUANT_DETAIL_TARGET_AVX2_END
+
+#include "simd_avx512.hpp"
+VELOXQUANT_DETAIL_TARGET_AVX512_BEGIN
+namespace veloxquant::cache::detail::avx512 {
+#include "simd_kernels.inl"
+}  // namespace veloxquant::cache::detail::avx512
+VELOXQUANT_DETAIL_TARGET_AVX512_END
+
+#endif  // VELOXQUANT_DETAIL_X86
+
+namespace veloxquant::cache::detail {
+
+#if VELOXQUANT_DETAIL_X86
+#define VELOXQUANT_DETAIL_DISPATCH(call)       \
+  switch (active_simd_level()) {               \
+    case SimdLevel::avx512:                    \
+      return avx512::call;                     \
+    case SimdLevel::avx2:                      \
+      return avx2::call;                       \
+    case SimdLevel::sse2:                      \
+      return sse2::call;                       \
+    case SimdLevel::scalar:                    \
+      break;                                   \
+  }                                            \
+  return scalar::call
+#else
+#define VELOXQUANT_DETAIL_DISPATCH(call) return scalar::call
+#endif
+
+/// Row length the kernels of every path accept: D rounded up to 16 floats (the widest vector).
+inline Index padded_dim(Index d) { return (d + 15) / 16 * 16; }
+
+/// out[i * ldo + j] = scale * (q_i . k_j), i < m, j < n. q: [m, ldq] float32 rows, zero from d to
+/// padded_dim(d); key row j at keys + (idx ? idx[j] : j) * key_stride ([d] of T); kbuf: scratch of
+/// 4 * padded_dim(d) floats; out: [m, ldo].
+template <class T>
+inline void logits(const float* q, Index m, Index ldq, const T* keys, Index key_stride,
+                   const std::int32_t* idx, Index n, Index d, float scale, float* out, Index ldo,
+                   float* kbuf) {
+  VELOXQUANT_DETAIL_DISPATCH(logits(q, m, ldq, keys, key_stride, idx, n, d, scale, out, ldo, kbuf));
+}
+
+/// w[0, n) = the mean over `rows` rows of x ([rows, ldx]) of their softmax over [0, n); -inf
+/// logits get weight exactly 0; the rows are overwritten.
+inline void softmax_mean(float* x, Index rows, Index ldx, Index n, float* w) {
+  VELOXQUANT_DETAIL_DISPATCH(softmax_mean(x, rows, ldx, n, w));
+}
+
+/// s[i] = s[i] * decay + w[i], i < n.
+inline void decay_accumulate(float* s, const float* w, Index n, float decay) {
+  VELOXQUANT_DETAIL_DISPATCH(decay_accumulate(s, w, n, decay));
+}
+
+/// One row of n input elements stored as T (round to nearest even; a double is converted as
+/// Eigen converts it: to float32 first).
+template <class U, class T>
+inline void store_row(const U* src, T* dst, Index n) {
+  if constexpr (std::is_same_v<U, T>) {
+    std::memcpy(dst, src, sizeof(T) * static_cast<std::size_t>(n));
+  } else if constexpr (std::is_same_v<U, double>) {
+    for (Index i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+  } else {
+    VELOXQUANT_DETAIL_DISPATCH(convert_row(src, dst, n));
+  }
+}
+
+/// One query row as float32 into dst ([padded_dim(d)], zero-padded).
+template <class Q>
+inline void load_query_row(const Q* src, Index d, float* dst) {
+  for (Index i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
+  for (Index i = d; i < padded_dim(d); ++i) dst[i] = 0.0f;
+}
+
+#undef VELOXQUANT_DETAIL_DISPATCH
+
+}  // namespace veloxquant::cache::detail

@@ -1,0 +1,176 @@
+// veloxquant — the kernel bodies, written once against a vector layer (V, kLanes, vload, vmadd,
+// vexp_flush, vreduce_*, ...) and compiled once per instruction set: simd_kernels.hpp includes
+// this file inside namespace detail::scalar, detail::sse2, detail::avx2 and detail::avx512, each
+// under its own target attribute (docs/design.md 7.2). No include guard, no includes: it is a
+// fragment of those namespaces.
+//
+// Every result element is produced by one fixed sequence of operations that does not depend on
+// where it sits (tails are padded, never handled by other code), so equal inputs give bit-equal
+// outputs and the exact-tie rules hold (docs/design.md 4.2, 4.5, 6).
+
+/// Elements of one row padded to whole vectors of this path.
+inline Index padded_lanes(Index d) { return (d + kLanes - 1) / kLanes * kLanes; }
+
+/// Converts one stored row to float32 into `out` ([padded_lanes(d)]; the padding is zero).
+template <class T>
+inline void load_padded_row(const T* row, Index d, float* out) {
+  Index i = 0;
+  for (; i + kLanes <= d; i += kLanes) vstore(out + i, vload_row(row + i));
+  if (i < d) {
+    T tail[kLanes];
+    for (Index j = 0; j < kLanes; ++j) tail[j] = i + j < d ? row[i + j] : T(0.0f);
+    vstore(out + i, vload_row(tail));
+  }
+}
+
+/// logits[i][j] = scale * (q_i . k_j) for i < m, j < n: the scaled dot products of m float32
+/// query rows with n stored key rows. Key row j lives at keys + (idx ? idx[j] : j) * key_stride.
+/// Four keys at a time are converted to float32 (kbuf: [4, padded_lanes(d)]) and met by every query
+/// row, two rows at a time; each logit is one chain of multiply-adds over the padded row in
+/// ascending order, reduced by the path's fixed tree. q: [m, ldq] (row i at q + i * ldq, zero from
+/// d to padded_lanes(d)); out: [m, ldo].
+template <class T>
+inline void logits(const float* q, Index m, Index ldq, const T* keys, Index key_stride,
+                   const std::int32_t* idx, Index n, Index d, float scale, float* out, Index ldo,
+                   float* kbuf) {
+  const Index dp = padded_lanes(d);
+  for (Index j0 = 0; j0 < n; j0 += 4) {
+    const Index nj = n - j0 < 4 ? n - j0 : 4;
+    for (Index j = 0; j < 4; ++j) {
+      float* dst = kbuf + j * dp;
+      if (j < nj) {
+        const Index row = idx ? idx[j0 + j] : j0 + j;
+        load_padded_row(keys + row * key_stride, d, dst);
+      } else {
+        for (Index k = 0; k < dp; k += kLanes) vstore(dst + k, vzero());
+      }
+    }
+    const float* k0 = kbuf;
+    const float* k1 = kbuf + dp;
+    const float* k2 = kbuf + 2 * dp;
+    const float* k3 = kbuf + 3 * dp;
+    float sums[8];
+    Index i = 0;
+    for (; i + 2 <= m; i += 2) {
+      const float* qa = q + i * ldq;
+      const float* qb = qa + ldq;
+      V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+      V b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
+      for (Index k = 0; k < dp; k += kLanes) {
+        const V x = vload(qa + k), y = vload(qb + k);
+        const V c0 = vload(k0 + k), c1 = vload(k1 + k), c2 = vload(k2 + k), c3 = vload(k3 + k);
+        a0 = vmadd(x, c0, a0);
+        a1 = vmadd(x, c1, a1);
+        a2 = vmadd(x, c2, a2);
+        a3 = vmadd(x, c3, a3);
+        b0 = vmadd(y, c0, b0);
+        b1 = vmadd(y, c1, b1);
+        b2 = vmadd(y, c2, b2);
+        b3 = vmadd(y, c3, b3);
+      }
+      vreduce_add4(a0, a1, a2, a3, sums);
+      vreduce_add4(b0, b1, b2, b3, sums + 4);
+      float* oa = out + i * ldo + j0;
+      float* ob = oa + ldo;
+      for (Index j = 0; j < nj; ++j) {
+        oa[j] = sums[j] * scale;
+        ob[j] = sums[4 + j] * scale;
+      }
+    }
+    if (i < m) {
+      const float* qa = q + i * ldq;
+      V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+      for (Index k = 0; k < dp; k += kLanes) {
+        const V x = vload(qa + k);
+        a0 = vmadd(x, vload(k0 + k), a0);
+        a1 = vmadd(x, vload(k1 + k), a1);
+        a2 = vmadd(x, vload(k2 + k), a2);
+        a3 = vmadd(x, vload(k3 + k), a3);
+      }
+      vreduce_add4(a0, a1, a2, a3, sums);
+      float* oa = out + i * ldo + j0;
+      for (Index j = 0; j < nj; ++j) oa[j] = sums[j] * scale;
+    }
+  }
+}
+
+/// Loads x[i, i + kLanes) where fewer than kLanes remain before n: the rest is `pad`.
+inline V load_tail(const float* x, Index count, float pad) {
+  float t[kLanes];
+  for (Index j = 0; j < kLanes; ++j) t[j] = j < count ? x[j] : pad;
+  return vload(t);
+}
+inline void store_tail(float* x, Index count, V v) {
+  float t[kLanes];
+  vstore(t, v);
+  for (Index j = 0; j < count; ++j) x[j] = t[j];
+}
+
+/// w[0, n) = the mean over `rows` rows (row r at x + r * ldx) of softmax(row[0, n)), each softmax
+/// max-subtracted, weights below kSoftmaxMinWeight exactly 0 (a -inf logit, a masked column,
+/// gets 0). The rows are overwritten with their exp values. A row whose logits are all -inf
+/// contributes nothing.
+inline void softmax_mean(float* x, Index rows, Index ldx, Index n, float* w) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const Index body = n / kLanes * kLanes;
+  for (Index r = 0; r < rows; ++r) {
+    float* row = x + r * ldx;
+    V mv = vset(neg_inf);
+    for (Index i = 0; i < body; i += kLanes) mv = vmax(vload(row + i), mv);
+    if (body < n) mv = vmax(load_tail(row + body, n - body, neg_inf), mv);
+    const float m = vreduce_max(mv);
+    const bool empty = !(m > neg_inf);
+    const V vm = vset(empty ? 0.0f : m);
+    V sv = vzero();
+    for (Index i = 0; i < body; i += kLanes) {
+      const V e = vexp_flush(vsub(vload(row + i), vm));
+      vstore(row + i, e);
+      sv = vadd(sv, e);
+    }
+    if (body < n) {
+      const V e = vexp_flush(vsub(load_tail(row + body, n - body, neg_inf), vm));
+      store_tail(row + body, n - body, e);
+      sv = vadd(sv, e);
+    }
+    const float sum = vreduce_add(sv);
+    const V inv = vset(empty ? 0.0f : 1.0f / sum);
+    if (r == 0) {
+      for (Index i = 0; i < body; i += kLanes) vstore(w + i, vmul(vload(row + i), inv));
+      if (body < n) store_tail(w + body, n - body, vmul(load_tail(row + body, n - body, 0.0f), inv));
+    } else {
+      for (Index i = 0; i < body; i += kLanes) {
+        vstore(w + i, vmadd(vload(row + i), inv, vload(w + i)));
+      }
+      if (body < n) {
+        store_tail(w + body, n - body,
+                   vmadd(load_tail(row + body, n - body, 0.0f), inv,
+                         load_tail(w + body, n - body, 0.0f)));
+      }
+    }
+  }
+  if (rows > 1) {
+    const V inv_rows = vset(1.0f / static_cast<float>(rows));
+    for (Index i = 0; i < body; i += kLanes) vstore(w + i, vmul(vload(w + i), inv_rows));
+    if (body < n) store_tail(w + body, n - body, vmul(load_tail(w + body, n - body, 0.0f), inv_rows));
+  }
+}
+
+/// s[i] = s[i] * decay + w[i] for i < n (one rounding per element on FMA paths).
+inline void decay_accumulate(float* s, const float* w, Index n, float decay) {
+  const V dv = vset(decay);
+  const Index body = n / kLanes * kLanes;
+  for (Index i = 0; i < body; i += kLanes) vstore(s + i, vmadd(vload(s + i), dv, vload(w + i)));
+  if (body < n) {
+    store_tail(s + body, n - body,
+               vmadd(load_tail(s + body, n - body, 0.0f), dv, load_tail(w + body, n - body, 0.0f)));
+  }
+}
+
+/// dst[i] = src[i] converted to T (round to nearest even), i < n; U and T are half, bfloat16 or
+/// float (a double input is converted by the caller).
+template <class U, class T>
+inline void convert_row(const U* src, T* dst, Index n) {
+  Index i = 0;
+  for (; i + kLanes <= n; i += kLanes) vstore_row(dst + i, vload_row(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<T>(static_cast<float>(src[i]));
+}
