@@ -33,7 +33,6 @@ class HeadStore {
   HeadStore(Index dk, Index dv) : dk_(dk), dv_(dv) {}
 
   Index key_dim() const { return dk_; }
-  Index value_dim() const { return dv_; }
   /// Live (retained) rows.
   Index live() const { return static_cast<Index>(order_.size()); }
   /// Slots in use, live or dead (dead ones are refilled by compact()).
@@ -144,7 +143,6 @@ class HeadStore {
   std::int64_t position(Index s) const { return pos_[at(s)]; }
   float score(Index s) const { return score_[at(s)]; }
   float& score(Index s) { return score_[at(s)]; }
-  bool alive(Index s) const { return alive_[at(s)] == kAlive; }
 
   /// Heap bytes held by this head (all buffers, by capacity).
   std::size_t heap_bytes() const {
