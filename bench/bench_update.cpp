@@ -20,6 +20,18 @@ namespace {
 
 constexpr Index kHeadDim = 128;
 
+// The comparison points' own helpers: rows of T to float32, and a max-subtracted softmax.
+template <class T>
+void convert_rows(const T* rows, Index n, Index d, float* out) {
+  Eigen::Map<Eigen::VectorXf>(out, n * d) =
+      Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>(rows, n * d).template cast<float>();
+}
+inline void softmax_inplace(float* x, Index n) {
+  Eigen::Map<Eigen::ArrayXf> a(x, n);
+  a = (a - a.maxCoeff()).exp();
+  a /= a.sum();
+}
+
 template <class T>
 vc::Tensor4<T> random_tokens(Index heads, Index s, std::uint32_t seed) {
   std::mt19937 rng(seed);
@@ -112,15 +124,15 @@ void BM_DenseAttention(benchmark::State& state) {
       const Eigen::Map<const Eigen::VectorXf> qh(q.data() + h * kHeadDim, kHeadDim);
       for (Index r0 = 0; r0 < n; r0 += kChunk) {
         const Index m = std::min(kChunk, n - r0);
-        vc::detail::convert_rows(kh + r0 * kHeadDim, m, kHeadDim, buf.data());
+        convert_rows(kh + r0 * kHeadDim, m, kHeadDim, buf.data());
         logits.segment(r0, m).noalias() = RowsF(buf.data(), m, kHeadDim) * qh;
       }
       logits *= scale;
-      vc::detail::softmax_inplace(logits.data(), n);
+      softmax_inplace(logits.data(), n);
       out.setZero();
       for (Index r0 = 0; r0 < n; r0 += kChunk) {
         const Index m = std::min(kChunk, n - r0);
-        vc::detail::convert_rows(vh + r0 * kHeadDim, m, kHeadDim, buf.data());
+        convert_rows(vh + r0 * kHeadDim, m, kHeadDim, buf.data());
         out.noalias() += RowsF(buf.data(), m, kHeadDim).transpose() * logits.segment(r0, m);
       }
       benchmark::DoNotOptimize(out.data());
@@ -180,7 +192,7 @@ void BM_CausalAttentionScores(benchmark::State& state) {
     Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> logits(64, S);
 #pragma omp for schedule(static)
     for (Index h = 0; h < kHeads; ++h) {
-      vc::detail::convert_rows(k.data() + h * S * kHeadDim, S, kHeadDim, kf.data());
+      convert_rows(k.data() + h * S * kHeadDim, S, kHeadDim, kf.data());
       const RowsF kh(kf.data(), S, kHeadDim);
       for (Index i0 = 0; i0 < S; i0 += 64) {
         const Index nb = std::min<Index>(64, S - i0);
@@ -188,7 +200,7 @@ void BM_CausalAttentionScores(benchmark::State& state) {
         const RowsF qb(q.data() + (h * S + i0) * kHeadDim, nb, kHeadDim);
         logits.topLeftCorner(nb, cols).noalias() = qb * kh.topRows(cols).transpose() * scale;
         for (Index t = 0; t < nb; ++t) {
-          vc::detail::softmax_inplace(logits.row(t).data(), i0 + t + 1);
+          softmax_inplace(logits.row(t).data(), i0 + t + 1);
         }
       }
       benchmark::DoNotOptimize(logits.data());
@@ -369,15 +381,15 @@ void BM_DenseGQAAttention(benchmark::State& state) {
       const RowsF qh(q.data() + h * groups * kHeadDim, groups, kHeadDim);
       for (Index r0 = 0; r0 < n; r0 += kChunk) {
         const Index m = std::min(kChunk, n - r0);
-        vc::detail::convert_rows(kh + r0 * kHeadDim, m, kHeadDim, buf.data());
+        convert_rows(kh + r0 * kHeadDim, m, kHeadDim, buf.data());
         logits.middleCols(r0, m).noalias() = qh * RowsF(buf.data(), m, kHeadDim).transpose();
       }
       logits *= scale;
-      for (Index g = 0; g < groups; ++g) vc::detail::softmax_inplace(logits.row(g).data(), n);
+      for (Index g = 0; g < groups; ++g) softmax_inplace(logits.row(g).data(), n);
       out.setZero();
       for (Index r0 = 0; r0 < n; r0 += kChunk) {
         const Index m = std::min(kChunk, n - r0);
-        vc::detail::convert_rows(vh + r0 * kHeadDim, m, kHeadDim, buf.data());
+        convert_rows(vh + r0 * kHeadDim, m, kHeadDim, buf.data());
         out.noalias() += logits.middleCols(r0, m) * RowsF(buf.data(), m, kHeadDim);
       }
       benchmark::DoNotOptimize(out.data());
@@ -428,7 +440,7 @@ void BM_CausalGQAScores(benchmark::State& state) {
     Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> logits(tokens * groups, S);
 #pragma omp for schedule(static)
     for (Index h = 0; h < kKvHeads; ++h) {
-      vc::detail::convert_rows(k.data() + h * S * kHeadDim, S, kHeadDim, kf.data());
+      convert_rows(k.data() + h * S * kHeadDim, S, kHeadDim, kf.data());
       const RowsF kh(kf.data(), S, kHeadDim);
       for (Index i0 = 0; i0 < S; i0 += tokens) {
         const Index nb = std::min(tokens, S - i0);
@@ -443,7 +455,7 @@ void BM_CausalGQAScores(benchmark::State& state) {
         logits.topLeftCorner(nb * groups, cols).noalias() =
             RowsF(qb.data(), nb * groups, kHeadDim) * kh.topRows(cols).transpose() * scale;
         for (Index r = 0; r < nb * groups; ++r) {
-          vc::detail::softmax_inplace(logits.row(r).data(), i0 + r / groups + 1);
+          softmax_inplace(logits.row(r).data(), i0 + r / groups + 1);
         }
       }
       benchmark::DoNotOptimize(logits.data());

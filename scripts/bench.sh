@@ -1,12 +1,58 @@
 #!/usr/bin/env bash
-# Builds and runs the Google Benchmark suite (installs missing build dependencies first).
-# Extra arguments go to the benchmark binary, e.g.
-#   bash scripts/bench.sh --benchmark_filter=Decode --benchmark_repetitions=5
+# The benchmarks of BENCHMARKS.md (installs missing build dependencies first).
+#
+#   bash scripts/bench.sh                 the flag matrix (section 1): bench/bench_core.cpp built
+#                                         once per flag set, the same flags for the library and
+#                                         the comparison points; prints the table of medians and
+#                                         ratios, keeps the JSON in build-bench/<flags>.json
+#   bash scripts/bench.sh --suite [ARGS]  the policy / memory / query suite (bench_update.cpp,
+#                                         -O3 -march=native), ARGS passed to the binary
+#   bash scripts/bench.sh --compile       consumer compile times (section 4)
+#
+# Environment: FLAG_SETS (names from the list below, space-separated), REPS (default 5),
+# FILTER (a --benchmark_filter regex for the matrix).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh
-BUILD=${BUILD_DIR:-build-bench}
-cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DVELOXQUANT_BUILD_TESTS=OFF \
-      -DVELOXQUANT_BUILD_EXAMPLES=OFF -DVELOXQUANT_BUILD_BENCHMARKS=ON >/dev/null
-cmake --build "$BUILD" -j"$(nproc)" --target bench_update
-"$BUILD"/bench/bench_update "$@"
+ROOT=build-bench
+mkdir -p "$ROOT"
+
+declare -A FLAGS=(
+  [O2-x86-64]="-O2 -march=x86-64"
+  [O2-x86-64-v3]="-O2 -march=x86-64-v3"
+  [O3-x86-64-v3]="-O3 -march=x86-64-v3"
+  [O2-native]="-O2 -march=native"
+  [O3-native]="-O3 -march=native"
+)
+ORDER=(O3-native O2-native O3-x86-64-v3 O2-x86-64-v3 O2-x86-64)
+
+build() {  # build <name> <flags> <target>
+  cmake -S . -B "$ROOT/$1" -DCMAKE_BUILD_TYPE=None -DCMAKE_CXX_FLAGS="$2 -DNDEBUG" \
+    -DVELOXQUANT_BUILD_TESTS=OFF -DVELOXQUANT_BUILD_EXAMPLES=OFF \
+    -DVELOXQUANT_BUILD_BENCHMARKS=ON >/dev/null
+  cmake --build "$ROOT/$1" -j"$(nproc)" --target "$3" >/dev/null
+}
+
+case "${1:-}" in
+  --suite)
+    shift
+    build suite "-O3 -march=native" bench_update
+    exec "$ROOT/suite/bench/bench_update" "$@"
+    ;;
+  --compile)
+    exec bash scripts/compile_time.sh
+    ;;
+esac
+
+sets=(${FLAG_SETS:-${ORDER[@]}})
+for name in "${sets[@]}"; do
+  echo "[bench] building bench_core with ${FLAGS[$name]}" >&2
+  build "$name" "${FLAGS[$name]}" bench_core
+done
+for name in "${sets[@]}"; do
+  echo "[bench] running $name" >&2
+  "$ROOT/$name/bench/bench_core" --benchmark_repetitions="${REPS:-5}" \
+    --benchmark_report_aggregates_only=true --benchmark_filter="${FILTER:-.}" \
+    --benchmark_out="$ROOT/$name.json" --benchmark_out_format=json >/dev/null
+done
+python3 scripts/bench_table.py "$ROOT" "${sets[@]}"

@@ -365,7 +365,7 @@ class KVCache {
       dims_ = detail::LayerDims{keys.batch, keys.heads, keys.dim, values.dim, true};
     }
     if (plan.compress) rule_.compressed = true;
-    absorb_heads(keys, values, queries, groups, plan);
+    absorb_heads(keys, values, queries, groups, plan, out != nullptr);
     rebudget_ = false;
     offset_ += S;
     tokens_seen_ += dims_.batch * dims_.heads * S;
@@ -416,12 +416,13 @@ class KVCache {
     return static_cast<int>(std::min<Index>(workers_, n_heads));
   }
 
-  // Steps 5 of run(): per head, the window starts, a pending re-budget applies, the call's rows
-  // are stored and the policy absorbs them. Heads are independent: with a parallel-for, each task
-  // takes a contiguous range of heads and its own scratch.
+  // Step 5 of run(): per head, the window starts (with its order when `copy`: fetch), a pending
+  // re-budget applies, the call's rows are stored and the policy absorbs them. Heads are
+  // independent: with a parallel-for, each task takes a contiguous range of heads and its own
+  // scratch.
   void absorb_heads(const detail::InputRows& keys, const detail::InputRows& values,
-                    const detail::InputRows* queries, Index groups,
-                    const detail::CallPlan& plan) noexcept {
+                    const detail::InputRows* queries, Index groups, const detail::CallPlan& plan,
+                    bool copy) noexcept {
     const Index S = keys.seq;
     const Index n_heads = dims_.batch * dims_.heads;
     const detail::ScratchSize size{plan.rows, live_rows() + S, detail::padded_dim(keys.dim),
@@ -429,7 +430,7 @@ class KVCache {
     const auto one = [&](Index i, detail::Scratch& sc) {
       auto& head = heads_[static_cast<std::size_t>(i)];
       const Index b = i / dims_.heads, h = i % dims_.heads;
-      head.begin_window();
+      head.begin_window(copy);
       if (rebudget_ && rule_.budget) {
         detail::rebudget(head, *rule_.budget, rule_.n_sink, rule_.protected_recent(), sc);
       }

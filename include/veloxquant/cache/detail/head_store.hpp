@@ -58,27 +58,38 @@ class HeadStore {
   void compact() noexcept {
     const Index n_live = live();
     if (n_phys_ != n_live) {
+      // Every hole below n_live takes the highest live slot; holes above it just disappear.
       Index tail = n_phys_ - 1;
-      for (Index h = 0; h < n_live; ++h) {
-        if (alive_[at(h)]) continue;
-        while (!alive_[at(tail)]) --tail;
+      Index moved = 0;
+      for (const Slot h : holes_) {
+        if (h >= n_live) continue;
+        while (alive_[at(tail)] != kAlive) --tail;
         move_slot(tail, h);
         // A forwarding address in the vacated slot for the pass over `order` below.
         pos_[at(tail)] = h;
         alive_[at(tail)] = kMoved;
         --tail;
+        ++moved;
       }
-      for (Slot& s : order_) {
-        if (s >= n_live) s = static_cast<Slot>(pos_[at(s)]);
+      // The moved rows were in the highest slots, the most recently appended: near the end of
+      // `order` (ascending position), so the search runs from the back and stops when all are
+      // found (one step in a decode loop).
+      for (Index i = live() - 1; moved > 0; --i) {
+        Slot& s = order_[at(i)];
+        if (s < n_live) continue;
+        s = static_cast<Slot>(pos_[at(s)]);
+        --moved;
       }
       n_phys_ = n_live;
     }
+    holes_.clear();
     call_begin_ = n_phys_;
   }
 
-  /// Records the live order as the rows retained before the call (the start of its window).
-  void begin_window() noexcept {
-    window_.assign(order_.begin(), order_.end());
+  /// Starts the window of a call at the rows retained now; `keep_order` records their ascending
+  /// order too (window(), for a copy of the window: the view needs none).
+  void begin_window(bool keep_order) noexcept {
+    if (keep_order) window_.assign(order_.begin(), order_.end());
     call_begin_ = n_phys_;
   }
 
@@ -102,7 +113,16 @@ class HeadStore {
     order_.push_back(s);
   }
   /// Marks slot `s` dead (drop_dead() then removes it from `order`).
-  void mark_dead(Slot s) noexcept { alive_[at(s)] = kDead; }
+  void mark_dead(Slot s) noexcept {
+    VELOXQUANT_ASSERT(alive_[at(s)] == kAlive, "mark_dead of a dead slot");
+    alive_[at(s)] = kDead;
+    holes_.push_back(s);
+  }
+  /// Evicts the row at index `i` of `order` (marks it dead and removes it from `order`).
+  void evict_at(Index i) noexcept {
+    mark_dead(order_[at(i)]);
+    order_.erase(order_.begin() + i);
+  }
   /// Removes dead slots from `order`, keeping the order of the rest.
   void drop_dead() noexcept {
     order_.erase(std::remove_if(order_.begin(), order_.end(),
@@ -119,15 +139,25 @@ class HeadStore {
   void drop_newest(Index n) noexcept {
     VELOXQUANT_ASSERT(n_phys_ == live(), "drop_newest with holes");
     for (Index i = 0; i < n; ++i) {
-      alive_[at(order_.back())] = kDead;
+      mark_dead(order_.back());
       order_.pop_back();
     }
     compact();
   }
 
+  /// Slots made dead since the last compaction.
+  const std::vector<Slot>& holes() const { return holes_; }
+  /// Index in `order` of the live slot `s` (binary search by position).
+  Index order_index(Slot s) const {
+    const std::int64_t p = pos_[at(s)];
+    const auto it = std::lower_bound(order_.begin(), order_.end(), p,
+                                     [this](Slot a, std::int64_t q) { return pos_[at(a)] < q; });
+    VELOXQUANT_ASSERT(it != order_.end() && *it == s, "order_index of a slot not live");
+    return it - order_.begin();
+  }
   /// Live slots in ascending position.
   const std::vector<Slot>& order() const { return order_; }
-  /// The rows retained before the current call, ascending position.
+  /// The rows retained before the current call, ascending position (when begin_window kept it).
   const std::vector<Slot>& window() const { return window_; }
 
   T* key_ptr(Index s) { return k_.data() + s * dk_; }
@@ -138,6 +168,7 @@ class HeadStore {
   const T* values_data() const { return v_.data(); }
   const std::int64_t* positions_data() const { return pos_.data(); }
   float* scores_data() { return score_.data(); }
+  const float* scores_data_const() const { return score_.data(); }
   std::uint8_t* alive_data() { return alive_.data(); }
 
   std::int64_t position(Index s) const { return pos_[at(s)]; }
@@ -148,7 +179,7 @@ class HeadStore {
   std::size_t heap_bytes() const {
     return k_.capacity() * sizeof(T) + v_.capacity() * sizeof(T) +
            pos_.capacity() * sizeof(std::int64_t) + score_.capacity() * sizeof(float) +
-           alive_.capacity() + order_.capacity() * sizeof(Slot) + window_.capacity() * sizeof(Slot);
+           alive_.capacity() + (order_.capacity() + window_.capacity() + holes_.capacity()) * sizeof(Slot);
   }
 
   static constexpr std::uint8_t kDead = 0;
@@ -180,6 +211,8 @@ class HeadStore {
     order.reserve(r);
     std::vector<Slot> window;
     window.reserve(r);
+    std::vector<Slot> holes;
+    holes.reserve(r);
     // No-throw from here on.
     std::copy_n(k_.begin(), used * static_cast<std::size_t>(dk_), k.begin());
     std::copy_n(v_.begin(), used * static_cast<std::size_t>(dv_), v.begin());
@@ -187,6 +220,7 @@ class HeadStore {
     std::copy_n(score_.begin(), used, score.begin());
     std::copy_n(alive_.begin(), used, alive.begin());
     order.assign(order_.begin(), order_.end());
+    holes.assign(holes_.begin(), holes_.end());
     // The previous call's window is not carried over: reallocation happens only when a new call
     // starts (a long prompt's window would otherwise pin its capacity).
     k_.swap(k);
@@ -196,6 +230,7 @@ class HeadStore {
     alive_.swap(alive);
     order_.swap(order);
     window_.swap(window);
+    holes_.swap(holes);
     cap_ = rows;
   }
 
@@ -211,6 +246,7 @@ class HeadStore {
   std::vector<std::uint8_t> alive_;  // [cap]
   std::vector<Slot> order_;          // live slots, ascending position
   std::vector<Slot> window_;         // rows retained before the current call, ascending position
+  std::vector<Slot> holes_;          // slots made dead since the last compaction
 };
 
 }  // namespace veloxquant::cache::detail

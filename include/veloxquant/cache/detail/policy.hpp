@@ -146,6 +146,30 @@ void rebudget(HeadStore<T>& head, int budget, int n_sink, int g, Scratch& sc) {
   head.drop_dead();
 }
 
+/// The live row of `head` to evict first among all but the sinks and the newest `g` (its index in
+/// the live order), by the order of select.hpp with ties to the earliest; -1 if none. The scores
+/// go to `buf` in slot order (contiguous) with the protected and dead slots at +inf, and the
+/// SIMD argmin finds the lowest. When that lowest value is not unique (a tie: positions decide)
+/// or not a number, the exact search over the live order decides.
+template <class T>
+Index worst_live(const HeadStore<T>& head, int n_sink, int g, float* buf) {
+  const Slot* ord = head.order().data();
+  const Index n = head.live(), n_phys = head.physical();
+  Index sinks = 0;
+  while (sinks < n && head.position(ord[sinks]) < n_sink) ++sinks;
+  if (n - g <= sinks) return -1;
+  const float inf = std::numeric_limits<float>::infinity();
+  const float* score = head.scores_data_const();
+  std::copy(score, score + n_phys, buf);
+  for (Index i = 0; i < sinks; ++i) buf[ord[i]] = inf;
+  for (Index i = n - g; i < n; ++i) buf[ord[i]] = inf;
+  for (const Slot h : head.holes()) buf[h] = inf;
+  int hits = 0;
+  const Index k = argmin(buf, n_phys, false, &hits);
+  if (k >= 0 && hits == 1 && buf[k] < inf) return head.order_index(static_cast<Slot>(k));
+  return worst_in_order(ord, sinks, n - g, score, Tie::evict_earliest, buf);
+}
+
 /// The scored policies' driver: absorbs the `count` rows appended at slots
 /// [call_begin(), call_begin() + count) of `head` (docs/design.md 4.2, 4.6, 6).
 template <class T>
@@ -164,7 +188,6 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
   // A re-budget at the start of the call left dead slots before the call's rows.
   const bool holes = !plan.gather && head.live() < first;
   Index live = head.live();
-  bool killed = false;
   for (Index i0 = 0; i0 < count; i0 += plan.block) {
     const Index nb = std::min(plan.block, count - i0);
     // The columns: storage slots [0, first + i0 + nb), or the live rows then the block's rows.
@@ -216,10 +239,14 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
       const Index ct = nc + t;
       const auto s = static_cast<Slot>(first + i0 + t);
       float* rows_t = lg + t * G * ld;
-      const auto kill = [&](Index c) {
+      // Evicts column c: a slot found by worst_live (at index `at` of the live order), or a
+      // gathered column (its logits in the block's later rows become -inf).
+      const auto kill = [&](Index c, Index at) {
+        if (!plan.gather) {
+          head.evict_at(at);
+          return;
+        }
         alive[c] = HeadStore<T>::kDead;
-        killed = true;
-        if (!plan.gather) return;
         head.mark_dead(slot[c]);
         for (Index r = (t + 1) * G; r < nb * G; ++r) lg[r * ld + c] = kNegInf;
       };
@@ -229,8 +256,13 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
         if (!rule.budget || live <= *rule.budget) continue;
         softmax_mean(rows_t, G, ld, ct + 1, w);  // over every row, itself included
         std::copy(w, w + ct + 1, score);
-        const Index k = worst_of(score, pos, alive, ct + 1, rule.n_sink, kAll, Tie::evict_earliest);
-        if (k >= 0) kill(k), --live;
+        if (plan.gather) {
+          const Index k = worst_of(score, pos, alive, ct + 1, rule.n_sink, kAll, Tie::evict_earliest);
+          if (k >= 0) kill(k, -1), --live;
+        } else {
+          const Index at = worst_live(head, rule.n_sink, 0, w);
+          if (at >= 0) kill(-1, at), --live;
+        }
         continue;
       }
       if (once_per_call) {
@@ -254,16 +286,14 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
       // Protected: sinks and the newest g rows. The newest g live rows are always the last g of
       // the position-ordered sequence (a row is protected from the moment it arrives until g
       // newer ones have, and only unprotected rows are evicted).
-      std::int64_t newest = kAll;
-      if (g > 0) {
-        if (plan.gather) {
-          newest = ct + 1 >= g ? pos[ct + 1 - g] : kNone;
-        } else {
-          newest = live >= g ? head.position(head.order()[static_cast<std::size_t>(live - g)]) : kNone;
-        }
+      if (plan.gather) {
+        const std::int64_t newest = g == 0 ? kAll : ct + 1 >= g ? pos[ct + 1 - g] : kNone;
+        const Index k = worst_of(score, pos, alive, ct + 1, rule.n_sink, newest, Tie::evict_earliest);
+        if (k >= 0) kill(k, -1), --live;
+      } else {
+        const Index at = worst_live(head, rule.n_sink, g, w);
+        if (at >= 0) kill(-1, at), --live;
       }
-      const Index k = worst_of(score, pos, alive, ct + 1, rule.n_sink, newest, Tie::evict_earliest);
-      if (k >= 0) kill(k), --live;
     }
     if (plan.gather) {
       // Scores back to their slots; the live order is the surviving columns in column order.
@@ -277,7 +307,6 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
       head.assign_order(order, n);
     }
   }
-  if (!plan.gather && killed) head.drop_dead();
   if (once_per_call && rule.budget) rebudget(head, *rule.budget, rule.n_sink, g, sc);
 }
 

@@ -8,8 +8,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include <Eigen/Core>
+
+#include "simd_kernels.hpp"
 
 namespace veloxquant::cache::detail {
 
@@ -37,6 +40,28 @@ inline Index worst_of(const float* score, const std::int64_t* pos, const std::ui
     if (best < 0 || evicts_before(score[i], pos[i], score[best], pos[best], tie)) best = i;
   }
   return best;
+}
+
+/// worst_of over rows listed in ascending position, all alive and unprotected: order[lo, hi)
+/// (indices into score). Returns the index into `order`, or -1 when the range is empty. The
+/// scores are gathered into `buf` ([hi - lo]) and searched with the SIMD argmin: the one-token
+/// calls' eviction.
+inline Index worst_in_order(const std::int32_t* order, Index lo, Index hi, const float* score,
+                            Tie tie, float* buf) {
+  if (lo >= hi) return -1;
+  const Index n = hi - lo;
+  for (Index i = 0; i < n; ++i) buf[i] = score[order[lo + i]];
+  const bool latest = tie == Tie::evict_latest;
+  int hits = 0;
+  const Index k = argmin(buf, n, latest, &hits);
+  if (k >= 0) return lo + k;
+  // A NaN: it ranks before every number; among NaNs the tie rule decides.
+  Index best = 0;
+  for (Index i = 1; i < n; ++i) {
+    const float s = buf[i], b = buf[best];
+    if (s < b || (latest && s == b) || (s != s && (b == b || latest))) best = i;
+  }
+  return lo + best;
 }
 
 /// Moves the `k` rows to evict first among the `n` candidates (indices into score and pos) to the

@@ -36,6 +36,10 @@ inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
 inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
 inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
 inline V vmax(V a, V b) { return _mm256_max_ps(a, b); }
+inline V vmin(V a, V b) { return _mm256_min_ps(a, b); }
+inline unsigned vmask_eq(V a, V b) {
+  return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)));
+}
 inline V vmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 
 inline V vexp_flush(V x) {

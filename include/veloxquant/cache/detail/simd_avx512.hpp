@@ -35,6 +35,8 @@ inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
 inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
 inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
+inline V vmin(V a, V b) { return _mm512_min_ps(a, b); }
+inline unsigned vmask_eq(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
 inline V vmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 
 inline V vexp_flush(V x) {

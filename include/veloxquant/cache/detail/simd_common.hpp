@@ -4,8 +4,8 @@
 
 // Target regions: the code between BEGIN and END is compiled for that instruction set whatever the
 // consumer's flags (GCC: target pragma; Clang: an attribute on every function). GCC 12 reports its
-// own AVX-512 intrinsics (built on _mm512_undefined_*) as maybe-uninitialized; the AVX-512 region
-// silences that one warning.
+// own AVX-512 intrinsics (built on _mm512_undefined_*) as (maybe-)uninitialized; the AVX-512
+// region silences those two warnings.
 #if defined(__clang__)
 #define VELOXQUANT_DETAIL_TARGET_AVX2_BEGIN \
   _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c\"))), apply_to = function)")
@@ -20,7 +20,8 @@
 #define VELOXQUANT_DETAIL_TARGET_AVX2_END _Pragma("GCC pop_options")
 #define VELOXQUANT_DETAIL_TARGET_AVX512_BEGIN                                   \
   _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx2,fma,f16c\")") \
-      _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")
+      _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"") \
+          _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")
 #define VELOXQUANT_DETAIL_TARGET_AVX512_END _Pragma("GCC diagnostic pop") _Pragma("GCC pop_options")
 #endif
 
@@ -29,6 +30,26 @@ namespace veloxquant::cache::detail {
 /// Weights below exp(-87) (the bottom of float32's normal range) are taken as exactly 0: rows that
 /// receive no attention must not collect a tiny, age-dependent score, or the exact-tie rules of
 /// docs/design.md 4.2/4.5 would be decided by rounding noise.
+/// Lowest and highest set bit of a non-zero mask.
+inline int first_bit(unsigned m) {
+#if defined(__GNUC__) || defined(__clang__)
+  return __builtin_ctz(m);
+#else
+  int i = 0;
+  while (!(m & 1u)) m >>= 1, ++i;
+  return i;
+#endif
+}
+inline int last_bit(unsigned m) {
+#if defined(__GNUC__) || defined(__clang__)
+  return 31 - __builtin_clz(m);
+#else
+  int i = -1;
+  while (m) m >>= 1, ++i;
+  return i;
+#endif
+}
+
 inline constexpr float kSoftmaxMinWeight = 1.6458115e-38f;  // exp(-87)
 
 // exp(x) = 2^n * exp(r), n = round(x * log2(e)), r = x - n * ln(2) in two parts, exp(r) from a

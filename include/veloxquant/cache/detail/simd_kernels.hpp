@@ -93,6 +93,12 @@ inline void softmax_mean(float* x, Index rows, Index ldx, Index n, float* w) {
   VELOXQUANT_DETAIL_DISPATCH(softmax_mean(x, rows, ldx, n, w));
 }
 
+/// Index of the lowest of x[0, n) (n >= 1), the first among equals or the last when `last`; *hits:
+/// how many hold that value (up to 2); -1 when some x[i] is NaN.
+inline Index argmin(const float* x, Index n, bool last, int* hits) {
+  VELOXQUANT_DETAIL_DISPATCH(argmin(x, n, last, hits));
+}
+
 /// s[i] = s[i] * decay + w[i], i < n.
 inline void decay_accumulate(float* s, const float* w, Index n, float decay) {
   VELOXQUANT_DETAIL_DISPATCH(decay_accumulate(s, w, n, decay));

@@ -29,10 +29,86 @@ inline void load_padded_row(const T* row, Index d, float* out) {
 /// row, two rows at a time; each logit is one chain of multiply-adds over the padded row in
 /// ascending order, reduced by the path's fixed tree. q: [m, ldq] (row i at q + i * ldq, zero from
 /// d to padded_lanes(d)); out: [m, ldo].
+/// logits for one query row when d is a whole number of vectors: keys are converted in registers,
+/// eight at a time (independent multiply-add chains hide their latency). Each logit is the same
+/// chain as in logits() below, so both give bit-identical results. Named accumulators, not
+/// arrays: at -O2 compilers do not unroll small loops, and arrays would live in memory.
+template <class T>
+inline void logits_1x8(const float* q, const T* keys, Index key_stride, const std::int32_t* idx,
+                       Index n, Index d, float scale, float* out) {
+  for (Index j0 = 0; j0 < n; j0 += 8) {
+    const Index nj = n - j0 < 8 ? n - j0 : 8;
+    const auto row = [&](Index j) {
+      const Index r = j < nj ? j0 + j : j0;
+      return keys + (idx ? idx[r] : r) * key_stride;
+    };
+    const T *r0 = row(0), *r1 = row(1), *r2 = row(2), *r3 = row(3);
+    const T *r4 = row(4), *r5 = row(5), *r6 = row(6), *r7 = row(7);
+    V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    V a4 = vzero(), a5 = vzero(), a6 = vzero(), a7 = vzero();
+    for (Index k = 0; k < d; k += kLanes) {
+      const V x = vload(q + k);
+      a0 = vmadd(x, vload_row(r0 + k), a0);
+      a1 = vmadd(x, vload_row(r1 + k), a1);
+      a2 = vmadd(x, vload_row(r2 + k), a2);
+      a3 = vmadd(x, vload_row(r3 + k), a3);
+      a4 = vmadd(x, vload_row(r4 + k), a4);
+      a5 = vmadd(x, vload_row(r5 + k), a5);
+      a6 = vmadd(x, vload_row(r6 + k), a6);
+      a7 = vmadd(x, vload_row(r7 + k), a7);
+    }
+    float sums[8];
+    vreduce_add4(a0, a1, a2, a3, sums);
+    vreduce_add4(a4, a5, a6, a7, sums + 4);
+    for (Index j = 0; j < nj; ++j) out[j0 + j] = sums[j] * scale;
+  }
+}
+
+/// The same for two query rows, four keys at a time. out: [2, ldo]
+template <class T>
+inline void logits_2x4(const float* q, Index ldq, const T* keys, Index key_stride,
+                       const std::int32_t* idx, Index n, Index d, float scale, float* out,
+                       Index ldo) {
+  for (Index j0 = 0; j0 < n; j0 += 4) {
+    const Index nj = n - j0 < 4 ? n - j0 : 4;
+    const auto row = [&](Index j) {
+      const Index r = j < nj ? j0 + j : j0;
+      return keys + (idx ? idx[r] : r) * key_stride;
+    };
+    const T *r0 = row(0), *r1 = row(1), *r2 = row(2), *r3 = row(3);
+    V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    V b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
+    for (Index k = 0; k < d; k += kLanes) {
+      const V x = vload(q + k), y = vload(q + ldq + k);
+      const V c0 = vload_row(r0 + k), c1 = vload_row(r1 + k);
+      const V c2 = vload_row(r2 + k), c3 = vload_row(r3 + k);
+      a0 = vmadd(x, c0, a0);
+      a1 = vmadd(x, c1, a1);
+      a2 = vmadd(x, c2, a2);
+      a3 = vmadd(x, c3, a3);
+      b0 = vmadd(y, c0, b0);
+      b1 = vmadd(y, c1, b1);
+      b2 = vmadd(y, c2, b2);
+      b3 = vmadd(y, c3, b3);
+    }
+    float sums[8];
+    vreduce_add4(a0, a1, a2, a3, sums);
+    vreduce_add4(b0, b1, b2, b3, sums + 4);
+    for (Index j = 0; j < nj; ++j) {
+      out[j0 + j] = sums[j] * scale;
+      out[ldo + j0 + j] = sums[4 + j] * scale;
+    }
+  }
+}
+
 template <class T>
 inline void logits(const float* q, Index m, Index ldq, const T* keys, Index key_stride,
                    const std::int32_t* idx, Index n, Index d, float scale, float* out, Index ldo,
                    float* kbuf) {
+  if (d % kLanes == 0 && m == 1) return logits_1x8(q, keys, key_stride, idx, n, d, scale, out);
+  if (d % kLanes == 0 && m == 2) {
+    return logits_2x4(q, ldq, keys, key_stride, idx, n, d, scale, out, ldo);
+  }
   const Index dp = padded_lanes(d);
   for (Index j0 = 0; j0 < n; j0 += 4) {
     const Index nj = n - j0 < 4 ? n - j0 : 4;
@@ -164,6 +240,48 @@ inline void decay_accumulate(float* s, const float* w, Index n, float decay) {
     store_tail(s + body, n - body,
                vmadd(load_tail(s + body, n - body, 0.0f), dv, load_tail(w + body, n - body, 0.0f)));
   }
+}
+
+/// The index of the lowest of x[0, n) (n >= 1): the first one among equals, or the last when
+/// `last`; *hits is how many elements hold that value (counted up to 2). -1 when some x[i] is NaN
+/// (the caller decides then).
+inline Index argmin(const float* x, Index n, bool last, int* hits) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const Index body = n / kLanes * kLanes;
+  V mv = vset(inf);
+  unsigned ordered = (1u << kLanes) - 1u;  // lanes that never saw a NaN
+  for (Index i = 0; i < body; i += kLanes) {
+    const V v = vload(x + i);
+    mv = vmin(v, mv);
+    ordered &= vmask_eq(v, v);
+  }
+  if (body < n) {
+    const V v = load_tail(x + body, n - body, inf);
+    mv = vmin(v, mv);
+    ordered &= vmask_eq(v, v);
+  }
+  if (ordered != (1u << kLanes) - 1u) return -1;
+  float m = inf;
+  {
+    float t[kLanes];
+    vstore(t, mv);
+    for (Index j = 0; j < kLanes; ++j) m = t[j] < m ? t[j] : m;
+  }
+  const V target = vset(m);
+  const Index chunks = (n + kLanes - 1) / kLanes;
+  Index found = -1;
+  int count = 0;
+  for (Index c = 0; c < chunks && count < 2; ++c) {
+    const Index i = (last ? chunks - 1 - c : c) * kLanes;
+    const V v = i + kLanes <= n ? vload(x + i) : load_tail(x + i, n - i, inf);
+    unsigned hit = vmask_eq(v, target);
+    if (i + kLanes > n) hit &= (1u << (n - i)) - 1u;
+    if (hit == 0) continue;
+    if (found < 0) found = i + (last ? last_bit(hit) : first_bit(hit));
+    count += (hit & (hit - 1u)) ? 2 : 1;
+  }
+  *hits = count < 2 ? count : 2;
+  return found >= 0 ? found : (last ? n - 1 : 0);  // every value +inf
 }
 
 /// dst[i] = src[i] converted to T (round to nearest even), i < n; U and T are half, bfloat16 or

@@ -61,6 +61,16 @@ inline V vmax(V a, V b) {
   for (int i = 0; i < kLanes; ++i) a.x[i] = a.x[i] > b.x[i] ? a.x[i] : b.x[i];
   return a;
 }
+inline V vmin(V a, V b) {
+  for (int i = 0; i < kLanes; ++i) a.x[i] = a.x[i] < b.x[i] ? a.x[i] : b.x[i];
+  return a;
+}
+/// Bit i set when lane i of a equals lane i of b (false for NaN).
+inline unsigned vmask_eq(V a, V b) {
+  unsigned m = 0;
+  for (int i = 0; i < kLanes; ++i) m |= static_cast<unsigned>(a.x[i] == b.x[i]) << i;
+  return m;
+}
 /// a * b + c, rounded once.
 inline V vmadd(V a, V b, V c) {
   for (int i = 0; i < kLanes; ++i) a.x[i] = std::fma(a.x[i], b.x[i], c.x[i]);

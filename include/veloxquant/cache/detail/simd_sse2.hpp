@@ -45,6 +45,8 @@ inline V vadd(V a, V b) { return _mm_add_ps(a, b); }
 inline V vsub(V a, V b) { return _mm_sub_ps(a, b); }
 inline V vmul(V a, V b) { return _mm_mul_ps(a, b); }
 inline V vmax(V a, V b) { return _mm_max_ps(a, b); }
+inline V vmin(V a, V b) { return _mm_min_ps(a, b); }
+inline unsigned vmask_eq(V a, V b) { return static_cast<unsigned>(_mm_movemask_ps(_mm_cmpeq_ps(a, b))); }
 /// a * b + c with two roundings, never fused.
 inline V vmadd(V a, V b, V c) {
   V p = _mm_mul_ps(a, b);

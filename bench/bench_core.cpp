@@ -1,0 +1,333 @@
+// veloxquant — the core's speed against the engine's own attention over the same rows, in one
+// binary built with one set of flags (scripts/bench.sh builds it at each of -O2/-O3 x
+// -march=x86-64/x86-64-v3/native; BENCHMARKS.md section 1). Single thread unless the name says
+// otherwise. Shapes: B = 1, H = 32 KV heads, D = 128, half storage.
+//
+//   BM_DecodeView/budget          one decode step through update_and_view (key-as-query H2O core,
+//                                 evicting every step: budget + 1 rows attended)
+//   BM_AttentionF32Gemv/rows      the engine's decode attention over `rows` fp32 rows per head:
+//                                 Eigen GEMV q.K^T, softmax, GEMV p.V
+//   BM_AttentionF16Dot/rows       the same over fp16 rows with F16C conversion + FMA dots
+//   BM_DecodeViewThreads/budget   BM_DecodeView with the heads on 2 threads (the engine's
+//                                 parallel-for; here a small persistent pool)
+//   BM_PrefillView/S              an S-token prompt into budget 512 (key-as-query, H = 32)
+//   BM_PrefillViewQueries/S       the same scored with the engine's queries (G = 4: 32 query heads,
+//                                 H = 8 KV heads)
+//   BM_CausalAttention/S/H        the engine's causal attention of the prompt (32 query heads over
+//                                 H KV heads): per query head, blocks of 64 query rows, Eigen GEMM
+//                                 over the keys they see, softmax, GEMM with V
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include <veloxquant/cache.hpp>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace vc = veloxquant::cache;
+using Eigen::Index;
+
+namespace {
+
+constexpr Index kDim = 128;
+constexpr Index kHeads = 32;
+using RowsF = Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+
+template <class T>
+vc::Tensor4<T> random_tensor(Index b, Index h, Index s, Index d, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  vc::Tensor4<T> t(b, h, s, d);
+  for (Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<T>(nd(rng));
+  return t;
+}
+
+vc::KVCacheConfig h2o_config(int budget) {
+  vc::KVCacheConfig cfg;
+  cfg.method = "h2o";
+  cfg.h2o_budget = budget;
+  return cfg;
+}
+
+// A small persistent pool: the engine's parallel-for. run(tasks, task) returns when all are done.
+class Pool {
+ public:
+  explicit Pool(int threads) {
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { loop(i); });
+    size_ = threads;
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> l(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+  vc::ParallelFor parallel_for() {
+    return [this](int tasks, const std::function<void(int)>& task) { run(tasks, task); };
+  }
+  int size() const { return size_; }
+
+ private:
+  void run(int tasks, const std::function<void(int)>& task) {
+    {
+      std::lock_guard<std::mutex> l(m_);
+      task_ = &task;
+      tasks_ = tasks;
+      next_ = 1;
+      pending_ = tasks - 1;
+      ++epoch_;
+    }
+    cv_.notify_all();
+    task(0);
+    std::unique_lock<std::mutex> l(m_);
+    done_.wait(l, [this] { return pending_ == 0; });
+  }
+  void loop(int) {
+    std::uint64_t seen = 0;
+    for (;;) {
+      std::unique_lock<std::mutex> l(m_);
+      cv_.wait(l, [&] { return stop_ || epoch_ != seen; });
+      if (stop_) return;
+      seen = epoch_;
+      while (next_ < tasks_) {
+        const int t = next_++;
+        l.unlock();
+        (*task_)(t);
+        l.lock();
+        if (--pending_ == 0) done_.notify_one();
+      }
+    }
+  }
+  std::vector<std::thread> workers_;
+  std::mutex m_;
+  std::condition_variable cv_, done_;
+  const std::function<void(int)>* task_ = nullptr;
+  int tasks_ = 0, next_ = 0, pending_ = 0, size_ = 1;
+  std::uint64_t epoch_ = 0;
+  bool stop_ = false;
+};
+
+// ---- decode ------------------------------------------------------------------------------------
+
+void decode_view(benchmark::State& state, int threads) {
+  const int budget = static_cast<int>(state.range(0));
+  vc::H2OCache<Eigen::half> cache(h2o_config(budget));
+  std::unique_ptr<Pool> pool;
+  if (threads > 1) {
+    pool = std::make_unique<Pool>(threads);
+    cache.set_parallel_for(pool->parallel_for(), threads);
+  }
+  const auto prompt = random_tensor<Eigen::half>(1, kHeads, budget, kDim, 1);
+  (void)cache.update_and_view(prompt, prompt);
+  std::vector<vc::Tensor4<Eigen::half>> tokens;
+  for (int i = 0; i < 64; ++i) tokens.push_back(random_tensor<Eigen::half>(1, kHeads, 1, kDim, 100u + i));
+  std::size_t i = 0;
+  for (auto _ : state) {
+    const auto& t = tokens[i++ % tokens.size()];
+    auto view = cache.update_and_view(t, t);
+    benchmark::DoNotOptimize(view.rows());
+  }
+  state.SetItemsProcessed(state.iterations());
+  state.counters["rows"] = budget + 1;
+}
+void BM_DecodeView(benchmark::State& state) { decode_view(state, 1); }
+void BM_DecodeViewThreads(benchmark::State& state) { decode_view(state, 2); }
+
+// Softmax in place with Eigen's vectorised exp (the build's flags).
+void softmax(float* x, Index n) {
+  Eigen::Map<Eigen::ArrayXf> a(x, n);
+  a = (a - a.maxCoeff()).exp();
+  a /= a.sum();
+}
+
+// Decode attention over fp32 rows: Eigen GEMVs (the build's flags), Eigen's vectorised exp.
+void BM_AttentionF32Gemv(benchmark::State& state) {
+  const Index n = state.range(0);
+  const auto k = random_tensor<float>(1, kHeads, n, kDim, 2);
+  const auto v = random_tensor<float>(1, kHeads, n, kDim, 3);
+  const auto q = random_tensor<float>(1, kHeads, 1, kDim, 4);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+  Eigen::VectorXf logits(n), out(kDim);
+  for (auto _ : state) {
+    for (Index h = 0; h < kHeads; ++h) {
+      const RowsF kh(k.data() + h * n * kDim, n, kDim), vh(v.data() + h * n * kDim, n, kDim);
+      const Eigen::Map<const Eigen::VectorXf> qh(q.data() + h * kDim, kDim);
+      logits.noalias() = kh * qh;
+      logits *= scale;
+      softmax(logits.data(), n);
+      out.noalias() = vh.transpose() * logits;
+      benchmark::DoNotOptimize(out.data());
+    }
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define VQ_BENCH_F16C __attribute__((target("avx2,fma,f16c")))
+// Decode attention over fp16 rows: F16C conversion and FMA dots, four rows at a time; the weighted
+// sum of values accumulates in eight float32 vectors.
+VQ_BENCH_F16C float hsum8(__m256 a) {
+  const __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 h = _mm_hadd_ps(t, t);
+  return _mm_cvtss_f32(_mm_hadd_ps(h, h));
+}
+VQ_BENCH_F16C inline __m256 load(const Eigen::half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+VQ_BENCH_F16C void attention_f16(const Eigen::half* k, const Eigen::half* v, const float* q,
+                                 Index n, float scale, float* logits, float* out) {
+  Index r = 0;
+  for (; r + 4 <= n; r += 4) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (Index d = 0; d < kDim; d += 8) {
+      const __m256 x = _mm256_loadu_ps(q + d);
+      a0 = _mm256_fmadd_ps(x, load(k + r * kDim + d), a0);
+      a1 = _mm256_fmadd_ps(x, load(k + (r + 1) * kDim + d), a1);
+      a2 = _mm256_fmadd_ps(x, load(k + (r + 2) * kDim + d), a2);
+      a3 = _mm256_fmadd_ps(x, load(k + (r + 3) * kDim + d), a3);
+    }
+    logits[r] = hsum8(a0) * scale;
+    logits[r + 1] = hsum8(a1) * scale;
+    logits[r + 2] = hsum8(a2) * scale;
+    logits[r + 3] = hsum8(a3) * scale;
+  }
+  for (; r < n; ++r) {
+    __m256 a = _mm256_setzero_ps();
+    for (Index d = 0; d < kDim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load(k + r * kDim + d), a);
+    logits[r] = hsum8(a) * scale;
+  }
+  softmax(logits, n);
+  // p.V in two passes of 64 columns (128 bytes of each row; named accumulators: no spills at -O2).
+  for (Index d = 0; d < kDim; d += 64) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (Index i = 0; i < n; ++i) {
+      const __m256 p = _mm256_set1_ps(logits[i]);
+      const Eigen::half* row = v + i * kDim + d;
+      a0 = _mm256_fmadd_ps(p, load(row), a0);
+      a1 = _mm256_fmadd_ps(p, load(row + 8), a1);
+      a2 = _mm256_fmadd_ps(p, load(row + 16), a2);
+      a3 = _mm256_fmadd_ps(p, load(row + 24), a3);
+      a4 = _mm256_fmadd_ps(p, load(row + 32), a4);
+      a5 = _mm256_fmadd_ps(p, load(row + 40), a5);
+      a6 = _mm256_fmadd_ps(p, load(row + 48), a6);
+      a7 = _mm256_fmadd_ps(p, load(row + 56), a7);
+    }
+    _mm256_storeu_ps(out + d, a0);
+    _mm256_storeu_ps(out + d + 8, a1);
+    _mm256_storeu_ps(out + d + 16, a2);
+    _mm256_storeu_ps(out + d + 24, a3);
+    _mm256_storeu_ps(out + d + 32, a4);
+    _mm256_storeu_ps(out + d + 40, a5);
+    _mm256_storeu_ps(out + d + 48, a6);
+    _mm256_storeu_ps(out + d + 56, a7);
+  }
+}
+
+void BM_AttentionF16Dot(benchmark::State& state) {
+  if (!vc::simd_level_supported(vc::SimdLevel::avx2)) {
+    state.SkipWithError("no F16C/AVX2 on this CPU");
+    return;
+  }
+  const Index n = state.range(0);
+  const auto k = random_tensor<Eigen::half>(1, kHeads, n, kDim, 2);
+  const auto v = random_tensor<Eigen::half>(1, kHeads, n, kDim, 3);
+  const auto q = random_tensor<float>(1, kHeads, 1, kDim, 4);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+  std::vector<float> logits(static_cast<std::size_t>(n)), out(kDim);
+  for (auto _ : state) {
+    for (Index h = 0; h < kHeads; ++h) {
+      attention_f16(k.data() + h * n * kDim, v.data() + h * n * kDim, q.data() + h * kDim, n, scale,
+                    logits.data(), out.data());
+      benchmark::DoNotOptimize(out.data());
+    }
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(BM_AttentionF16Dot)->Arg(513)->Arg(2049)->Unit(benchmark::kMicrosecond);
+#endif
+
+BENCHMARK(BM_DecodeView)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_AttentionF32Gemv)->Arg(513)->Arg(2049)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DecodeViewThreads)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+// ---- prefill -----------------------------------------------------------------------------------
+
+void BM_PrefillView(benchmark::State& state) {
+  const Index S = state.range(0);
+  const auto k = random_tensor<Eigen::half>(1, kHeads, S, kDim, 5);
+  for (auto _ : state) {
+    vc::H2OCache<Eigen::half> cache(h2o_config(512));
+    auto view = cache.update_and_view(k, k);
+    benchmark::DoNotOptimize(view.rows());
+  }
+  state.SetItemsProcessed(state.iterations() * S);
+}
+
+void BM_PrefillViewQueries(benchmark::State& state) {
+  const Index S = state.range(0);
+  const auto k = random_tensor<Eigen::half>(1, kHeads / 4, S, kDim, 5);
+  const auto q = random_tensor<float>(1, kHeads, S, kDim, 6);
+  for (auto _ : state) {
+    vc::H2OCache<Eigen::half> cache(h2o_config(512));
+    auto view = cache.update_and_view(k, k, q);
+    benchmark::DoNotOptimize(view.rows());
+  }
+  state.SetItemsProcessed(state.iterations() * S);
+}
+
+// Causal attention of S tokens, 32 query heads over H KV heads (fp32 rows, Eigen GEMMs): per
+// query head, blocks of 64 query rows attend over the keys up to their last row.
+void BM_CausalAttention(benchmark::State& state) {
+  const Index S = state.range(0), H = state.range(1), G = kHeads / H;
+  const auto q = random_tensor<float>(1, kHeads, S, kDim, 6);
+  const auto k = random_tensor<float>(1, H, S, kDim, 7);
+  const auto v = random_tensor<float>(1, H, S, kDim, 8);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+  constexpr Index kBlock = 64;
+  Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> p(kBlock, S), out(kBlock, kDim);
+  for (auto _ : state) {
+    for (Index hq = 0; hq < kHeads; ++hq) {
+      const Index h = hq / G;
+      const RowsF qh(q.data() + hq * S * kDim, S, kDim), kh(k.data() + h * S * kDim, S, kDim),
+          vh(v.data() + h * S * kDim, S, kDim);
+      for (Index i0 = 0; i0 < S; i0 += kBlock) {
+        const Index nb = std::min(kBlock, S - i0), cols = i0 + nb;
+        auto pb = p.topLeftCorner(nb, cols);
+        pb.noalias() = qh.middleRows(i0, nb) * kh.topRows(cols).transpose();
+        for (Index t = 0; t < nb; ++t) {
+          auto row = pb.row(t);
+          const Index visible = i0 + t + 1;
+          row.tail(cols - visible).setConstant(-std::numeric_limits<float>::infinity());
+          row *= scale;
+          row = (row.array() - row.maxCoeff()).exp();
+          row /= row.sum();
+        }
+        out.topRows(nb).noalias() = pb * vh.topRows(cols);
+        benchmark::DoNotOptimize(out.data());
+      }
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * S);
+}
+
+BENCHMARK(BM_PrefillView)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PrefillViewQueries)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CausalAttention)->Args({1024, 32})->Args({4096, 32})->Args({1024, 8})->Args({4096, 8})->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();
