@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # ThreadSanitizer over the tests that start threads (test_concurrency, test_squeeze_coordinator),
-# built in build-tsan/ without OpenMP: libgomp is not TSan-instrumented, its barriers are invisible
-# to TSan and every OpenMP region would be reported as a race. The OpenMP head-parallel paths run
-# under AddressSanitizer + UndefinedBehaviorSanitizer in scripts/test.sh. Exits nonzero on any
-# failure or report (TSan halts on the first).
+# built in build-tsan/: layers on threads of their own sharing a coordinator, and caches whose heads
+# run on a std::thread parallel-for. Exits nonzero on any failure or report (TSan halts on the
+# first).
 #
 # Environment: JOBS (default nproc), TSAN_BUILD_DIR (default build-tsan).
 # Installs what is missing first (scripts/deps.sh; libtsan2 if a TSan program does not link).
@@ -45,9 +44,9 @@ fi
 
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:${TSAN_OPTIONS:-}"
 tests=(test_concurrency test_squeeze_coordinator)
-log "configuring $DIR (OpenMP off) and building ${tests[*]} (-j$JOBS)"
+log "configuring $DIR and building ${tests[*]} (-j$JOBS)"
 cmake -S . -B "$DIR" -DCMAKE_BUILD_TYPE=Check -DCMAKE_CXX_FLAGS_CHECK="-O0 -g1" \
-  -DVELOXQUANT_SANITIZE=thread -DVELOXQUANT_TEST_LIBRARY_FLAGS="-O1" -DVELOXQUANT_OPENMP=OFF \
+  -DVELOXQUANT_SANITIZE=thread -DVELOXQUANT_TEST_LIBRARY_FLAGS="-O1" \
   -DVELOXQUANT_BUILD_TESTS=ON -DVELOXQUANT_BUILD_EXAMPLES=OFF -DVELOXQUANT_PACKAGING_TESTS=OFF \
   >/dev/null
 cmake --build "$DIR" -j"$JOBS" --target "${tests[@]}"
