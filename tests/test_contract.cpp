@@ -576,7 +576,7 @@ TYPED_TEST(ContractTest, ShapeErrorsEveryPolicyEveryApi) {
   }
 }
 
-/// After reset() a cache may take new B, H and D (SPEC 2.2: the next call starts a new
+/// After reset() a cache may take new B, H and D (docs/design.md 2.2: the next call starts a new
 /// sequence); the old shape is then the wrong one.
 TYPED_TEST(ContractTest, ResetAllowsNewShapesAndThenRejectsTheOldOnes) {
   using T = TypeParam;
@@ -1182,3 +1182,53 @@ TYPED_TEST(ContractTest, QueriesOfEveryElementTypeEqualTheirFloatConversion) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// What each policy publishes about itself
+// ---------------------------------------------------------------------------------------------
+
+/// layer_budget() on the base (docs/design.md 2.6): the rows per head each policy evicts down to,
+/// -1 for the standard cache; the H2O-core accessors (budget, sinks, protected window, decay) and
+/// squeeze_kept_bytes() report the configuration and the state, before and after a call.
+TYPED_TEST(ContractTest, PoliciesReportTheirBudgetsAndParameters) {
+  using T = TypeParam;
+  const vc::KVCacheConfig c = small_config();
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    Subject<T> s = make_subject<T>(kind);
+    // Coordinated squeeze layers report squeeze_budget (8 here) until they adopt the published
+    // budget: the one-layer coordinator publishes 6 in the first call; the deferring layer's
+    // coordinator waits for a second layer that never reports.
+    const bool squeeze_fallback = kind == Kind::kSqueezeCoordinated || kind == Kind::kSqueezeDefer;
+    const int before = kind == Kind::kStandard    ? -1
+                       : kind == Kind::kStreaming ? c.stream_n_sink + c.stream_window_size
+                       : squeeze_fallback         ? c.squeeze_budget
+                                                  : 6;
+    const int after = kind == Kind::kSqueezeCoordinated ? 6 : before;
+    EXPECT_EQ(s.cache->layer_budget(), before);
+    std::mt19937 rng(61);
+    vc::KVPair<T> into;
+    (void)invoke(*s.cache, Api::kFetch, random_call(rng, with_s(kKeys, 9), with_s(kValues, 9)), into);
+    EXPECT_EQ(s.cache->layer_budget(), after);
+    visit_core(*s.cache, [&](const auto& p) {
+      const bool h2o = kind == Kind::kH2O;
+      EXPECT_EQ(p.n_sink(), 1);
+      EXPECT_FLOAT_EQ(p.decay(), 0.98f);
+      if (kind == Kind::kSqueezeDefer) {
+        EXPECT_FALSE(p.budget().has_value());
+        EXPECT_EQ(p.protected_recent(), 0);
+      } else {
+        EXPECT_EQ(p.budget(), std::optional<int>(6));
+        // g = floor(0.5 * (6 - 1)) = 2 by ratio; H2O's fixed grace is 2 as well.
+        EXPECT_EQ(p.protected_recent(), h2o ? c.h2o_grace : 2);
+      }
+    });
+    if (const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(s.cache.get())) {
+      EXPECT_EQ(sq->squeeze_kept_bytes(), sq->kept_bytes());
+      EXPECT_GT(sq->squeeze_kept_bytes(), 0u);
+    }
+    if (const auto* tova = dynamic_cast<const vc::TOVACache<T>*>(s.cache.get())) {
+      EXPECT_EQ(tova->n_sink(), 1);
+    }
+  }
+}

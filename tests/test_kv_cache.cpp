@@ -1,5 +1,5 @@
-// KVCache<T>, the standard append-only cache and common base (SPEC 2.2), and the zero-copy
-// KVView<T> of update_and_view (SPEC 2.3) on the standard cache and on an eviction cache.
+// KVCache<T>, the standard append-only cache and common base (docs/design.md 2.2), and the zero-copy
+// KVView<T> of update_and_view (docs/design.md 2.3) on the standard cache and on an eviction cache.
 
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
-// Heads spread over OpenMP threads give bit-identical results to a serial run (SPEC 7), and the
-// blocked prefill path agrees with token-by-token calls.
+// Heads spread over the engine's parallel-for give bit-identical results to a serial run
+// (docs/design.md 7.3), and the blocked prefill path agrees with token-by-token calls.
 #include <gtest/gtest.h>
 
 #include <cstring>

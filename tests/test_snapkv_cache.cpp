@@ -1,8 +1,8 @@
-// SnapKVCache<T> (SPEC 6, SnapKV) against the naive double-precision SnapKVHeadOracle of
+// SnapKVCache<T> (docs/design.md 6, SnapKV) against the naive double-precision SnapKVHeadOracle of
 // tests/reference/policy_oracles.hpp on random call sequences, plus hand-built cases: no causal mask
 // in the scoring, exact ties keep the earliest row, sinks are the compressing call's first rows,
 // a call of exactly `budget` rows is not compressed, reset() re-arms the compression, validation at
-// construction, bad input with the strong guarantee (SPEC 8, including calls that would compress)
+// construction, bad input with the strong guarantee (docs/design.md 8, including calls that would compress)
 // and bounded memory over a long decode. Parallel heads: test_contract.cpp.
 
 // Internal invariants of the library are checked (and abort) even in Release builds.
@@ -40,7 +40,7 @@ using Positions = std::vector<std::int64_t>;
 
 using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 
-/// SnapKV scores of a call's rows (SPEC 6), from the oracle's proxy_softmax: the mean over the
+/// SnapKV scores of a call's rows (docs/design.md 6), from the oracle's proxy_softmax: the mean over the
 /// last min(obs, S) keys of their softmax over all S rows, or (causal) over rows 0..j only (rows
 /// after the proxy get 0). keys: [S][D]; returns [S]
 std::vector<double> call_scores(const Rows& keys, int obs_window, bool causal = false) {
@@ -439,7 +439,7 @@ TYPED_TEST(SnapKVCacheTest, ExactTiesKeepTheEarliest) {
   }
 }
 
-/// A long call of identical keys: every row ties exactly (SPEC 6: ties keep the earliest), so
+/// A long call of identical keys: every row ties exactly (docs/design.md 6: ties keep the earliest), so
 /// each head keeps positions 0..budget-1 whatever the key.
 TYPED_TEST(SnapKVCacheTest, IdenticalKeysInALongCallKeepTheEarliest) {
   using T = TypeParam;
@@ -681,7 +681,7 @@ TEST(SnapKVCacheValidationTest, BadFieldsThrowAtConstructionNamingTheField) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Bad input (SPEC 8): strong guarantee, compressed() included
+// Bad input (docs/design.md 8): strong guarantee, compressed() included
 // ---------------------------------------------------------------------------------------------
 
 /// Everything observable about a SnapKV cache.

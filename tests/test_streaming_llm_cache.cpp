@@ -1,4 +1,4 @@
-// StreamingLLMCache<T> (SPEC 6, with 2.2, 2.3, 4.4 and 8): after every call each head keeps exactly
+// StreamingLLMCache<T> (docs/design.md 6, with 2.2, 2.3, 4.4 and 8): after every call each head keeps exactly
 // the positions {0 .. n_sink-1} and the newest `window` others, checked against the closed form and
 // against StreamingLLMHeadOracle (tests/reference/policy_oracles.hpp) on random call sequences;
 // what a call returns (update_and_fetch and update_and_view), offset(), stored content,
@@ -41,7 +41,7 @@ using Positions = std::vector<std::int64_t>;
 
 using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 
-/// The closed form (SPEC 6): positions p < offset with p < n_sink or p >= offset - window.
+/// The closed form (docs/design.md 6): positions p < offset with p < n_sink or p >= offset - window.
 Positions closed_form(std::int64_t offset, int n_sink, int window) {
   Positions out;
   for (std::int64_t p = 0; p < offset; ++p) {
@@ -71,7 +71,7 @@ Positions view_positions(const vc::KVView<T>& view, Index b, Index h) {
   return out;
 }
 
-/// Retained positions of every head, read through an empty update_and_view call (SPEC 8: S = 0
+/// Retained positions of every head, read through an empty update_and_view call (docs/design.md 8: S = 0
 /// changes nothing and returns the retained set). Each head's positions are sorted.
 template <class T>
 std::vector<Positions> retained_positions(vc::StreamingLLMCache<T>& cache) {
@@ -354,7 +354,7 @@ void expect_rows(const vc::KVPair<T>& kv, const History<T>& hist, const Position
     }
 }
 
-/// SPEC 4.4 on the worked case: n_sink 4, window 8. A 100-token prefill returns all 100 rows and
+/// docs/design.md 4.4 on the worked case: n_sink 4, window 8. A 100-token prefill returns all 100 rows and
 /// retains 12; each decode step returns 13 rows, the current token last.
 TYPED_TEST(StreamingLLMCacheTest, PrefillReturnsEveryRowAndDecodeReturnsBudgetPlusOne) {
   using T = TypeParam;
@@ -522,7 +522,7 @@ TYPED_TEST(StreamingLLMCacheTest, MultiTokenCalls) {
   check_closed_form<T>(1, 17, {5, 5, 5, 5, 5, 1, 0, 1}, 63, "n_sink 1 window 17");
 }
 
-/// Accounting on every call (SPEC 2.2): kept and full bytes, ratio, tokens seen and kept; reset.
+/// Accounting on every call (docs/design.md 2.2): kept and full bytes, ratio, tokens seen and kept; reset.
 TYPED_TEST(StreamingLLMCacheTest, Accounting) {
   using T = TypeParam;
   const Index B = 2, H = 3, Dk = 4, Dv = 6;
@@ -560,7 +560,7 @@ TYPED_TEST(StreamingLLMCacheTest, Accounting) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Memory (SPEC 7)
+// Memory (docs/design.md 7)
 // ---------------------------------------------------------------------------------------------
 
 /// heap_bytes() stays bounded over 5000 decode steps: the same at step 1000 and step 5000 (and at

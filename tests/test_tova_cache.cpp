@@ -1,4 +1,4 @@
-// TOVACache<T> (SPEC 6, with 3, 4.4, 7 and 8): the fast path against the double-precision
+// TOVACache<T> (docs/design.md 6, with 3, 4.4, 7 and 8): the fast path against the double-precision
 // TOVAHeadOracle of tests/reference/policy_oracles.hpp on random call sequences (decode path, the
 // general path and the blocked path across block boundaries), and the properties TOVA promises on
 // its own: it is memoryless, exact ties evict the earliest position, sinks are never evicted, a
@@ -358,7 +358,7 @@ template <class T>
 class TOVACacheTest : public ::testing::Test {};
 TYPED_TEST_SUITE(TOVACacheTest, StorageTypes);
 
-/// Memoryless (SPEC 6): two caches with different histories that reach the same retained rows make
+/// Memoryless (docs/design.md 6): two caches with different histories that reach the same retained rows make
 /// the same evictions from then on. History A is the rows themselves; history B holds junk rows
 /// that every later row attends to least (keys in the negative orthant against rows in the
 /// positive one), so TOVA evicts exactly the junk on the way.
@@ -503,7 +503,7 @@ std::function<std::vector<std::int64_t>(std::int64_t)> fifo(int budget, int n_si
 }
 
 /// Exact ties (identical keys, integer entries so every dot product is exact): the earliest
-/// position among the lowest weights is evicted (SPEC 6), on the decode path, the general path and
+/// position among the lowest weights is evicted (docs/design.md 6), on the decode path, the general path and
 /// the blocked path, with ties both below the maximum weight and at it.
 TYPED_TEST(TOVACacheTest, ExactTiesEvictTheEarliestPosition) {
   using T = TypeParam;
@@ -579,7 +579,7 @@ TYPED_TEST(TOVACacheTest, ExactTiesEvictTheEarliestPosition) {
   }
 }
 
-/// Sinks are never evicted, even when every new token attends to them least (SPEC 1, 6).
+/// Sinks are never evicted, even when every new token attends to them least (docs/design.md 1, 6).
 TYPED_TEST(TOVACacheTest, NeverEvictsASink) {
   using T = TypeParam;
   const Index B = 2, H = 2, D = 8;
@@ -634,8 +634,8 @@ TYPED_TEST(TOVACacheTest, NeverEvictsASink) {
   }
 }
 
-/// The current token is a candidate too (SPEC 6: attention over every row including itself): when
-/// it gets the least weight it is evicted at once, yet the call still returned it (SPEC 4.4).
+/// The current token is a candidate too (docs/design.md 6: attention over every row including itself): when
+/// it gets the least weight it is evicted at once, yet the call still returned it (docs/design.md 4.4).
 TYPED_TEST(TOVACacheTest, CurrentTokenIsEvictedWhenItGetsTheLeastWeight) {
   using T = TypeParam;
   const std::vector<double> big = {2, 2, 2, 2};
@@ -660,7 +660,7 @@ TYPED_TEST(TOVACacheTest, CurrentTokenIsEvictedWhenItGetsTheLeastWeight) {
   }
 }
 
-/// After every call a head retains exactly min(offset, budget) rows (SPEC 4.4, 6).
+/// After every call a head retains exactly min(offset, budget) rows (docs/design.md 4.4, 6).
 TYPED_TEST(TOVACacheTest, RetainsMinOfOffsetAndBudgetRows) {
   using T = TypeParam;
   std::mt19937 rng(31);
