@@ -89,8 +89,9 @@ inline void vstore_row(Eigen::half* p, V a) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
 }
 inline void vstore_row(Eigen::bfloat16* p, V a) {
-  alignas(32) float f[kLanes];
-  _mm256_store_ps(f, a);
+  float buf[kLanes];
+  float* f = opaque(buf);
+  _mm256_storeu_ps(f, a);
   for (int i = 0; i < kLanes; ++i) p[i] = Eigen::bfloat16(f[i]);
 }
 

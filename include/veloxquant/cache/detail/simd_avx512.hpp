@@ -81,8 +81,9 @@ inline void vstore_row(Eigen::half* p, V a) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
 }
 inline void vstore_row(Eigen::bfloat16* p, V a) {
-  alignas(64) float f[kLanes];
-  _mm512_store_ps(f, a);
+  float buf[kLanes];
+  float* f = opaque(buf);
+  _mm512_storeu_ps(f, a);
   for (int i = 0; i < kLanes; ++i) p[i] = Eigen::bfloat16(f[i]);
 }
 

@@ -30,6 +30,18 @@ namespace veloxquant::cache::detail {
 /// Weights below exp(-87) (the bottom of float32's normal range) are taken as exactly 0: rows that
 /// receive no attention must not collect a tiny, age-dependent score, or the exact-tie rules of
 /// docs/design.md 4.2/4.5 would be decided by rounding noise.
+/// `p`, with whatever the compiler knows about its alignment forgotten. A local array met by vector
+/// loads or stores goes through it: GCC turns an unaligned vector load of a local it has aligned
+/// to 64 bytes into an aligned one, and AddressSanitizer's fake stack (use-after-return detection)
+/// places locals only 32-byte aligned, so the aligned load would fault.
+template <class X>
+inline X* opaque(X* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __asm__("" : "+r"(p));
+#endif
+  return p;
+}
+
 /// Lowest and highest set bit of a non-zero mask.
 inline int first_bit(unsigned m) {
 #if defined(__GNUC__) || defined(__clang__)

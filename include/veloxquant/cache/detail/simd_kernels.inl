@@ -17,7 +17,8 @@ inline void load_padded_row(const T* row, Index d, float* out) {
   Index i = 0;
   for (; i + kLanes <= d; i += kLanes) vstore(out + i, vload_row(row + i));
   if (i < d) {
-    T tail[kLanes];
+    T buf[kLanes];
+    T* tail = opaque(buf);
     for (Index j = 0; j < kLanes; ++j) tail[j] = i + j < d ? row[i + j] : T(0.0f);
     vstore(out + i, vload_row(tail));
   }
@@ -57,7 +58,8 @@ inline void logits_1x8(const float* q, const T* keys, Index key_stride, const st
       a6 = vmadd(x, vload_row(r6 + k), a6);
       a7 = vmadd(x, vload_row(r7 + k), a7);
     }
-    float sums[8];
+    float sums_buf[8];
+    float* sums = opaque(sums_buf);
     vreduce_add4(a0, a1, a2, a3, sums);
     vreduce_add4(a4, a5, a6, a7, sums + 4);
     for (Index j = 0; j < nj; ++j) out[j0 + j] = sums[j] * scale;
@@ -91,7 +93,8 @@ inline void logits_2x4(const float* q, Index ldq, const T* keys, Index key_strid
       b2 = vmadd(y, c2, b2);
       b3 = vmadd(y, c3, b3);
     }
-    float sums[8];
+    float sums_buf[8];
+    float* sums = opaque(sums_buf);
     vreduce_add4(a0, a1, a2, a3, sums);
     vreduce_add4(b0, b1, b2, b3, sums + 4);
     for (Index j = 0; j < nj; ++j) {
@@ -125,7 +128,8 @@ inline void logits(const float* q, Index m, Index ldq, const T* keys, Index key_
     const float* k1 = kbuf + dp;
     const float* k2 = kbuf + 2 * dp;
     const float* k3 = kbuf + 3 * dp;
-    float sums[8];
+    float sums_buf[8];
+    float* sums = opaque(sums_buf);
     Index i = 0;
     for (; i + 2 <= m; i += 2) {
       const float* qa = q + i * ldq;
@@ -172,12 +176,14 @@ inline void logits(const float* q, Index m, Index ldq, const T* keys, Index key_
 
 /// Loads x[i, i + kLanes) where fewer than kLanes remain before n: the rest is `pad`.
 inline V load_tail(const float* x, Index count, float pad) {
-  float t[kLanes];
+  float buf[kLanes];
+  float* t = opaque(buf);
   for (Index j = 0; j < kLanes; ++j) t[j] = j < count ? x[j] : pad;
   return vload(t);
 }
 inline void store_tail(float* x, Index count, V v) {
-  float t[kLanes];
+  float buf[kLanes];
+  float* t = opaque(buf);
   vstore(t, v);
   for (Index j = 0; j < count; ++j) x[j] = t[j];
 }
@@ -263,7 +269,8 @@ inline Index argmin(const float* x, Index n, bool last, int* hits) {
   if (ordered != (1u << kLanes) - 1u) return -1;
   float m = inf;
   {
-    float t[kLanes];
+    float buf[kLanes];
+    float* t = opaque(buf);
     vstore(t, mv);
     for (Index j = 0; j < kLanes; ++j) m = t[j] < m ? t[j] : m;
   }

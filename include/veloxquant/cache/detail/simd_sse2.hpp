@@ -94,8 +94,9 @@ inline float vreduce_max(V a) {
 inline void vstore_row(float* p, V a) { _mm_storeu_ps(p, a); }
 template <class T>
 inline void vstore_row(T* p, V a) {
-  alignas(16) float f[kLanes];
-  _mm_store_ps(f, a);
+  float buf[kLanes];
+  float* f = opaque(buf);
+  _mm_storeu_ps(f, a);
   for (int i = 0; i < kLanes; ++i) p[i] = static_cast<T>(f[i]);
 }
 
