@@ -11,10 +11,13 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <condition_variable>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <regex>
@@ -227,20 +230,80 @@ int core_protected_recent(const cache::KVCache<T>& c) {
   return out;
 }
 
-/// A parallel-for for the tests: every task on a thread of its own (docs/design.md 7.3).
-inline cache::ParallelFor thread_parallel_for() {
-  return [](int tasks, const std::function<void(int)>& task) {
-    std::vector<std::thread> threads;
-    threads.reserve(static_cast<std::size_t>(tasks));
-    for (int t = 0; t < tasks; ++t) threads.emplace_back([&task, t] { task(t); });
-    for (auto& th : threads) th.join();
-  };
+/// A parallel-for for the tests (docs/design.md 7.3): `workers - 1` threads that live as long as
+/// the pool, plus the calling thread; task t runs on worker t % workers. A fresh std::thread per
+/// task would cost more than the calls it runs, especially under the sanitizers.
+class ThreadPool {
+ public:
+  explicit ThreadPool(int workers) : size_(workers) {
+    for (int w = 1; w < workers; ++w) threads_.emplace_back([this, w] { loop(w); });
+  }
+  ~ThreadPool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  /// Runs task(0) .. task(tasks - 1) and returns when all are done.
+  void run(int tasks, const std::function<void(int)>& task) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      task_ = &task;
+      tasks_ = tasks;
+      pending_ = size_ - 1;
+      ++epoch_;
+    }
+    wake_.notify_all();
+    for (int t = 0; t < tasks; t += size_) task(t);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [this] { return pending_ == 0; });
+  }
+
+ private:
+  void loop(int w) {
+    std::uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* task = nullptr;
+      int tasks = 0;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return stop_ || epoch_ != seen; });
+        if (stop_) return;
+        seen = epoch_;
+        task = task_;
+        tasks = tasks_;
+      }
+      for (int t = w; t < tasks; t += size_) (*task)(t);
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  const int size_;
+  std::vector<std::thread> threads_;
+  std::mutex mutex_;
+  std::condition_variable wake_, done_;
+  const std::function<void(int)>* task_ = nullptr;
+  int tasks_ = 0, pending_ = 0;
+  std::uint64_t epoch_ = 0;
+  bool stop_ = false;
+};
+
+/// A parallel-for over a pool of `workers` threads shared by the caller's caches.
+inline cache::ParallelFor thread_parallel_for(int workers = 4) {
+  const auto pool = std::make_shared<ThreadPool>(workers);
+  return [pool](int tasks, const std::function<void(int)>& task) { pool->run(tasks, task); };
 }
 
 /// Lets `c` spread the heads of its calls over `workers` threads.
 template <class T>
 void enable_parallel_heads(cache::KVCache<T>& c, int workers = 4) {
-  c.set_parallel_for(thread_parallel_for(), workers);
+  c.set_parallel_for(thread_parallel_for(workers), workers);
   c.set_parallel_heads(true);
 }
 
