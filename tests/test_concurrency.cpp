@@ -232,6 +232,7 @@ constexpr Index kB = 2, kH = 2;
 
 vc::KVCacheConfig model_config(bool defer) {
   vc::KVCacheConfig c;
+  c.squeeze_calibration_tokens = 1;  // report on the first call (docs/design.md 5.4)
   c.method = "squeeze";
   c.squeeze_budget = kAvgBudget;
   c.squeeze_n_sink = kSinks;
@@ -507,6 +508,7 @@ template <class T>
 std::unique_ptr<vc::KVCache<T>> make_policy(Policy p,
                                             std::shared_ptr<vc::SqueezeCoordinator>& coord) {
   vc::KVCacheConfig c;
+  c.squeeze_calibration_tokens = 1;  // report on the first call (docs/design.md 5.4)
   c.squeeze_budget = c.h2o_budget = c.pyramid_budget = c.tova_budget = c.snap_budget = 12;
   c.squeeze_n_sink = c.h2o_n_sink = c.pyramid_n_sink = c.tova_n_sink = c.snap_n_sink = 2;
   c.stream_n_sink = 2;

@@ -248,16 +248,89 @@ TEST(KVCacheConfigTest, ValidateAcceptsBoundaryValues) {
   }
 }
 
-TEST(KVCacheConfigTest, EveryFieldRuleThrowsNamingFieldAndValueForEveryMethod) {
+/// The method whose fields `field` belongs to (by its prefix).
+std::string MethodOfField(const std::string& field) {
+  const std::vector<std::pair<std::string, std::string>> prefixes = {
+      {"squeeze_", "squeeze"}, {"h2o_", "h2o"},         {"pyramid_", "pyramidkv"},
+      {"tova_", "tova"},       {"stream_", "streaming_llm"}, {"snap_", "snapkv"}};
+  for (const auto& [prefix, method] : prefixes) {
+    if (field.rfind(prefix, 0) == 0) return method;
+  }
+  return "";
+}
+
+/// docs/design.md 2.1: validate() checks the fields of the method in use, and only those. Every
+/// field rule throws naming the field and the value when its method is the one in use, and is
+/// ignored under every other method.
+TEST(KVCacheConfigTest, EveryFieldRuleThrowsForItsOwnMethodOnly) {
   const std::vector<FieldCase> cases = FieldCases();
   for (const std::string& m : kAllMethods) {
     for (const FieldCase& fc : cases) {
       SCOPED_TRACE("method " + m + ", " + fc.field + " = " + fc.value);
       KVCacheConfig c = WithMethod(m);
       fc.apply(c);
-      ExpectInvalid([&] { c.validate(); }, fc.field, fc.value);
+      if (MethodOfField(fc.field) == m) {
+        ExpectInvalid([&] { c.validate(); }, fc.field, fc.value);
+      } else {
+        EXPECT_NO_THROW(c.validate());
+      }
     }
   }
+}
+
+/// set_budget sets every method's budget, StreamingLLM's as its window beside the sinks; a
+/// budget a method cannot take is that method's error at validate(), not the others'.
+TEST(KVCacheConfigTest, SetBudgetSetsEveryMethodsBudget) {
+  KVCacheConfig c;
+  c.set_budget(100);
+  EXPECT_EQ(c.squeeze_budget, 100);
+  EXPECT_EQ(c.h2o_budget, 100);
+  EXPECT_EQ(c.pyramid_budget, 100);
+  EXPECT_EQ(c.tova_budget, 100);
+  EXPECT_EQ(c.snap_budget, 100);
+  EXPECT_EQ(c.stream_window_size, 100 - c.stream_n_sink);
+  for (const std::string& m : kAllMethods) {
+    KVCacheConfig k = WithMethod(m);
+    k.set_budget(100);
+    EXPECT_NO_THROW(k.validate()) << m;
+    // Built caches evict down to it (StreamingLLM: sinks + window = the same rows).
+    if (m != "standard") {
+      EXPECT_EQ(vc::KVCacheFactory::create<float>(k)->layer_budget(), 100) << m;
+    }
+  }
+  // A budget at the sink count: every scored method rejects it naming its own fields, and
+  // StreamingLLM its window (0); the standard cache has nothing to check.
+  KVCacheConfig t;
+  t.set_budget(4);
+  for (const auto& [m, field] : std::vector<std::pair<std::string, std::string>>{
+           {"squeeze", "squeeze_n_sink"}, {"h2o", "h2o_n_sink"}, {"pyramidkv", "pyramid_n_sink"},
+           {"tova", "tova_n_sink"}, {"snapkv", "snap_n_sink"}, {"streaming_llm", "stream_window_size"}}) {
+    KVCacheConfig k = t;
+    k.method = m;
+    EXPECT_THROW(k.validate(), std::invalid_argument) << m;
+    try {
+      k.validate();
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+  }
+  t.method = "standard";
+  EXPECT_NO_THROW(t.validate());
+}
+
+/// squeeze_calibration_tokens (docs/design.md 5.4): at least 1, checked for squeeze.
+TEST(KVCacheConfigTest, CalibrationTokensMustBePositive) {
+  KVCacheConfig c;
+  EXPECT_EQ(c.squeeze_calibration_tokens, 32);
+  for (const int v : {0, -3}) {
+    c.squeeze_calibration_tokens = v;
+    ExpectInvalid([&] { c.validate(); }, "squeeze_calibration_tokens", std::to_string(v));
+    KVCacheConfig h = c;
+    h.method = "h2o";
+    EXPECT_NO_THROW(h.validate());
+  }
+  c.squeeze_calibration_tokens = 1;
+  EXPECT_NO_THROW(c.validate());
 }
 
 TEST(KVCacheConfigTest, SinksAtOrAboveBudgetThrowForTheMethodInUse) {
@@ -424,12 +497,17 @@ TEST(CacheConstructionTest, PyramidKVCacheValidatesAsPyramidKV) {
 }
 
 TEST(CacheConstructionTest, StandardCacheValidatesConfig) {
+  // The config of the method it names (the builder gives non-attention layers a standard cache
+  // built from the model's config).
   KVCacheConfig c = WithMethod("squeeze");
-  c.h2o_decay = 1.5;
-  ExpectInvalid([&] { vc::KVCache<float> cache(c); }, "h2o_decay", "1.5");
-  KVCacheConfig w = WithMethod("standard");
+  c.squeeze_decay = 1.5;
+  ExpectInvalid([&] { vc::KVCache<float> cache(c); }, "squeeze_decay", "1.5");
+  KVCacheConfig w = WithMethod("streaming_llm");
   w.stream_window_size = 0;
   ExpectInvalid([&] { vc::KVCache<float> cache(w); }, "stream_window_size", "0");
+  KVCacheConfig other = WithMethod("squeeze");
+  other.h2o_decay = 1.5;  // another method's field
+  EXPECT_NO_THROW(vc::KVCache<float>{other});
   const KVCacheConfig u = WithMethod("nonsense");
   ExpectInvalid([&] { vc::KVCache<> cache(u); }, "method", "nonsense", kAllMethods);
   EXPECT_NO_THROW(vc::KVCache<float>{WithMethod("standard")});
@@ -603,9 +681,12 @@ TEST(KVCacheFactoryTest, BadConfigThrowsBeforeDispatch) {
   KVCacheConfig c = WithMethod("h2o");
   c.h2o_budget = 0;
   ExpectInvalid([&] { (void)vc::KVCacheFactory::create<float>(c); }, "h2o_budget", "0");
-  KVCacheConfig s = WithMethod("standard");
+  KVCacheConfig s = WithMethod("squeeze");
   s.squeeze_strength = 2.0;
   ExpectInvalid([&] { (void)vc::KVCacheFactory::create<float>(s); }, "squeeze_strength", "2");
+  KVCacheConfig t = WithMethod("standard");
+  t.squeeze_strength = 2.0;  // not the standard cache's field
+  EXPECT_NO_THROW((void)vc::KVCacheFactory::create<float>(t));
   KVCacheConfig p = WithMethod("pyramidkv");
   p.pyramid_n_sink = 512;
   ExpectInvalid([&] { (void)vc::KVCacheFactory::create<float>(p); }, "pyramid_n_sink", "512",

@@ -23,6 +23,7 @@ void expect_same(const vc::Tensor4<T>& a, const vc::Tensor4<T>& b) {
 
 TEST(FetchIntoTest, MatchesFetchAndReusesStorageInSteadyState) {
   vc::KVCacheConfig cfg;
+  cfg.squeeze_calibration_tokens = 1;  // report on the first call (docs/design.md 5.4)
   cfg.method = "h2o";
   cfg.h2o_budget = 16;
   vc::H2OCache<Eigen::half> fetched(cfg);
@@ -77,6 +78,7 @@ namespace {
 // as through fetch: the rows retained before the call, then the call's rows.
 TEST(FetchIntoTest, ViewAndFetchAgreeOnTheCallThatAdoptsABudget) {
   vc::KVCacheConfig cfg;
+  cfg.squeeze_calibration_tokens = 1;  // report on the first call (docs/design.md 5.4)
   cfg.squeeze_budget = 12;
   cfg.squeeze_n_sink = 2;
   cfg.squeeze_defer = true;  // layer 0 keeps its whole prompt until the budget is known

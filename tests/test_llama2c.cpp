@@ -90,6 +90,7 @@ class Llama2c : public ::testing::Test {
   }
   static vc::KVCacheConfig standard() {
     vc::KVCacheConfig cfg;
+    cfg.squeeze_calibration_tokens = 1;  // report on the first call (docs/design.md 5.4)
     cfg.method = "standard";
     return cfg;
   }
@@ -178,6 +179,7 @@ TEST_F(Llama2c, GreedyDecodingFromBosReproducesLlama2cOutput) {
 
 TEST_F(Llama2c, ResetStartsANewSequence) {
   vc::KVCacheConfig cfg;  // squeeze: the coordinator must be reset too
+  cfg.squeeze_calibration_tokens = 1;  // report on the first call (docs/design.md 5.4)
   cfg.squeeze_budget = 24;
   ll::Engine<float> e = engine(cfg, true);
   const std::vector<int> first = ll::generate_greedy(e, sample_ids(20), 40);

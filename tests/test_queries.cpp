@@ -106,6 +106,7 @@ vc::KVCacheConfig h2o_config(int budget, int n_sink, int grace, double decay) {
 
 vc::KVCacheConfig squeeze_config(int budget, int n_sink, double ratio, double decay) {
   vc::KVCacheConfig c;
+  c.squeeze_calibration_tokens = 1;  // report on the first call (docs/design.md 5.4)
   c.method = "squeeze";
   c.squeeze_budget = budget;
   c.squeeze_n_sink = n_sink;

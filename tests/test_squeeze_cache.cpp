@@ -228,6 +228,7 @@ int grace(int budget, int n_sink, double ratio = 0.5) {
 
 vc::KVCacheConfig squeeze_config(int budget, int n_sink, bool defer = false) {
   vc::KVCacheConfig c;
+  c.squeeze_calibration_tokens = 1;  // report on the first call (docs/design.md 5.4)
   c.method = "squeeze";
   c.squeeze_budget = budget;
   c.squeeze_n_sink = n_sink;
@@ -1058,6 +1059,7 @@ TYPED_TEST(KVCacheBuilderSqueezeTest, PyramidBudgetsFollowAttentionLayerOrder) {
   using T = TypeParam;
   constexpr Index B = 1, H = 1, D = 8, S = 250;
   vc::KVCacheConfig config;
+  config.squeeze_calibration_tokens = 1;  // report on the first call (docs/design.md 5.4)
   config.method = "pyramidkv";
   config.pyramid_budget = 100;
   config.pyramid_n_sink = 4;
@@ -1094,6 +1096,153 @@ TYPED_TEST(KVCacheBuilderSqueezeTest, PyramidBudgetsFollowAttentionLayerOrder) {
     auto* py = dynamic_cast<vc::PyramidKVCache<T>*>(all[i].get());
     ASSERT_NE(py, nullptr) << i;
     EXPECT_EQ(py->layer_budget(), expected[i]) << i;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// docs/design.md 5.4 step 1: the calibration window (squeeze_calibration_tokens)
+// ---------------------------------------------------------------------------------------------
+
+/// Tokens [s0, s0 + n) of a [B, H, S, D] double tensor.
+D4 tokens(const D4& t, Index s0, Index n) {
+  D4 out(t.dimension(0), t.dimension(1), n, t.dimension(3));
+  for (Index b = 0; b < t.dimension(0); ++b)
+    for (Index h = 0; h < t.dimension(1); ++h)
+      for (Index s = 0; s < n; ++s)
+        for (Index d = 0; d < t.dimension(3); ++d) out(b, h, s, d) = t(b, h, s0 + s, d);
+  return out;
+}
+
+/// A prompt fed one token at a time gets the same concentrations, reports and per-layer budgets as
+/// the same prompt fed as one prefill call (prompts of up to squeeze_calibration_tokens tokens,
+/// then decode): the layers report in the call that completes 32 tokens, over those 32 keys.
+TYPED_TEST(SqueezeAttentionCacheTest, TokenAtATimePromptGetsTheBudgetsOfOnePrefillCall) {
+  using T = TypeParam;
+  constexpr Index B = 1, H = 2, D = 16;
+  constexpr int kLayers = 3, kPrompt = 20, kTotal = 40;
+  vc::KVCacheConfig c;
+  c.squeeze_budget = 24;
+  c.squeeze_n_sink = 2;
+  ASSERT_EQ(c.squeeze_calibration_tokens, 32);
+  std::vector<D4> keys, values;
+  for (int l = 0; l < kLayers; ++l) {
+    // Layers of different concentration, so the budgets differ.
+    Stream stream(900u + static_cast<std::uint32_t>(l), B, H, D, D, {1.0 + 3.0 * l});
+    auto [k, v] = stream.next(kTotal);
+    keys.push_back(k);
+    values.push_back(v);
+  }
+  auto one_call = vc::KVCacheBuilder::for_model<T>(kLayers, c);
+  auto token_by_token = vc::KVCacheBuilder::for_model<T>(kLayers, c);
+  const auto coordinator = [](const auto& caches) {
+    return dynamic_cast<vc::SqueezeAttentionCache<T>&>(*caches.front()).coordinator();
+  };
+  for (int l = 0; l < kLayers; ++l) {
+    (void)one_call[static_cast<std::size_t>(l)]->update_and_fetch(tokens(keys[l], 0, kPrompt),
+                                                                  tokens(values[l], 0, kPrompt));
+  }
+  EXPECT_TRUE(coordinator(one_call)->reports().empty()) << "20 tokens are fewer than 32";
+  for (Index s = 0; s < kPrompt; ++s) {
+    for (int l = 0; l < kLayers; ++l) {
+      (void)token_by_token[static_cast<std::size_t>(l)]->update_and_fetch(tokens(keys[l], s, 1),
+                                                                          tokens(values[l], s, 1));
+    }
+  }
+  EXPECT_TRUE(coordinator(token_by_token)->reports().empty());
+  for (Index s = kPrompt; s < kTotal; ++s) {
+    for (auto* model : {&one_call, &token_by_token}) {
+      for (int l = 0; l < kLayers; ++l) {
+        (void)(*model)[static_cast<std::size_t>(l)]->update_and_fetch(tokens(keys[l], s, 1),
+                                                                      tokens(values[l], s, 1));
+      }
+    }
+    // Both report in the call that completes 32 tokens (s = 31), not before.
+    EXPECT_EQ(coordinator(one_call)->is_finalized(), s >= 31) << s;
+    EXPECT_EQ(coordinator(token_by_token)->is_finalized(), s >= 31) << s;
+  }
+  EXPECT_EQ(coordinator(one_call)->reports(), coordinator(token_by_token)->reports());
+  std::vector<int> budgets;
+  for (int l = 0; l < kLayers; ++l) {
+    const auto& a = dynamic_cast<const vc::SqueezeAttentionCache<T>&>(*one_call[static_cast<std::size_t>(l)]);
+    const auto& b = dynamic_cast<const vc::SqueezeAttentionCache<T>&>(*token_by_token[static_cast<std::size_t>(l)]);
+    EXPECT_TRUE(a.calibrated() && b.calibrated());
+    EXPECT_EQ(a.concentration(), b.concentration()) << l;
+    // The concentration of the first 32 keys, as stored.
+    EXPECT_NEAR(a.concentration(), expected_concentration<T>(tokens(keys[l], 0, 32)), 1e-9) << l;
+    EXPECT_EQ(a.layer_budget(), b.layer_budget()) << l;
+    EXPECT_TRUE(a.budget_adopted() && b.budget_adopted()) << l;
+    budgets.push_back(a.layer_budget());
+  }
+  EXPECT_NE(budgets.front(), budgets.back()) << "the layers' budgets should differ";
+}
+
+/// With a window of 10 tokens and calls of 3, a layer reports in its fourth call (12 tokens),
+/// before that call's tokens are absorbed, over the keys of all four calls; until then its
+/// concentration follows the keys seen so far. A rejected call during calibration changes nothing;
+/// reset() starts calibrating again.
+TYPED_TEST(SqueezeAttentionCacheTest, ReportsWhenTheCalibrationWindowIsFull) {
+  using T = TypeParam;
+  constexpr Index B = 2, H = 2, D = 8;
+  vc::KVCacheConfig c = squeeze_config(6, 1);
+  c.squeeze_calibration_tokens = 10;
+  auto coord = std::make_shared<vc::SqueezeCoordinator>(2, 6, 1, 1.0);
+  vc::SqueezeAttentionCache<T> cache(c, 0, coord);
+  Stream stream(31u, B, H, D, D, {0.5, 2.0, 4.0, 8.0});
+  const auto [k, v] = stream.next(12);
+  for (int call = 0; call < 4; ++call) {
+    if (call == 2) {
+      // A call with a NaN key is rejected and leaves the calibration where it was.
+      D4 bad = tokens(k, 3 * call, 3);
+      bad(1, 1, 2, 3) = std::numeric_limits<double>::quiet_NaN();
+      const double before = cache.concentration();
+      EXPECT_THROW((void)cache.update_and_fetch(bad, tokens(v, 3 * call, 3)), std::invalid_argument);
+      EXPECT_EQ(cache.concentration(), before);
+    }
+    (void)cache.update_and_fetch(tokens(k, 3 * call, 3), tokens(v, 3 * call, 3));
+    const Index seen = 3 * (call + 1);
+    EXPECT_NEAR(cache.concentration(), expected_concentration<T>(tokens(k, 0, seen)), 1e-9) << call;
+    EXPECT_EQ(cache.calibrated(), call == 3) << call;
+    EXPECT_EQ(coord->reports().count(0), call == 3 ? 1u : 0u) << call;
+  }
+  EXPECT_EQ(coord->reports().at(0), cache.concentration());
+  // Calibrated: later keys no longer move it.
+  const double frozen = cache.concentration();
+  (void)cache.update_and_fetch(tokens(k, 0, 3), tokens(v, 0, 3));
+  EXPECT_EQ(cache.concentration(), frozen);
+  coord->reset();
+  cache.reset();
+  EXPECT_FALSE(cache.calibrated());
+  EXPECT_EQ(cache.concentration(), 0.0);
+  (void)cache.update_and_fetch(tokens(k, 0, 10), tokens(v, 0, 10));
+  EXPECT_TRUE(cache.calibrated());
+  EXPECT_NEAR(cache.concentration(), expected_concentration<T>(tokens(k, 0, 10)), 1e-9);
+}
+
+/// A deferring layer keeps every row until it reports (docs/design.md 5.4.4) and falls back to
+/// squeeze_budget only in a call after its own report that still finds the coordinator
+/// unfinalized, however many calls calibration took.
+TYPED_TEST(SqueezeAttentionCacheTest, DeferringLayerFallsBackOnlyAfterItsOwnReport) {
+  using T = TypeParam;
+  constexpr Index B = 1, H = 2, D = 8;
+  vc::KVCacheConfig c = squeeze_config(6, 1, /*defer=*/true);
+  c.squeeze_calibration_tokens = 8;
+  auto coord = std::make_shared<vc::SqueezeCoordinator>(2, 6, 1, 1.0);  // layer 1 never reports
+  vc::SqueezeAttentionCache<T> cache(c, 0, coord);
+  Stream stream(32u, B, H, D, D, {1.0});
+  const auto [k, v] = stream.next(16);
+  for (int call = 0; call < 4; ++call) {
+    (void)cache.update_and_fetch(tokens(k, 3 * call, 3), tokens(v, 3 * call, 3));
+    const bool reported = 3 * (call + 1) >= 8;  // the third call completes 8 tokens
+    EXPECT_EQ(coord->reports().count(0), reported ? 1u : 0u) << call;
+    if (call < 3) {
+      // No budget yet: every row stays (3, 6, 9 rows).
+      EXPECT_FALSE(cache.budget().has_value()) << call;
+      EXPECT_EQ(cache.tokens_kept(), 3 * (call + 1)) << call;
+    } else {
+      // The call after the report falls back to squeeze_budget and is within it.
+      EXPECT_EQ(cache.budget(), std::optional<int>(6));
+      EXPECT_EQ(cache.tokens_kept(), 6);
+    }
   }
 }
 

@@ -439,6 +439,7 @@ TEST(SqueezeCoordinatorTest, ConcurrentCachesAdoptSerialBudgets) {
   constexpr int kLayers = 8;
   constexpr Eigen::Index B = 1, H = 2, S = 48, D = 8;
   vc::KVCacheConfig config;
+  config.squeeze_calibration_tokens = 1;  // report on the first call (docs/design.md 5.4)
   config.squeeze_budget = 16;
   config.squeeze_n_sink = 2;
   auto coord = std::make_shared<vc::SqueezeCoordinator>(kLayers, 16, 2, 1.0);

@@ -79,6 +79,7 @@ inline const char* kind_name(Kind k) {
 /// Budget 6 everywhere (StreamingLLM: 1 sink + window 5; squeeze before adoption: 8).
 inline vc::KVCacheConfig small_config() {
   vc::KVCacheConfig c;
+  c.squeeze_calibration_tokens = 1;  // report on the first call (docs/design.md 5.4)
   c.squeeze_budget = 8;
   c.h2o_budget = c.pyramid_budget = c.tova_budget = c.snap_budget = 6;
   c.squeeze_n_sink = c.h2o_n_sink = c.pyramid_n_sink = c.tova_n_sink = c.snap_n_sink = 1;

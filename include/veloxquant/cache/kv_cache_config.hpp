@@ -83,6 +83,7 @@ struct KVCacheConfig {
   double squeeze_recent_ratio = 0.5;               ///< share of evictable budget kept recent
   double squeeze_decay = 0.98;                     ///< per-token score decay in (0, 1]
   bool squeeze_defer = false;                      ///< hold rows until the budget is known
+  int squeeze_calibration_tokens = 32;             ///< tokens absorbed before the layer reports
 
   // H2O
   int h2o_budget = 512;
@@ -111,66 +112,73 @@ struct KVCacheConfig {
   int snap_obs_window = 32;
   int snap_n_sink = 4;
 
+  /// Sets the rows-per-head budget of every method (docs/design.md 2.1): squeeze_budget,
+  /// h2o_budget, pyramid_budget, tova_budget, snap_budget, and stream_window_size = rows -
+  /// stream_n_sink. Checks nothing: validate() (or the cache that is built) does.
+  void set_budget(int rows) {
+    squeeze_budget = h2o_budget = pyramid_budget = tova_budget = snap_budget = rows;
+    stream_window_size = rows - stream_n_sink;
+  }
+
   /// Throws std::invalid_argument naming the first bad field and its value (docs/design.md 2.1).
-  /// Every field is checked whatever the method; n_sink < budget only for the method in use.
+  /// Checks the method name and the fields of `method` only: a StreamingLLM window is not checked
+  /// when the method is squeeze.
   void validate() const {
     using namespace detail;
     if (!is_known_method(method)) {
       throw std::invalid_argument("KVCacheConfig: method '" + method +
                                   "' is unknown; valid methods: " + method_list());
     }
-    check_budget("squeeze_budget", squeeze_budget);
-    check_non_negative("squeeze_n_sink", squeeze_n_sink);
-    check_unit_interval("squeeze_strength", squeeze_strength);
-    if (squeeze_resolved_budget) check_budget("squeeze_resolved_budget", *squeeze_resolved_budget);
-    check_unit_interval("squeeze_recent_ratio", squeeze_recent_ratio);
-    check_decay("squeeze_decay", squeeze_decay);
-
-    check_budget("h2o_budget", h2o_budget);
-    check_non_negative("h2o_n_sink", h2o_n_sink);
-    check_non_negative("h2o_grace", h2o_grace);
-    check_decay("h2o_decay", h2o_decay);
-
-    check_budget("pyramid_budget", pyramid_budget);
-    check_non_negative("pyramid_n_sink", pyramid_n_sink);
-    if (!(pyramid_beta >= 1.0 && pyramid_beta <= kMaxPyramidBeta)) {
-      config_error("pyramid_beta", pyramid_beta, "must be in [1, 1e6]");
-    }
-    if (pyramid_resolved_budget) check_budget("pyramid_resolved_budget", *pyramid_resolved_budget);
-    check_unit_interval("pyramid_recent_ratio", pyramid_recent_ratio);
-    check_decay("pyramid_decay", pyramid_decay);
-
-    check_budget("tova_budget", tova_budget);
-    check_non_negative("tova_n_sink", tova_n_sink);
-
-    check_non_negative("stream_n_sink", stream_n_sink);
-    if (stream_window_size < 1) config_error("stream_window_size", stream_window_size, "must be >= 1");
-    if (static_cast<long long>(stream_n_sink) + stream_window_size > 2147483647LL) {
-      config_error("stream_window_size", stream_window_size,
-                   "plus stream_n_sink must fit in an int (rows per head)");
-    }
-
-    check_budget("snap_budget", snap_budget);
-    if (snap_obs_window < 1) config_error("snap_obs_window", snap_obs_window, "must be >= 1");
-    check_non_negative("snap_n_sink", snap_n_sink);
-
     if (method == "squeeze") {
+      check_budget("squeeze_budget", squeeze_budget);
+      check_non_negative("squeeze_n_sink", squeeze_n_sink);
+      check_unit_interval("squeeze_strength", squeeze_strength);
+      if (squeeze_resolved_budget) check_budget("squeeze_resolved_budget", *squeeze_resolved_budget);
+      check_unit_interval("squeeze_recent_ratio", squeeze_recent_ratio);
+      check_decay("squeeze_decay", squeeze_decay);
+      if (squeeze_calibration_tokens < 1) {
+        config_error("squeeze_calibration_tokens", squeeze_calibration_tokens, "must be >= 1");
+      }
       check_sink_below("squeeze_n_sink", squeeze_n_sink, "squeeze_budget", squeeze_budget);
       if (squeeze_resolved_budget) {
         check_sink_below("squeeze_n_sink", squeeze_n_sink, "squeeze_resolved_budget",
                          *squeeze_resolved_budget);
       }
     } else if (method == "h2o") {
+      check_budget("h2o_budget", h2o_budget);
+      check_non_negative("h2o_n_sink", h2o_n_sink);
+      check_non_negative("h2o_grace", h2o_grace);
+      check_decay("h2o_decay", h2o_decay);
       check_sink_below("h2o_n_sink", h2o_n_sink, "h2o_budget", h2o_budget);
     } else if (method == "pyramidkv") {
+      check_budget("pyramid_budget", pyramid_budget);
+      check_non_negative("pyramid_n_sink", pyramid_n_sink);
+      if (!(pyramid_beta >= 1.0 && pyramid_beta <= kMaxPyramidBeta)) {
+        config_error("pyramid_beta", pyramid_beta, "must be in [1, 1e6]");
+      }
+      if (pyramid_resolved_budget) check_budget("pyramid_resolved_budget", *pyramid_resolved_budget);
+      check_unit_interval("pyramid_recent_ratio", pyramid_recent_ratio);
+      check_decay("pyramid_decay", pyramid_decay);
       check_sink_below("pyramid_n_sink", pyramid_n_sink, "pyramid_budget", pyramid_budget);
       if (pyramid_resolved_budget) {
         check_sink_below("pyramid_n_sink", pyramid_n_sink, "pyramid_resolved_budget",
                          *pyramid_resolved_budget);
       }
     } else if (method == "tova") {
+      check_budget("tova_budget", tova_budget);
+      check_non_negative("tova_n_sink", tova_n_sink);
       check_sink_below("tova_n_sink", tova_n_sink, "tova_budget", tova_budget);
+    } else if (method == "streaming_llm") {
+      check_non_negative("stream_n_sink", stream_n_sink);
+      if (stream_window_size < 1) config_error("stream_window_size", stream_window_size, "must be >= 1");
+      if (static_cast<long long>(stream_n_sink) + stream_window_size > 2147483647LL) {
+        config_error("stream_window_size", stream_window_size,
+                     "plus stream_n_sink must fit in an int (rows per head)");
+      }
     } else if (method == "snapkv") {
+      check_budget("snap_budget", snap_budget);
+      if (snap_obs_window < 1) config_error("snap_obs_window", snap_obs_window, "must be >= 1");
+      check_non_negative("snap_n_sink", snap_n_sink);
       check_sink_below("snap_n_sink", snap_n_sink, "snap_budget", snap_budget);
     }
   }

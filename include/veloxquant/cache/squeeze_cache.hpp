@@ -68,8 +68,13 @@ class SqueezeAttentionCache : public KVCache<T> {
   }
   /// True once the coordinator's budget has been adopted.
   bool budget_adopted() const { return adopted_; }
-  /// Mean concentration_score over all heads of the first call (0.0 before it).
+  /// The layer's concentration (docs/design.md 5.2): the mean over its heads of concentration_score
+  /// of every key it has been given since its reset, frozen once it has absorbed
+  /// squeeze_calibration_tokens tokens (0.0 before the first call).
   double concentration() const { return concentration_; }
+  /// True once the layer has absorbed squeeze_calibration_tokens tokens since its reset: its
+  /// concentration is final (and reported, when it has a coordinator).
+  bool calibrated() const { return calibrated_; }
   /// Same as kept_bytes() (the reference's name).
   std::size_t squeeze_kept_bytes() const { return this->kept_bytes(); }
   /// The shared coordinator, or nullptr.
@@ -86,8 +91,11 @@ class SqueezeAttentionCache : public KVCache<T> {
     KVCache<T>::reset();
     concentration_ = 0.0;
     pending_concentration_ = 0.0;
-    calls_ = 0;
+    sums_.clear();
+    pending_sums_.clear();
+    calibrated_ = false;
     reported_ = false;
+    reported_now_ = false;
     adopted_ = false;
     report_generation_ = 0;
     if (coordinated() && config_.squeeze_defer) {
@@ -99,14 +107,19 @@ class SqueezeAttentionCache : public KVCache<T> {
 
  protected:
   void inspect_call(const detail::InputRows& keys) override {
-    if (calls_ != 0) return;
-    // Mean concentration over every (b, h) of the first call (the reference sampled head (0,0)),
-    // on the keys as stored (T).
+    if (calibrated_) return;
+    // The running sums of every (b, h) with this call's keys as stored (T) added; the
+    // concentration is their mean over heads (the reference sampled head (0,0) of the first call).
+    // Computed aside: start_call commits them once nothing can fail any more.
+    const Index n_heads = keys.batch * keys.heads;
+    pending_sums_ = sums_.empty() ? std::vector<detail::ConcentrationSums>(
+                                        static_cast<std::size_t>(n_heads))
+                                  : sums_;
     std::vector<T> row(static_cast<std::size_t>(keys.dim));
     double sum = 0.0;
     for (Index b = 0; b < keys.batch; ++b) {
       for (Index h = 0; h < keys.heads; ++h) {
-        detail::ConcentrationSums sums;
+        detail::ConcentrationSums& sums = pending_sums_[static_cast<std::size_t>(b * keys.heads + h)];
         for (Index s = 0; s < keys.seq; ++s) {
           detail::read_row(keys, b, h, s, row.data());
           sums.add(keys.dim, [&](Index j) { return static_cast<double>(row[static_cast<std::size_t>(j)]); });
@@ -114,22 +127,29 @@ class SqueezeAttentionCache : public KVCache<T> {
         sum += sums.score();
       }
     }
-    pending_concentration_ = sum / static_cast<double>(keys.batch * keys.heads);
+    pending_concentration_ = sum / static_cast<double>(n_heads);
     if (!std::isfinite(pending_concentration_)) {
-      throw std::invalid_argument("SqueezeAttentionCache: concentration of the first call is "
-                                  "not finite");
+      throw std::invalid_argument("SqueezeAttentionCache: the concentration of the keys is not "
+                                  "finite");
     }
+    pending_calibrated_ = this->offset() + keys.seq >= config_.squeeze_calibration_tokens;
   }
 
   void start_call() override {
-    if (calls_ == 0) {
+    reported_now_ = false;
+    if (!calibrated_) {
       // The report is the only step here that can throw (bad_alloc, a mutex error); it comes
       // before any change to this cache, so a throw leaves the cache as it was.
-      if (coordinated()) {
+      if (pending_calibrated_ && coordinated()) {
         report_generation_ = coordinator_->report(*layer_id_, pending_concentration_);
         reported_ = true;
+        reported_now_ = true;
       }
+      sums_.swap(pending_sums_);
       concentration_ = pending_concentration_;
+      calibrated_ = pending_calibrated_;
+      pending_sums_.clear();
+      if (calibrated_) sums_ = {};  // the running sums are done with
     }
     if (coordinated() && !adopted_ && reported_) {
       if (const std::optional<int> b = coordinator_->resolved_budget(*layer_id_, report_generation_)) {
@@ -137,10 +157,9 @@ class SqueezeAttentionCache : public KVCache<T> {
         adopted_ = true;
       }
     }
-    // A deferring cache that still has no budget on its second call falls back
+    // A deferring cache whose call after its own report still finds no budget falls back
     // (docs/design.md 5.4.4).
-    if (!this->budget() && calls_ >= 1) this->set_budget(fallback_budget());
-    ++calls_;
+    if (!this->budget() && reported_ && !reported_now_) this->set_budget(fallback_budget());
   }
 
  private:
@@ -171,8 +190,12 @@ class SqueezeAttentionCache : public KVCache<T> {
   std::shared_ptr<SqueezeCoordinator> coordinator_;
   double concentration_ = 0.0;
   double pending_concentration_ = 0.0;
-  std::int64_t calls_ = 0;
+  std::vector<detail::ConcentrationSums> sums_;          // per (b, h), until calibrated
+  std::vector<detail::ConcentrationSums> pending_sums_;  // this call's, until start_call
+  bool pending_calibrated_ = false;
+  bool calibrated_ = false;
   bool reported_ = false;
+  bool reported_now_ = false;  // in the call in progress
   bool adopted_ = false;
   std::uint64_t report_generation_ = 0;
 };
