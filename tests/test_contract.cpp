@@ -73,15 +73,6 @@ Index expected_rows(Kind kind, std::int64_t offset, int calls, Index first_s) {
 /// TOVA may evict the current token, SnapKV ranks its prompt without a recent window).
 bool keeps_newest(Kind kind) { return kind != Kind::kTova && kind != Kind::kSnap; }
 
-/// Everything observable but the heap, whose capacity depends on the history (a reset keeps
-/// allocations) and on the worker count (scratch per thread).
-template <class T>
-Snapshot logical_state(const Subject<T>& s) {
-  Snapshot out = snapshot(s);
-  out.heap = 0;
-  return out;
-}
-
 /// The positions every head holds, through an empty call (which changes nothing, docs/design.md
 /// 8): one sorted list per head, b-major.
 template <class T>

@@ -205,6 +205,16 @@ Snapshot snapshot(const Subject<T>& s) {
   return snapshot(*s.cache, s.coordinator.get());
 }
 
+/// Everything observable but the heap, whose capacity depends on the history (a reset keeps
+/// allocations) and on the worker count (scratch per thread), and on the
+/// entry point (attend sizes scratch for its output).
+template <class T>
+Snapshot logical_state(const Subject<T>& s) {
+  Snapshot out = snapshot(s);
+  out.heap = 0;
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The APIs a call can go through
 // ---------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 // of one call (docs/design.md 2.3).
 #pragma once
 
+#include <Eigen/Core>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -14,8 +15,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <Eigen/Core>
 
 #include "detail/checks.hpp"
 #include "detail/head_store.hpp"
@@ -35,13 +34,19 @@ namespace veloxquant::cache {
 template <class T>
 class KVView {
  public:
-  using RowsMap = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+  using RowsMap =
+      Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
   using PositionsMap = Eigen::Map<const Eigen::Matrix<std::int64_t, Eigen::Dynamic, 1>>;
 
   KVView(const std::vector<detail::HeadStore<T>>* heads, Eigen::Index batch, Eigen::Index n_heads,
          Eigen::Index key_dim, Eigen::Index value_dim, Eigen::Index rows, Eigen::Index new_rows)
-      : heads_(heads), batch_(batch), n_heads_(n_heads), key_dim_(key_dim), value_dim_(value_dim),
-        rows_(rows), new_rows_(new_rows) {}
+      : heads_(heads),
+        batch_(batch),
+        n_heads_(n_heads),
+        key_dim_(key_dim),
+        value_dim_(value_dim),
+        rows_(rows),
+        new_rows_(new_rows) {}
 
   /// Rows per head in this window (the same for every head).
   Eigen::Index rows() const { return rows_; }
@@ -100,19 +105,25 @@ class KVCache {
   KVCache(const KVCache&) = delete;
   KVCache& operator=(const KVCache&) = delete;
 
+  // Every update API takes keys and values as Tensor4<U>, an Eigen::TensorMap of one, or a
+  // TensorRef<U> (any layout), one U for both (half, bfloat16, float, double), and queries of any
+  // such type and element type. Inputs are read in place; each row is converted to T as it is
+  // stored (docs/design.md 2.3).
+
   /// Absorbs a call's rows and returns the rows retained before it plus all of its own rows, in
   /// ascending position. keys: [B, H, S, Dk], values: [B, H, S, Dv]; returns [B, H, n, D].
   virtual KVPair<T> update_and_fetch(const Tensor4<T>& keys, const Tensor4<T>& values) {
     KVPair<T> out;
-    (void)run(rows_of(keys), rows_of(values), nullptr, "update_and_fetch", &out);
+    (void)run(rows_of(keys, "keys", "update_and_fetch"),
+              rows_of(values, "values", "update_and_fetch"), nullptr, "update_and_fetch", &out);
     return out;
   }
-  /// Inputs of another element type (half, bfloat16, float, double): read in place, each row
-  /// converted to T as it is stored. keys: [B, H, S, Dk], values: [B, H, S, Dv]
-  template <class U>
-  KVPair<T> update_and_fetch(const Tensor4<U>& keys, const Tensor4<U>& values) {
+  /// update_and_fetch for every other input (see above). keys: [B, H, S, Dk], values: [B, H, S, Dv]
+  template <class K, class V, class = detail::same_input_t<K, V>>
+  KVPair<T> update_and_fetch(const K& keys, const V& values) {
     KVPair<T> out;
-    (void)run(rows_of(keys), rows_of(values), nullptr, "update_and_fetch", &out);
+    (void)run(rows_of(keys, "keys", "update_and_fetch"),
+              rows_of(values, "values", "update_and_fetch"), nullptr, "update_and_fetch", &out);
     return out;
   }
 
@@ -120,23 +131,27 @@ class KVCache {
   /// a decode loop that passes the same `out` every step copies without allocating.
   /// keys: [B, H, S, Dk], values: [B, H, S, Dv]; out: [B, H, n, Dk] and [B, H, n, Dv]
   void update_and_fetch_into(const Tensor4<T>& keys, const Tensor4<T>& values, KVPair<T>& out) {
-    (void)run(rows_of(keys), rows_of(values), nullptr, "update_and_fetch_into", &out);
+    (void)run(rows_of(keys, "keys", "update_and_fetch_into"),
+              rows_of(values, "values", "update_and_fetch_into"), nullptr, "update_and_fetch_into",
+              &out);
   }
-  /// update_and_fetch_into with inputs of another element type (read in place).
-  template <class U>
-  void update_and_fetch_into(const Tensor4<U>& keys, const Tensor4<U>& values, KVPair<T>& out) {
-    (void)run(rows_of(keys), rows_of(values), nullptr, "update_and_fetch_into", &out);
+  template <class K, class V, class = detail::same_input_t<K, V>>
+  void update_and_fetch_into(const K& keys, const V& values, KVPair<T>& out) {
+    (void)run(rows_of(keys, "keys", "update_and_fetch_into"),
+              rows_of(values, "values", "update_and_fetch_into"), nullptr, "update_and_fetch_into",
+              &out);
   }
 
   /// Same work as update_and_fetch, but returns a view into the cache's own storage.
   /// keys: [B, H, S, Dk], values: [B, H, S, Dv]
   KVView<T> update_and_view(const Tensor4<T>& keys, const Tensor4<T>& values) {
-    return run(rows_of(keys), rows_of(values), nullptr, "update_and_view", nullptr);
+    return run(rows_of(keys, "keys", "update_and_view"),
+               rows_of(values, "values", "update_and_view"), nullptr, "update_and_view", nullptr);
   }
-  /// update_and_view with inputs of another element type (read in place).
-  template <class U>
-  KVView<T> update_and_view(const Tensor4<U>& keys, const Tensor4<U>& values) {
-    return run(rows_of(keys), rows_of(values), nullptr, "update_and_view", nullptr);
+  template <class K, class V, class = detail::same_input_t<K, V>>
+  KVView<T> update_and_view(const K& keys, const V& values) {
+    return run(rows_of(keys, "keys", "update_and_view"),
+               rows_of(values, "values", "update_and_view"), nullptr, "update_and_view", nullptr);
   }
 
   /// Real-query scoring ("observed attention", docs/design.md 4.6): the same call, with the queries
@@ -147,30 +162,70 @@ class KVCache {
   /// and the standard cache validate and ignore them. Throws std::invalid_argument (cache
   /// unchanged) for a query tensor that is not [B, G·H, S, Dk] or holds a value that is not
   /// finite in float32. keys: [B, H, S, Dk], values: [B, H, S, Dv], queries: [B, Hq = G·H, S, Dk]
-  template <class U, class Q>
-  KVPair<T> update_and_fetch(const Tensor4<U>& keys, const Tensor4<U>& values,
-                             const Tensor4<Q>& queries) {
+  template <class K, class V, class Q, class = detail::same_input_t<K, V>,
+            class = detail::input_element_t<Q>>
+  KVPair<T> update_and_fetch(const K& keys, const V& values, const Q& queries) {
     KVPair<T> out;
-    const detail::InputRows q = rows_of(queries);
-    (void)run(rows_of(keys), rows_of(values), &q, "update_and_fetch", &out);
+    const detail::InputRows q = rows_of(queries, "queries", "update_and_fetch");
+    (void)run(rows_of(keys, "keys", "update_and_fetch"),
+              rows_of(values, "values", "update_and_fetch"), &q, "update_and_fetch", &out);
     return out;
   }
   /// update_and_view with real queries (see update_and_fetch above).
   /// keys: [B, H, S, Dk], values: [B, H, S, Dv], queries: [B, Hq = G·H, S, Dk]
-  template <class U, class Q>
-  KVView<T> update_and_view(const Tensor4<U>& keys, const Tensor4<U>& values,
-                            const Tensor4<Q>& queries) {
-    const detail::InputRows q = rows_of(queries);
-    return run(rows_of(keys), rows_of(values), &q, "update_and_view", nullptr);
+  template <class K, class V, class Q, class = detail::same_input_t<K, V>,
+            class = detail::input_element_t<Q>>
+  KVView<T> update_and_view(const K& keys, const V& values, const Q& queries) {
+    const detail::InputRows q = rows_of(queries, "queries", "update_and_view");
+    return run(rows_of(keys, "keys", "update_and_view"),
+               rows_of(values, "values", "update_and_view"), &q, "update_and_view", nullptr);
   }
   /// update_and_fetch_into with real queries (see update_and_fetch above).
   /// keys: [B, H, S, Dk], values: [B, H, S, Dv], queries: [B, Hq = G·H, S, Dk];
   /// out: [B, H, n, Dk] and [B, H, n, Dv]
-  template <class U, class Q>
-  void update_and_fetch_into(const Tensor4<U>& keys, const Tensor4<U>& values,
-                             const Tensor4<Q>& queries, KVPair<T>& out) {
-    const detail::InputRows q = rows_of(queries);
-    (void)run(rows_of(keys), rows_of(values), &q, "update_and_fetch_into", &out);
+  template <class K, class V, class Q, class = detail::same_input_t<K, V>,
+            class = detail::input_element_t<Q>>
+  void update_and_fetch_into(const K& keys, const V& values, const Q& queries, KVPair<T>& out) {
+    const detail::InputRows q = rows_of(queries, "queries", "update_and_fetch_into");
+    (void)run(rows_of(keys, "keys", "update_and_fetch_into"),
+              rows_of(values, "values", "update_and_fetch_into"), &q, "update_and_fetch_into",
+              &out);
+  }
+
+  /// Fused attention (docs/design.md 2.8): absorbs the call exactly as update_and_view(keys,
+  /// values, queries) does (the same rows, positions, offset and scores, bit for bit) and writes
+  /// the attention output over the rows that call returns: token s, query head j attends with
+  /// softmax(q K^T / sqrt(Dk)) over the rows retained before the call and the call's rows 0..s
+  /// (the lower-right causal mask). The scored policies take their scores from the same softmax
+  /// rows the output uses. Errors as update_and_view with queries, and out == nullptr; on any
+  /// error nothing is written and the cache is unchanged.
+  /// queries: [B, Hq = G·H, S, Dk], keys: [B, H, S, Dk], values: [B, H, S, Dv];
+  /// out: [B, Hq, S, Dv] float32 (head_major) or [B, S, Hq, Dv] (token_major), dense
+  template <class Q, class U>
+  void attend(TensorRef<Q> queries, TensorRef<U> keys, TensorRef<U> values, float* out,
+              Layout out_layout = Layout::head_major) {
+    attend_rows(rows_of(queries, "queries", "attend"), rows_of(keys, "keys", "attend"),
+                rows_of(values, "values", "attend"), out, out_layout);
+  }
+  /// attend for Tensor4s and TensorMaps (see above).
+  template <class QX, class K, class V, class = detail::same_input_t<K, V>,
+            class = detail::input_element_t<QX>>
+  void attend(const QX& queries, const K& keys, const V& values, float* out,
+              Layout out_layout = Layout::head_major) {
+    attend_rows(rows_of(queries, "queries", "attend"), rows_of(keys, "keys", "attend"),
+                rows_of(values, "values", "attend"), out, out_layout);
+  }
+  /// attend into a new tensor: returns [B, Hq, S, Dv] float32.
+  template <class Q, class U>
+  Tensor4<float> attend(const Tensor4<Q>& queries, const Tensor4<U>& keys,
+                        const Tensor4<U>& values) {
+    Tensor4<float> out(queries.dimension(0), queries.dimension(1), queries.dimension(2),
+                       values.dimension(3));
+    float empty = 0.0f;  // an empty output has no data but is not "out == nullptr"
+    attend_rows(rows_of(queries, "queries", "attend"), rows_of(keys, "keys", "attend"),
+                rows_of(values, "values", "attend"), out.size() ? out.data() : &empty,
+                Layout::head_major);
+    return out;
   }
 
   /// Position the next token will take (tokens per sequence absorbed since the last reset).
@@ -311,11 +366,34 @@ class KVCache {
   }
 
  private:
-  template <class U>
-  static detail::InputRows rows_of(const Tensor4<U>& t) {
-    static_assert(is_input_type_v<U>, "veloxquant: inputs must be half, bfloat16, float or double");
-    return detail::head_major_rows(t.data(), t.dimension(0), t.dimension(1), t.dimension(2),
-                                   t.dimension(3));
+  // The rows of an input (`what` names it in errors); throws std::invalid_argument for a
+  // negative dimension, an element count beyond Index, or null data with a non-zero size.
+  template <class X>
+  static detail::InputRows rows_of(const X& x, const char* what, const char* api) {
+    const TensorRef<detail::input_element_t<X>> t(x);
+    const Index dims[4] = {t.batch, t.heads, t.seq, t.dim};
+    detail::check_tensor_ref(t.data, dims, what, api);
+    return t.layout == Layout::head_major
+               ? detail::head_major_rows(t.data, t.batch, t.heads, t.seq, t.dim)
+               : detail::token_major_rows(t.data, t.batch, t.heads, t.seq, t.dim);
+  }
+
+  // The body of attend: the output's strides, then run().
+  void attend_rows(const detail::InputRows& queries, const detail::InputRows& keys,
+                   const detail::InputRows& values, float* out, Layout layout) {
+    if (out == nullptr) throw std::invalid_argument("attend: out is null");
+    const Index Hq = queries.heads, S = queries.seq, Dv = values.dim;
+    detail::AttendOut att{out, 0, 0, 0};
+    if (layout == Layout::head_major) {
+      att.stride_j = S * Dv;
+      att.stride_s = Dv;
+      att.stride_b = Hq * S * Dv;
+    } else {
+      att.stride_j = Dv;
+      att.stride_s = Hq * Dv;
+      att.stride_b = S * Hq * Dv;
+    }
+    (void)run(keys, values, &queries, "attend", nullptr, &att);
   }
 
   // Head (b, h); std::out_of_range outside [0, B) x [0, H).
@@ -338,7 +416,8 @@ class KVCache {
   // fetch_into) receives a copy of the window. keys: [B, H, S, Dk], values: [B, H, S, Dv],
   // queries: [B, G·H, S, Dk] or nullptr.
   KVView<T> run(const detail::InputRows& keys, const detail::InputRows& values,
-                const detail::InputRows* queries, const char* api, KVPair<T>* out) {
+                const detail::InputRows* queries, const char* api, KVPair<T>* out,
+                const detail::AttendOut* att = nullptr) {
     // 1. Validation: nothing has changed if it throws.
     detail::check_update<T>(keys, values, dims_, api);
     detail::check_rows_fit(live_rows(), keys.seq, api);
@@ -356,7 +435,7 @@ class KVCache {
     // throw bad_alloc); 4. the policy starts the call (may throw before it changes anything).
     inspect_call(keys);
     const Index groups = queries ? queries->heads / keys.heads : 0;
-    const detail::CallPlan plan = detail::plan_call(rule_, S, groups);
+    const detail::CallPlan plan = detail::plan_call(rule_, S, groups, att != nullptr);
     std::vector<detail::HeadStore<T>> fresh = reserve(keys, values, plan);
     start_call();
     // 5. No-throw from here on.
@@ -365,7 +444,7 @@ class KVCache {
       dims_ = detail::LayerDims{keys.batch, keys.heads, keys.dim, values.dim, true};
     }
     if (plan.compress) rule_.compressed = true;
-    absorb_heads(keys, values, queries, groups, plan, out != nullptr);
+    absorb_heads(keys, values, queries, groups, plan, out != nullptr, att);
     rebudget_ = false;
     offset_ += S;
     tokens_seen_ += dims_.batch * dims_.heads * S;
@@ -422,7 +501,7 @@ class KVCache {
   // scratch.
   void absorb_heads(const detail::InputRows& keys, const detail::InputRows& values,
                     const detail::InputRows* queries, Index groups, const detail::CallPlan& plan,
-                    bool copy) noexcept {
+                    bool copy, const detail::AttendOut* att) noexcept {
     const Index S = keys.seq;
     const Index n_heads = dims_.batch * dims_.heads;
     const detail::ScratchSize size{plan.rows, live_rows() + S, detail::padded_dim(keys.dim),
@@ -441,7 +520,8 @@ class KVCache {
         });
       }
       const detail::HeadQueries q{queries, b, h, groups};
-      detail::absorb_head(head, rule_, plan, S, q, sc);
+      const detail::HeadAttend a{att, b, h, groups};
+      detail::absorb_head(head, rule_, plan, S, q, a, sc);
     };
     const int tasks = tasks_for(n_heads, size);
     if (tasks <= 1) {

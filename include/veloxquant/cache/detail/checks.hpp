@@ -2,16 +2,16 @@
 // capacity, all before the cache changes.
 #pragma once
 
+#include <Eigen/Core>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
-
-#include <Eigen/Core>
 
 #include "input.hpp"
 
@@ -98,6 +98,28 @@ Index first_non_finite(const InputRows& in, Index b, Index h, Index s, std::vect
   return -1;
 }
 
+/// Throws std::invalid_argument for a tensor reference (`what`: "keys", "values", "queries")
+/// with a negative dimension, more elements than an Index holds, or null data with a non-zero
+/// size; called before its rows are addressed. dims: {B, H, S, D}
+inline void check_tensor_ref(const void* data, const Index (&dims)[4], const char* what,
+                             const char* api) {
+  const auto fail = [&](const std::string& why) {
+    std::ostringstream os;
+    os << api << ": " << what << ' ' << why << " (shape [" << dims[0] << ", " << dims[1] << ", "
+       << dims[2] << ", " << dims[3] << "])";
+    throw std::invalid_argument(os.str());
+  };
+  Index size = 1;
+  for (const Index d : dims) {
+    if (d < 0) fail("has a negative dimension");
+  }
+  for (const Index d : dims) {
+    if (d != 0 && size > std::numeric_limits<Index>::max() / d) fail("has too many elements");
+    size *= d;
+  }
+  if (data == nullptr && size != 0) fail("has null data but a non-zero size");
+}
+
 /// Throws std::invalid_argument when a head that holds `live` rows cannot take `new_rows` more:
 /// rows are addressed by 32-bit slots, so a head holds at most 2^31 - 1 rows.
 inline void check_rows_fit(Index live, Index new_rows, const char* api) {
@@ -134,9 +156,8 @@ void check_update(const InputRows& keys, const InputRows& values, const LayerDim
        << ", key D=" << dims.key_dim << ", value D=" << dims.value_dim << ")";
     fail(os.str());
   }
-  // A head-major input of the storage type: one pass over all of it first.
-  if (keys.type == element_type_of<T>() && keys.stride_s == keys.dim &&
-      keys.stride_h == keys.seq * keys.dim && keys.stride_b == keys.heads * keys.seq * keys.dim &&
+  // A dense input of the storage type (any layout): one pass over all of it first.
+  if (keys.type == element_type_of<T>() && keys.dense &&
       all_finite(static_cast<const T*>(keys.data), keys.size())) {
     return;
   }

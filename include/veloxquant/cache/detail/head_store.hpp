@@ -1,20 +1,19 @@
 // veloxquant — per-head row storage shared by every policy (docs/design.md 7.1).
 //
-// A head keeps its rows in "slots": key rows [cap, Dk] and value rows [cap, Dv] of T, and per slot a
-// position (int64), a score (float32) and an alive flag. `order` lists the live slots in ascending
-// position. Evicting a row clears its alive flag (and drops it from `order`), with no data
-// movement; the hole is refilled at the start of the next call by moving one row from the tail
+// A head keeps its rows in "slots": key rows [cap, Dk] and value rows [cap, Dv] of T, and per slot
+// a position (int64), a score (float32) and an alive flag. `order` lists the live slots in
+// ascending position. Evicting a row clears its alive flag (and drops it from `order`), with no
+// data movement; the hole is refilled at the start of the next call by moving one row from the tail
 // (O(D)), so every row the current call returned stays addressable until then: the window of a
 // call is slots [0, physical()), the rows retained before it (`window()` lists them in ascending
 // position) followed by the call's rows in arrival order.
 #pragma once
 
+#include <Eigen/Core>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
-
-#include <Eigen/Core>
 
 #include "assert.hpp"
 #include "simd_kernels.hpp"
@@ -33,6 +32,7 @@ class HeadStore {
   HeadStore(Index dk, Index dv) : dk_(dk), dv_(dv) {}
 
   Index key_dim() const { return dk_; }
+  Index value_dim() const { return dv_; }
   /// Live (retained) rows.
   Index live() const { return static_cast<Index>(order_.size()); }
   /// Slots in use, live or dead (dead ones are refilled by compact()).
@@ -179,7 +179,8 @@ class HeadStore {
   std::size_t heap_bytes() const {
     return k_.capacity() * sizeof(T) + v_.capacity() * sizeof(T) +
            pos_.capacity() * sizeof(std::int64_t) + score_.capacity() * sizeof(float) +
-           alive_.capacity() + (order_.capacity() + window_.capacity() + holes_.capacity()) * sizeof(Slot);
+           alive_.capacity() +
+           (order_.capacity() + window_.capacity() + holes_.capacity()) * sizeof(Slot);
   }
 
   static constexpr std::uint8_t kDead = 0;

@@ -3,11 +3,10 @@
 // input type and layout; rows are converted only as they are stored or scored.
 #pragma once
 
+#include <Eigen/Core>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
-
-#include <Eigen/Core>
 
 #include "simd_kernels.hpp"
 
@@ -27,7 +26,8 @@ constexpr ElementType element_type_of() {
   } else if constexpr (std::is_same_v<U, float>) {
     return ElementType::float32;
   } else {
-    static_assert(std::is_same_v<U, double>, "veloxquant: inputs are half, bfloat16, float or double");
+    static_assert(std::is_same_v<U, double>,
+                  "veloxquant: inputs are half, bfloat16, float or double");
     return ElementType::float64;
   }
 }
@@ -39,9 +39,12 @@ struct InputRows {
   ElementType type = ElementType::float32;
   Index batch = 0, heads = 0, seq = 0, dim = 0;
   Index stride_b = 0, stride_h = 0, stride_s = 0;
+  bool dense = true;  ///< the rows fill data[0, size()) without gaps (any layout)
 
   Index size() const { return batch * heads * seq * dim; }
-  Index offset(Index b, Index h, Index s) const { return b * stride_b + h * stride_h + s * stride_s; }
+  Index offset(Index b, Index h, Index s) const {
+    return b * stride_b + h * stride_h + s * stride_s;
+  }
   template <class U>
   const U* row(Index b, Index h, Index s) const {
     return static_cast<const U*>(data) + offset(b, h, s);
@@ -51,7 +54,12 @@ struct InputRows {
 /// The rows of a head-major (row-major [B, H, S, D]) buffer.
 template <class U>
 InputRows head_major_rows(const U* data, Index b, Index h, Index s, Index d) {
-  return InputRows{data, element_type_of<U>(), b, h, s, d, h * s * d, s * d, d};
+  return InputRows{data, element_type_of<U>(), b, h, s, d, h * s * d, s * d, d, true};
+}
+/// The rows of a token-major (row-major [B, S, H, D]) buffer, addressed as [B, H, S, D].
+template <class U>
+InputRows token_major_rows(const U* data, Index b, Index h, Index s, Index d) {
+  return InputRows{data, element_type_of<U>(), b, h, s, d, s * h * d, d, h * d, true};
 }
 
 /// Calls f(p) with p the typed pointer to row (b, h, s) of `in`.

@@ -11,13 +11,12 @@
 // everything it has seen). An evicted or dead column gets logit -inf and so weight exactly 0.
 #pragma once
 
+#include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <optional>
-
-#include <Eigen/Core>
 
 #include "head_store.hpp"
 #include "input.hpp"
@@ -90,23 +89,30 @@ struct CallPlan {
   Index rows = 0;         ///< logit rows per product (0: nothing is scored)
 };
 
+/// Tokens per logits product of a call of S tokens with G query rows per token.
+inline Index block_tokens(Index S, Index G) {
+  return S == 1 ? 1 : std::max<Index>(1, kBlockRows / G);
+}
+
 /// The plan of a call of S >= 1 tokens with `groups` query heads per KV head (0: key-as-query).
-inline CallPlan plan_call(const Rule& r, Index S, Index groups) {
+/// With `attend`, the rows are enough for the attention output's blocks as well.
+inline CallPlan plan_call(const Rule& r, Index S, Index groups, bool attend = false) {
   CallPlan p;
   const Index G = std::max<Index>(groups, 1);
+  if (attend) p.rows = std::min(block_tokens(S, G), S) * G;
   switch (r.kind) {
     case RuleKind::keep_all:
     case RuleKind::window:
       break;
     case RuleKind::prompt:
       p.compress = !r.compressed && r.budget && S > *r.budget;
-      if (p.compress) p.rows = std::min<Index>(r.obs_window, S) * G;
+      if (p.compress) p.rows = std::max(p.rows, std::min<Index>(r.obs_window, S) * G);
       break;
     case RuleKind::cumulative:
     case RuleKind::last_attention: {
       const bool once_per_call = r.kind == RuleKind::cumulative && groups > 0;
       p.gather = S > 1 && !once_per_call;
-      p.block = S == 1 ? 1 : std::max<Index>(1, kBlockRows / G);
+      p.block = block_tokens(S, G);
       p.rows = std::min(p.block, S) * G;
       break;
     }
@@ -122,7 +128,31 @@ struct HeadQueries {
 
   explicit operator bool() const { return rows != nullptr; }
   /// Query head g of the call's token s as float32. out: [padded_dim(D)]
-  void read(Index g, Index s, float* out) const { read_float_row(*rows, b, h * groups + g, s, out); }
+  void read(Index g, Index s, float* out) const {
+    read_float_row(*rows, b, h * groups + g, s, out);
+  }
+};
+
+/// Where `attend` writes its output: row (b, j, s) (query head j, token s of the call) starts at
+/// data + b * stride_b + j * stride_j + s * stride_s and holds Dv float32.
+struct AttendOut {
+  float* data = nullptr;
+  Index stride_b = 0, stride_j = 0, stride_s = 0;
+};
+
+/// One KV head's share of the attention output: the rows of its G query heads. Empty without
+/// attend.
+struct HeadAttend {
+  const AttendOut* out = nullptr;
+  Index b = 0, h = 0, groups = 0;
+
+  explicit operator bool() const { return out != nullptr; }
+  /// Output row of query head g (of this KV head) for the call's token s; the G rows of a token
+  /// are stride() apart.
+  float* row(Index s, Index g) const {
+    return out->data + b * out->stride_b + (h * groups + g) * out->stride_j + s * out->stride_s;
+  }
+  Index stride() const { return out->stride_j; }
 };
 
 /// Re-budget (docs/design.md 4.5): keeps the sinks, the newest `g` rows and the highest-score
@@ -171,10 +201,13 @@ Index worst_live(const HeadStore<T>& head, int n_sink, int g, float* buf) {
 }
 
 /// The scored policies' driver: absorbs the `count` rows appended at slots
-/// [call_begin(), call_begin() + count) of `head` (docs/design.md 4.2, 4.6, 6).
+/// [call_begin(), call_begin() + count) of `head` (docs/design.md 4.2, 4.6, 6). With `att` (only
+/// for a call whose columns are exactly its window: no gather, no holes) it also writes the
+/// attention output of every query row from the very softmax rows the scores come from
+/// (docs/design.md 2.8).
 template <class T>
 void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, Index count,
-                   const HeadQueries& q, Scratch& sc) {
+                   const HeadQueries& q, const HeadAttend& att, Scratch& sc) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   constexpr std::int64_t kNone = std::numeric_limits<std::int64_t>::min();
   constexpr std::int64_t kAll = std::numeric_limits<std::int64_t>::max();
@@ -253,11 +286,18 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
       if (tova) {
         if (!plan.gather) head.push_live(s);
         ++live;
-        if (!rule.budget || live <= *rule.budget) continue;
-        softmax_mean(rows_t, G, ld, ct + 1, w);  // over every row, itself included
+        const bool evict = rule.budget && live > *rule.budget;
+        if (!evict && !att) continue;
+        softmax_mean(rows_t, G, ld, ct + 1, w, sc.inv.data());  // over every row, itself included
+        if (att) {
+          weighted_rows(rows_t, ld, sc.inv.data(), G, head.values_data(), head.value_dim(), ct + 1,
+                        att.row(i0 + t, 0), att.stride());
+        }
+        if (!evict) continue;
         std::copy(w, w + ct + 1, score);
         if (plan.gather) {
-          const Index k = worst_of(score, pos, alive, ct + 1, rule.n_sink, kAll, Tie::evict_earliest);
+          const Index k =
+              worst_of(score, pos, alive, ct + 1, rule.n_sink, kAll, Tie::evict_earliest);
           if (k >= 0) kill(k, -1), --live;
         } else {
           const Index at = worst_live(head, rule.n_sink, 0, w);
@@ -267,7 +307,11 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
       }
       if (once_per_call) {
         // Over the rows retained before the call and the call's rows up to itself.
-        softmax_mean(rows_t, G, ld, ct + 1, w);
+        softmax_mean(rows_t, G, ld, ct + 1, w, sc.inv.data());
+        if (att) {
+          weighted_rows(rows_t, ld, sc.inv.data(), G, head.values_data(), head.value_dim(), ct + 1,
+                        att.row(i0 + t, 0), att.stride());
+        }
         decay_accumulate(score, w, ct + 1, rule.decay);
         head.push_live(s);
         continue;
@@ -288,7 +332,8 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
       // newer ones have, and only unprotected rows are evicted).
       if (plan.gather) {
         const std::int64_t newest = g == 0 ? kAll : ct + 1 >= g ? pos[ct + 1 - g] : kNone;
-        const Index k = worst_of(score, pos, alive, ct + 1, rule.n_sink, newest, Tie::evict_earliest);
+        const Index k =
+            worst_of(score, pos, alive, ct + 1, rule.n_sink, newest, Tie::evict_earliest);
         if (k >= 0) kill(k, -1), --live;
       } else {
         const Index at = worst_live(head, rule.n_sink, g, w);
@@ -355,19 +400,62 @@ void compress_prompt(HeadStore<T>& head, const Rule& rule, Index count, const He
   head.drop_dead();
 }
 
-/// Absorbs the `count` rows appended at [call_begin(), call_begin() + count) of `head` by `rule`.
+/// The attention output of the call just absorbed (docs/design.md 2.8), computed on its own: the
+/// `count` call tokens' G query heads each attend over the head's window, slots [0, physical())
+/// (the rows retained before the call, then the call's), token t over the slots before
+/// call_begin() + t + 1. For the calls whose scores do not come from that softmax: policies that
+/// do not score, SnapKV, TOVA's multi-token calls (they evict inside the call), and calls that
+/// began with a re-budget (its rows are in the window but no longer scored).
+template <class T>
+void attend_window(const HeadStore<T>& head, Index count, const HeadQueries& q,
+                   const HeadAttend& att, Scratch& sc) {
+  const Index first = head.call_begin();
+  const Index d = head.key_dim(), dp = padded_dim(d);
+  const Index G = q.groups;
+  const Index block = block_tokens(count, G);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  float* qrows = sc.queries.data();
+  float* lg = sc.logits.data();
+  for (Index i0 = 0; i0 < count; i0 += block) {
+    const Index nb = std::min(block, count - i0);
+    const Index ncols = first + i0 + nb;
+    const Index ld = Scratch::ld(ncols);
+    for (Index t = 0; t < nb; ++t) {
+      for (Index gi = 0; gi < G; ++gi) q.read(gi, i0 + t, qrows + (t * G + gi) * dp);
+    }
+    logits(qrows, nb * G, dp, head.keys_data(), d, nullptr, ncols, d, scale, lg, ld,
+           sc.keys.data());
+    for (Index t = 0; t < nb; ++t) {
+      float* rows_t = lg + t * G * ld;
+      const Index n = first + i0 + t + 1;
+      softmax_mean(rows_t, G, ld, n, nullptr, sc.inv.data());
+      weighted_rows(rows_t, ld, sc.inv.data(), G, head.values_data(), head.value_dim(), n,
+                    att.row(i0 + t, 0), att.stride());
+    }
+  }
+}
+
+/// Absorbs the `count` rows appended at [call_begin(), call_begin() + count) of `head` by `rule`;
+/// with `att`, also writes the call's attention output (fused into the scoring where the scoring
+/// softmax is the attention's, else by attend_window).
 template <class T>
 void absorb_head(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, Index count,
-                 const HeadQueries& q, Scratch& sc) {
+                 const HeadQueries& q, const HeadAttend& att, Scratch& sc) {
   const Index first = head.call_begin();
   switch (rule.kind) {
     case RuleKind::cumulative:
     case RuleKind::last_attention:
-      absorb_scored(head, rule, plan, count, q, sc);
+      if (att && !plan.gather && head.live() == first) {
+        absorb_scored(head, rule, plan, count, q, att, sc);
+        return;
+      }
+      absorb_scored(head, rule, plan, count, q, HeadAttend{}, sc);
+      if (att) attend_window(head, count, q, att, sc);
       return;
     case RuleKind::prompt:
       if (plan.compress) {
         compress_prompt(head, rule, count, q, sc);
+        if (att) attend_window(head, count, q, att, sc);
         return;
       }
       break;
@@ -377,15 +465,18 @@ void absorb_head(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, Ind
       Index sinks = 0;
       while (sinks < head.live() && head.position(ord[sinks]) < rule.n_sink) ++sinks;
       const Index excess = head.live() - sinks - rule.window;
-      if (excess <= 0) return;
-      for (Index i = sinks; i < sinks + excess; ++i) head.mark_dead(ord[i]);
-      head.drop_dead();
+      if (excess > 0) {
+        for (Index i = sinks; i < sinks + excess; ++i) head.mark_dead(ord[i]);
+        head.drop_dead();
+      }
+      if (att) attend_window(head, count, q, att, sc);
       return;
     }
     case RuleKind::keep_all:
       break;
   }
   for (Index i = 0; i < count; ++i) head.push_live(static_cast<Slot>(first + i));
+  if (att) attend_window(head, count, q, att, sc);
 }
 
 }  // namespace veloxquant::cache::detail

@@ -2,11 +2,10 @@
 // mutates anything (so a bad_alloc leaves the cache unchanged) and released after a long prompt.
 #pragma once
 
+#include <Eigen/Core>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-
-#include <Eigen/Core>
 
 namespace veloxquant::cache::detail {
 
@@ -36,23 +35,24 @@ class Buffer {
 
 /// Sizes of one call's scratch.
 struct ScratchSize {
-  Index rows = 0;      // logit rows of one product (tokens of a block x query heads per token)
-  Index columns = 0;   // rows a token may attend over (retained + the call's)
-  Index dim = 0;       // padded head dim
-  bool gather = false; // the call gathers its live rows into dense columns
+  Index rows = 0;       // logit rows of one product (tokens of a block x query heads per token)
+  Index columns = 0;    // rows a token may attend over (retained + the call's)
+  Index dim = 0;        // padded head dim
+  bool gather = false;  // the call gathers its live rows into dense columns
 };
 
 /// Scratch of one worker.
 struct Scratch {
-  Buffer<float> queries;         // [rows, dim] the block's query rows, float32
-  Buffer<float> keys;            // [4, dim] four key rows converted to float32
-  Buffer<float> logits;          // [rows, ld] the block's logits (then exp values)
-  Buffer<float> weights;         // [columns] one token's attention (mean over its rows)
-  Buffer<std::int32_t> slot;     // [columns] gathered column -> slot
-  Buffer<float> score;           // [columns] gathered scores
-  Buffer<std::int64_t> pos;      // [columns] gathered positions
-  Buffer<std::uint8_t> alive;    // [columns] gathered alive flags
-  Buffer<std::int32_t> picks;    // [columns] selection candidates
+  Buffer<float> queries;       // [rows, dim] the block's query rows, float32
+  Buffer<float> keys;          // [4, dim] four key rows converted to float32
+  Buffer<float> logits;        // [rows, ld] the block's logits (then exp values)
+  Buffer<float> weights;       // [columns] one token's attention (mean over its rows)
+  Buffer<std::int32_t> slot;   // [columns] gathered column -> slot
+  Buffer<float> score;         // [columns] gathered scores
+  Buffer<std::int64_t> pos;    // [columns] gathered positions
+  Buffer<std::uint8_t> alive;  // [columns] gathered alive flags
+  Buffer<std::int32_t> picks;  // [columns] selection candidates
+  Buffer<float> inv;           // [rows] each logit row's softmax normaliser (attend)
 
   /// Row stride of `logits` for `columns` columns: a multiple of 16 floats.
   static Index ld(Index columns) { return (columns + 15) / 16 * 16; }
@@ -71,12 +71,13 @@ struct Scratch {
     pos.fit(g);
     alive.fit(g);
     picks.fit(cols);
+    inv.fit(rows);
   }
 
   std::size_t heap_bytes() const {
     return queries.heap_bytes() + keys.heap_bytes() + logits.heap_bytes() + weights.heap_bytes() +
            slot.heap_bytes() + score.heap_bytes() + pos.heap_bytes() + alive.heap_bytes() +
-           picks.heap_bytes();
+           picks.heap_bytes() + inv.heap_bytes();
   }
 };
 

@@ -6,13 +6,12 @@
 // results are bit-identical across builds that run the same path.
 #pragma once
 
+#include <Eigen/Core>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
-
-#include <Eigen/Core>
 
 #include "cpu.hpp"
 #include "simd_common.hpp"
@@ -58,17 +57,17 @@ VELOXQUANT_DETAIL_TARGET_AVX512_END
 namespace veloxquant::cache::detail {
 
 #if VELOXQUANT_DETAIL_X86
-#define VELOXQUANT_DETAIL_DISPATCH(call)       \
-  switch (active_simd_level()) {               \
-    case SimdLevel::avx512:                    \
-      return avx512::call;                     \
-    case SimdLevel::avx2:                      \
-      return avx2::call;                       \
-    case SimdLevel::sse2:                      \
-      return sse2::call;                       \
-    case SimdLevel::scalar:                    \
-      break;                                   \
-  }                                            \
+#define VELOXQUANT_DETAIL_DISPATCH(call) \
+  switch (active_simd_level()) {         \
+    case SimdLevel::avx512:              \
+      return avx512::call;               \
+    case SimdLevel::avx2:                \
+      return avx2::call;                 \
+    case SimdLevel::sse2:                \
+      return sse2::call;                 \
+    case SimdLevel::scalar:              \
+      break;                             \
+  }                                      \
   return scalar::call
 #else
 #define VELOXQUANT_DETAIL_DISPATCH(call) return scalar::call
@@ -88,9 +87,19 @@ inline void logits(const float* q, Index m, Index ldq, const T* keys, Index key_
 }
 
 /// w[0, n) = the mean over `rows` rows of x ([rows, ldx]) of their softmax over [0, n); -inf
-/// logits get weight exactly 0; the rows are overwritten.
-inline void softmax_mean(float* x, Index rows, Index ldx, Index n, float* w) {
-  VELOXQUANT_DETAIL_DISPATCH(softmax_mean(x, rows, ldx, n, w));
+/// logits get weight exactly 0; the rows are overwritten with their exp values and inv ([rows],
+/// optional) receives each row's normaliser (row r's softmax = x[r] * inv[r]). w may be null.
+inline void softmax_mean(float* x, Index rows, Index ldx, Index n, float* w, float* inv = nullptr) {
+  VELOXQUANT_DETAIL_DISPATCH(softmax_mean(x, rows, ldx, n, w, inv));
+}
+
+/// The attention output of softmax rows: out[r][0, dv) = inv[r] * sum_{c < n} e[r][c] *
+/// values[c][0, dv), r < rows. e: [rows, lde] exp values, inv: [rows] (as softmax_mean leaves
+/// them); values: [n, dv] stored rows of T; out: row r at out + r * ldo ([dv] float32).
+template <class T>
+inline void weighted_rows(const float* e, Index lde, const float* inv, Index rows, const T* values,
+                          Index dv, Index n, float* out, Index ldo) {
+  VELOXQUANT_DETAIL_DISPATCH(weighted_rows(e, lde, inv, rows, values, dv, n, out, ldo));
 }
 
 /// Index of the lowest of x[0, n) (n >= 1), the first among equals or the last when `last`; *hits:

@@ -190,9 +190,11 @@ inline void store_tail(float* x, Index count, V v) {
 
 /// w[0, n) = the mean over `rows` rows (row r at x + r * ldx) of softmax(row[0, n)), each softmax
 /// max-subtracted, weights below kSoftmaxMinWeight exactly 0 (a -inf logit, a masked column,
-/// gets 0). The rows are overwritten with their exp values. A row whose logits are all -inf
-/// contributes nothing.
-inline void softmax_mean(float* x, Index rows, Index ldx, Index n, float* w) {
+/// gets 0). The rows are overwritten with their exp values, and inv[r] (when inv is not null)
+/// receives row r's normaliser, so that row r's softmax is x[r][c] * inv[r] (the attention output
+/// reuses them: weighted_rows). With w null only the rows and inv are written. A row whose
+/// logits are all -inf contributes nothing (inv 0).
+inline void softmax_mean(float* x, Index rows, Index ldx, Index n, float* w, float* inv_out) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const Index body = n / kLanes * kLanes;
   for (Index r = 0; r < rows; ++r) {
@@ -215,26 +217,127 @@ inline void softmax_mean(float* x, Index rows, Index ldx, Index n, float* w) {
       sv = vadd(sv, e);
     }
     const float sum = vreduce_add(sv);
-    const V inv = vset(empty ? 0.0f : 1.0f / sum);
+    const float inv_r = empty ? 0.0f : 1.0f / sum;
+    if (inv_out) inv_out[r] = inv_r;
+    if (!w) continue;
+    const V inv = vset(inv_r);
     if (r == 0) {
       for (Index i = 0; i < body; i += kLanes) vstore(w + i, vmul(vload(row + i), inv));
-      if (body < n) store_tail(w + body, n - body, vmul(load_tail(row + body, n - body, 0.0f), inv));
+      if (body < n)
+        store_tail(w + body, n - body, vmul(load_tail(row + body, n - body, 0.0f), inv));
     } else {
       for (Index i = 0; i < body; i += kLanes) {
         vstore(w + i, vmadd(vload(row + i), inv, vload(w + i)));
       }
       if (body < n) {
-        store_tail(w + body, n - body,
-                   vmadd(load_tail(row + body, n - body, 0.0f), inv,
-                         load_tail(w + body, n - body, 0.0f)));
+        store_tail(
+            w + body, n - body,
+            vmadd(load_tail(row + body, n - body, 0.0f), inv, load_tail(w + body, n - body, 0.0f)));
       }
     }
   }
-  if (rows > 1) {
+  if (rows > 1 && w) {
     const V inv_rows = vset(1.0f / static_cast<float>(rows));
     for (Index i = 0; i < body; i += kLanes) vstore(w + i, vmul(vload(w + i), inv_rows));
-    if (body < n) store_tail(w + body, n - body, vmul(load_tail(w + body, n - body, 0.0f), inv_rows));
+    if (body < n)
+      store_tail(w + body, n - body, vmul(load_tail(w + body, n - body, 0.0f), inv_rows));
   }
+}
+
+/// One stored value row's elements [k, k + count) as float32 (count < kLanes; the rest 0).
+template <class T>
+inline V load_row_tail(const T* row, Index count) {
+  T buf[kLanes];
+  T* t = opaque(buf);
+  for (Index j = 0; j < kLanes; ++j) t[j] = j < count ? row[j] : T(0.0f);
+  return vload_row(t);
+}
+
+/// R (1, 2 or 4) rows of the attention output over the elements [k, k + width) of the value rows
+/// (width: 2 vectors, 1 vector, or a tail of fewer than kLanes elements): out_r = inv[r] *
+/// sum_{c < n} e[r][c] * v_c, one multiply-add chain per element in ascending c. Named
+/// accumulators, two vectors per row (eight registers at R = 4).
+template <int R, class T>
+inline void weighted_slice(const float* e, Index lde, const float* inv, const T* values, Index dv,
+                           Index n, Index k, Index width, float* out, Index ldo) {
+  const bool two = width == 2 * kLanes;
+  const bool tail = width < kLanes;
+  V a0 = vzero(), a1 = vzero(), b0 = vzero(), b1 = vzero();
+  V c0 = vzero(), c1 = vzero(), d0 = vzero(), d1 = vzero();
+  const float* e0 = e;
+  const float* e1 = e + lde;
+  const float* e2 = e + 2 * lde;
+  const float* e3 = e + 3 * lde;
+  for (Index c = 0; c < n; ++c) {
+    const T* row = values + c * dv + k;
+    const V x0 = tail ? load_row_tail(row, width) : vload_row(row);
+    const V x1 = two ? vload_row(row + kLanes) : vzero();
+    const V w0 = vset(e0[c]);
+    a0 = vmadd(w0, x0, a0);
+    if (two) a1 = vmadd(w0, x1, a1);
+    if constexpr (R >= 2) {
+      const V w1 = vset(e1[c]);
+      b0 = vmadd(w1, x0, b0);
+      if (two) b1 = vmadd(w1, x1, b1);
+    }
+    if constexpr (R >= 4) {
+      const V w2 = vset(e2[c]), w3 = vset(e3[c]);
+      c0 = vmadd(w2, x0, c0);
+      d0 = vmadd(w3, x0, d0);
+      if (two) {
+        c1 = vmadd(w2, x1, c1);
+        d1 = vmadd(w3, x1, d1);
+      }
+    }
+  }
+  const auto put = [&](Index r, V lo, V hi) {
+    float* o = out + r * ldo + k;
+    const V s = vset(inv[r]);
+    if (tail) {
+      store_tail(o, width, vmul(lo, s));
+      return;
+    }
+    vstore(o, vmul(lo, s));
+    if (two) vstore(o + kLanes, vmul(hi, s));
+  };
+  put(0, a0, a1);
+  if constexpr (R >= 2) put(1, b0, b1);
+  if constexpr (R >= 4) {
+    put(2, c0, c1);
+    put(3, d0, d1);
+  }
+}
+
+template <int R, class T>
+inline void weighted_group(const float* e, Index lde, const float* inv, const T* values, Index dv,
+                           Index n, float* out, Index ldo) {
+  Index k = 0;
+  for (; k + 2 * kLanes <= dv; k += 2 * kLanes) {
+    weighted_slice<R>(e, lde, inv, values, dv, n, k, 2 * kLanes, out, ldo);
+  }
+  if (k + kLanes <= dv) {
+    weighted_slice<R>(e, lde, inv, values, dv, n, k, kLanes, out, ldo);
+    k += kLanes;
+  }
+  if (k < dv) weighted_slice<R>(e, lde, inv, values, dv, n, k, dv - k, out, ldo);
+}
+
+/// The attention output of `rows` softmax rows over the first n stored value rows: out[r][0, dv)
+/// = inv[r] * sum_{c < n} e[r][c] * values[c][0, dv). e: [rows, lde] (exp values, as softmax_mean
+/// leaves them), inv: [rows], values: [n, dv] of T, out: row r at out + r * ldo ([dv] float32).
+/// Rows go four, two or one at a time; every element is the same chain whatever the grouping.
+template <class T>
+inline void weighted_rows(const float* e, Index lde, const float* inv, Index rows, const T* values,
+                          Index dv, Index n, float* out, Index ldo) {
+  Index r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    weighted_group<4>(e + r * lde, lde, inv + r, values, dv, n, out + r * ldo, ldo);
+  }
+  if (r + 2 <= rows) {
+    weighted_group<2>(e + r * lde, lde, inv + r, values, dv, n, out + r * ldo, ldo);
+    r += 2;
+  }
+  if (r < rows) weighted_group<1>(e + r * lde, lde, inv + r, values, dv, n, out + r * ldo, ldo);
 }
 
 /// s[i] = s[i] * decay + w[i] for i < n (one rounding per element on FMA paths).
