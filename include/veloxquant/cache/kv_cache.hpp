@@ -479,7 +479,7 @@ class KVCache {
       }
     }
     const detail::ScratchSize size{plan.rows, live_rows() + S, detail::padded_dim(keys.dim),
-                                   plan.gather};
+                                   plan.gather, plan.packed};
     const auto workers = static_cast<std::size_t>(tasks_for(keys.batch * keys.heads, size));
     if (scratch_.size() < workers) scratch_.resize(workers);
     for (auto& s : scratch_) s.fit(size);
@@ -505,7 +505,7 @@ class KVCache {
     const Index S = keys.seq;
     const Index n_heads = dims_.batch * dims_.heads;
     const detail::ScratchSize size{plan.rows, live_rows() + S, detail::padded_dim(keys.dim),
-                                   plan.gather};
+                                   plan.gather, plan.packed};
     const auto one = [&](Index i, detail::Scratch& sc) {
       auto& head = heads_[static_cast<std::size_t>(i)];
       const Index b = i / dims_.heads, h = i % dims_.heads;

@@ -87,6 +87,7 @@ struct CallPlan {
   bool gather = false;    ///< blocks attend over gathered live rows (per-token eviction, S > 1)
   Index block = 1;        ///< tokens per logits product
   Index rows = 0;         ///< logit rows per product (0: nothing is scored)
+  bool packed = false;    ///< prefill logits over packed key columns (S > 1, no gather)
 };
 
 /// Tokens per logits product of a call of S tokens with G query rows per token.
@@ -99,7 +100,10 @@ inline Index block_tokens(Index S, Index G) {
 inline CallPlan plan_call(const Rule& r, Index S, Index groups, bool attend = false) {
   CallPlan p;
   const Index G = std::max<Index>(groups, 1);
-  if (attend) p.rows = std::min(block_tokens(S, G), S) * G;
+  if (attend) {
+    p.rows = std::min(block_tokens(S, G), S) * G;
+    p.packed = S > 1;
+  }
   switch (r.kind) {
     case RuleKind::keep_all:
     case RuleKind::window:
@@ -114,6 +118,7 @@ inline CallPlan plan_call(const Rule& r, Index S, Index groups, bool attend = fa
       p.gather = S > 1 && !once_per_call;
       p.block = block_tokens(S, G);
       p.rows = std::min(p.block, S) * G;
+      p.packed = p.packed || (S > 1 && !p.gather);
       break;
     }
   }
@@ -168,6 +173,12 @@ void rebudget(HeadStore<T>& head, int budget, int n_sink, int g, Scratch& sc) {
   const Index keep = std::max<Index>(0, budget - sinks - (n - hi));
   const Index m = hi - sinks;
   if (m <= keep) return;
+  if (m - keep == 1) {
+    // One row goes (a decode step over budget): the SIMD search over the live order.
+    head.evict_at(worst_in_order(ord, sinks, hi, head.scores_data(), Tie::evict_earliest,
+                                 sc.weights.data()));
+    return;
+  }
   std::int32_t* picks = sc.picks.data();
   std::copy(ord + sinks, ord + hi, picks);
   order_worst_first(picks, m, m - keep, head.scores_data(), head.positions_data(),
@@ -221,6 +232,9 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
   // A re-budget at the start of the call left dead slots before the call's rows.
   const bool holes = !plan.gather && head.live() < first;
   Index live = head.live();
+  // Prefill blocks without gather: the keys as columns, packed once each (logits_packed).
+  const bool packed = count > 1 && !plan.gather;
+  Index packed_upto = 0;
   for (Index i0 = 0; i0 < count; i0 += plan.block) {
     const Index nb = std::min(plan.block, count - i0);
     // The columns: storage slots [0, first + i0 + nb), or the live rows then the block's rows.
@@ -260,7 +274,13 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
       }
     }
     float* lg = sc.logits.data();
-    logits(qrows, nb * G, dp, head.keys_data(), d, slot, ncols, d, scale, lg, ld, sc.keys.data());
+    if (packed) {
+      pack_keys(head.keys_data(), d, packed_upto, ncols, d, sc.packed.data(), sc.keys.data());
+      packed_upto = ncols;
+      logits_packed(qrows, nb * G, dp, sc.packed.data(), ncols, d, scale, lg, ld, sc.keys.data());
+    } else {
+      logits(qrows, nb * G, dp, head.keys_data(), d, slot, ncols, d, scale, lg, ld, sc.keys.data());
+    }
     if (holes) {
       for (Index c = 0; c < first; ++c) {
         if (alive[c]) continue;
@@ -423,8 +443,15 @@ void attend_window(const HeadStore<T>& head, Index count, const HeadQueries& q,
     for (Index t = 0; t < nb; ++t) {
       for (Index gi = 0; gi < G; ++gi) q.read(gi, i0 + t, qrows + (t * G + gi) * dp);
     }
-    logits(qrows, nb * G, dp, head.keys_data(), d, nullptr, ncols, d, scale, lg, ld,
-           sc.keys.data());
+    if (count > 1) {
+      // Each block packs only its own keys' columns (the earlier ones are there already).
+      pack_keys(head.keys_data(), d, i0 == 0 ? 0 : first + i0, ncols, d, sc.packed.data(),
+                sc.keys.data());
+      logits_packed(qrows, nb * G, dp, sc.packed.data(), ncols, d, scale, lg, ld, sc.keys.data());
+    } else {
+      logits(qrows, nb * G, dp, head.keys_data(), d, nullptr, ncols, d, scale, lg, ld,
+             sc.keys.data());
+    }
     for (Index t = 0; t < nb; ++t) {
       float* rows_t = lg + t * G * ld;
       const Index n = first + i0 + t + 1;

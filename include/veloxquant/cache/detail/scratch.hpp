@@ -39,6 +39,7 @@ struct ScratchSize {
   Index columns = 0;    // rows a token may attend over (retained + the call's)
   Index dim = 0;        // padded head dim
   bool gather = false;  // the call gathers its live rows into dense columns
+  bool packed = false;  // the call's keys are packed as columns for the prefill logits
 };
 
 /// Scratch of one worker.
@@ -53,6 +54,7 @@ struct Scratch {
   Buffer<std::uint8_t> alive;  // [columns] gathered alive flags
   Buffer<std::int32_t> picks;  // [columns] selection candidates
   Buffer<float> inv;           // [rows] each logit row's softmax normaliser (attend)
+  Buffer<float> packed;        // [dim, packed ld(columns)] key columns (prefill logits)
 
   /// Row stride of `logits` for `columns` columns: a multiple of 16 floats.
   static Index ld(Index columns) { return (columns + 15) / 16 * 16; }
@@ -72,12 +74,13 @@ struct Scratch {
     alive.fit(g);
     picks.fit(cols);
     inv.fit(rows);
+    packed.fit(z.packed ? dim * static_cast<std::size_t>((z.columns + 31) / 32 * 32) : 0);  // packed_size
   }
 
   std::size_t heap_bytes() const {
     return queries.heap_bytes() + keys.heap_bytes() + logits.heap_bytes() + weights.heap_bytes() +
            slot.heap_bytes() + score.heap_bytes() + pos.heap_bytes() + alive.heap_bytes() +
-           picks.heap_bytes() + inv.heap_bytes();
+           picks.heap_bytes() + inv.heap_bytes() + packed.heap_bytes();
   }
 };
 

@@ -21,6 +21,9 @@ inline constexpr int kLanes = 8;
 using V = __m256;
 
 inline V vzero() { return _mm256_setzero_ps(); }
+/// Keeps x in a register: a load it came from is not folded into the instructions that use it
+/// (a value used by four multiply-adds is loaded once, not four times).
+inline void vpin(V& x) { __asm__("" : "+x"(x)); }
 inline V vset(float a) { return _mm256_set1_ps(a); }
 inline V vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a); }

@@ -20,6 +20,9 @@ inline constexpr int kLanes = 16;
 using V = __m512;
 
 inline V vzero() { return _mm512_setzero_ps(); }
+/// Keeps x in a register: a load it came from is not folded into the instructions that use it
+/// (a value used by four multiply-adds is loaded once, not four times).
+inline void vpin(V& x) { __asm__("" : "+v"(x)); }
 inline V vset(float a) { return _mm512_set1_ps(a); }
 inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a); }

@@ -86,6 +86,27 @@ inline void logits(const float* q, Index m, Index ldq, const T* keys, Index key_
   VELOXQUANT_DETAIL_DISPATCH(logits(q, m, ldq, keys, key_stride, idx, n, d, scale, out, ldo, kbuf));
 }
 
+/// Keys for logits_packed: rows [j0, j1) of keys (row j at keys + j * key_stride, [d] of T) as
+/// float32 in the path's tiles of kt (packed_size(n, d) floats for n keys). buf: scratch of
+/// padded_dim(d) floats.
+template <class T>
+inline void pack_keys(const T* keys, Index key_stride, Index j0, Index j1, Index d, float* kt,
+                      float* buf) {
+  VELOXQUANT_DETAIL_DISPATCH(pack_keys(keys, key_stride, j0, j1, d, kt, buf));
+}
+
+/// Floats the packed keys of n keys of dim d take on any path: n rounded up to 32 (two of the
+/// widest vectors), times d.
+inline Index packed_size(Index n, Index d) { return (n + 31) / 32 * 32 * d; }
+
+/// out[i * ldo + j] = scale * (q_i . k_j), i < m, j < n, with the keys packed by pack_keys: the
+/// prefill blocks' logits (no horizontal sums). q: [m, ldq] float32 rows; out: [m, ldo];
+/// qbuf: scratch of 4 * d floats.
+inline void logits_packed(const float* q, Index m, Index ldq, const float* kt, Index n, Index d,
+                          float scale, float* out, Index ldo, float* qbuf) {
+  VELOXQUANT_DETAIL_DISPATCH(logits_packed(q, m, ldq, kt, n, d, scale, out, ldo, qbuf));
+}
+
 /// w[0, n) = the mean over `rows` rows of x ([rows, ldx]) of their softmax over [0, n); -inf
 /// logits get weight exactly 0; the rows are overwritten with their exp values and inv ([rows],
 /// optional) receives each row's normaliser (row r's softmax = x[r] * inv[r]). w may be null.

@@ -104,11 +104,57 @@ inline void logits_2x4(const float* q, Index ldq, const T* keys, Index key_strid
   }
 }
 
+/// The same for four query rows (a KV head's G = 4 query heads at decode), two keys at a time,
+/// converted in registers and met by all four rows. out: [4, ldo]
+template <class T>
+inline void logits_4x2(const float* q, Index ldq, const T* keys, Index key_stride,
+                       const std::int32_t* idx, Index n, Index d, float scale, float* out,
+                       Index ldo) {
+  const float* q0 = q;
+  const float* q1 = q + ldq;
+  const float* q2 = q + 2 * ldq;
+  const float* q3 = q + 3 * ldq;
+  for (Index j0 = 0; j0 < n; j0 += 2) {
+    const Index nj = n - j0 < 2 ? n - j0 : 2;
+    const T* r0 = keys + (idx ? idx[j0] : j0) * key_stride;
+    const T* r1 = nj == 2 ? keys + (idx ? idx[j0 + 1] : j0 + 1) * key_stride : r0;
+    V a0 = vzero(), a1 = vzero(), b0 = vzero(), b1 = vzero();
+    V c0 = vzero(), c1 = vzero(), e0 = vzero(), e1 = vzero();
+    for (Index k = 0; k < d; k += kLanes) {
+      V x = vload_row(r0 + k), y = vload_row(r1 + k);
+      vpin(x);
+      vpin(y);
+      const V w0 = vload(q0 + k), w1 = vload(q1 + k), w2 = vload(q2 + k), w3 = vload(q3 + k);
+      a0 = vmadd(w0, x, a0);
+      a1 = vmadd(w0, y, a1);
+      b0 = vmadd(w1, x, b0);
+      b1 = vmadd(w1, y, b1);
+      c0 = vmadd(w2, x, c0);
+      c1 = vmadd(w2, y, c1);
+      e0 = vmadd(w3, x, e0);
+      e1 = vmadd(w3, y, e1);
+    }
+    float sums_buf[8];
+    float* sums = opaque(sums_buf);
+    vreduce_add4(a0, a1, b0, b1, sums);
+    vreduce_add4(c0, c1, e0, e1, sums + 4);
+    for (Index j = 0; j < nj; ++j) {
+      out[j0 + j] = sums[j] * scale;
+      out[ldo + j0 + j] = sums[2 + j] * scale;
+      out[2 * ldo + j0 + j] = sums[4 + j] * scale;
+      out[3 * ldo + j0 + j] = sums[6 + j] * scale;
+    }
+  }
+}
+
 template <class T>
 inline void logits(const float* q, Index m, Index ldq, const T* keys, Index key_stride,
                    const std::int32_t* idx, Index n, Index d, float scale, float* out, Index ldo,
                    float* kbuf) {
   if (d % kLanes == 0 && m == 1) return logits_1x8(q, keys, key_stride, idx, n, d, scale, out);
+  if (d % kLanes == 0 && m == 4) {
+    return logits_4x2(q, ldq, keys, key_stride, idx, n, d, scale, out, ldo);
+  }
   if (d % kLanes == 0 && m == 2) {
     return logits_2x4(q, ldq, keys, key_stride, idx, n, d, scale, out, ldo);
   }
@@ -188,6 +234,82 @@ inline void store_tail(float* x, Index count, V v) {
   for (Index j = 0; j < count; ++j) x[j] = t[j];
 }
 
+/// Stores key rows [j0, j1) (row j at keys + j * key_stride, [d] of T) as float32 in the tiles
+/// logits_packed reads: keys in groups of 2 * kLanes, each group a contiguous [d, 2 * kLanes]
+/// block (element k of key j at kt[(j / W) * d * W + k * W + j % W], W = 2 * kLanes).
+/// buf: [padded_lanes(d)]
+template <class T>
+inline void pack_keys(const T* keys, Index key_stride, Index j0, Index j1, Index d, float* kt,
+                      float* buf) {
+  constexpr Index kW = 2 * kLanes;
+  for (Index j = j0; j < j1; ++j) {
+    load_padded_row(keys + j * key_stride, d, buf);
+    float* col = kt + (j / kW) * d * kW + j % kW;
+    for (Index k = 0; k < d; ++k) col[k * kW] = buf[k];
+  }
+}
+
+/// logits for many query rows (a prefill block) against keys packed by pack_keys: out[i][j] =
+/// scale * (q_i . k_j), i < m, j < n. Keys sit across the lanes, so no horizontal reduction is
+/// needed: a tile of four query rows x one group of 2 * kLanes keys accumulates q[i][k] *
+/// key_j[k] over k = 0 .. d-1, one multiply-add chain per logit in ascending k (the same chain
+/// for every position of the tile). The four rows are first interleaved into qbuf ([d, 4]), so
+/// the loop walks two pointers. kt: the groups of pack_keys, covering n keys; q: [m, ldq];
+/// out: [m, ldo]; qbuf: [4 * d] scratch.
+inline void logits_packed(const float* q, Index m, Index ldq, const float* kt, Index n, Index d,
+                          float scale, float* out, Index ldo, float* qbuf) {
+  constexpr Index kW = 2 * kLanes;
+  const V vs = vset(scale);
+  for (Index i = 0; i < m; i += 4) {
+    const Index nr = m - i < 4 ? m - i : 4;
+    for (Index r = 0; r < 4; ++r) {
+      const float* row = q + (i + (r < nr ? r : 0)) * ldq;
+      for (Index k = 0; k < d; ++k) qbuf[k * 4 + r] = row[k];
+    }
+    for (Index j0 = 0; j0 < n; j0 += kW) {
+      const Index nj = n - j0 < kW ? n - j0 : kW;
+      V a0 = vzero(), a1 = vzero(), b0 = vzero(), b1 = vzero();
+      V c0 = vzero(), c1 = vzero(), e0 = vzero(), e1 = vzero();
+      const float* col = kt + (j0 / kW) * d * kW;
+      const float* qk = qbuf;
+      for (Index k = 0; k < d; ++k, col += kW, qk += 4) {
+        V x = vload(col), y = vload(col + kLanes);
+        vpin(x);
+        vpin(y);
+        const V w0 = vset(qk[0]), w1 = vset(qk[1]), w2 = vset(qk[2]), w3 = vset(qk[3]);
+        a0 = vmadd(w0, x, a0);
+        a1 = vmadd(w0, y, a1);
+        b0 = vmadd(w1, x, b0);
+        b1 = vmadd(w1, y, b1);
+        c0 = vmadd(w2, x, c0);
+        c1 = vmadd(w2, y, c1);
+        e0 = vmadd(w3, x, e0);
+        e1 = vmadd(w3, y, e1);
+      }
+      const auto put = [&](Index r, V lo, V hi) {
+        if (r >= nr) return;
+        float* o = out + (i + r) * ldo + j0;
+        if (nj == kW) {
+          vstore(o, vmul(lo, vs));
+          vstore(o + kLanes, vmul(hi, vs));
+        } else if (nj > kLanes) {
+          vstore(o, vmul(lo, vs));
+          store_tail(o + kLanes, nj - kLanes, vmul(hi, vs));
+        } else if (nj == kLanes) {
+          vstore(o, vmul(lo, vs));
+        } else {
+          store_tail(o, nj, vmul(lo, vs));
+        }
+      };
+      put(0, a0, a1);
+      put(1, b0, b1);
+      put(2, c0, c1);
+      put(3, e0, e1);
+    }
+  }
+}
+
+
 /// w[0, n) = the mean over `rows` rows (row r at x + r * ldx) of softmax(row[0, n)), each softmax
 /// max-subtracted, weights below kSoftmaxMinWeight exactly 0 (a -inf logit, a masked column,
 /// gets 0). The rows are overwritten with their exp values, and inv[r] (when inv is not null)
@@ -253,38 +375,42 @@ inline V load_row_tail(const T* row, Index count) {
   return vload_row(t);
 }
 
-/// R (1, 2 or 4) rows of the attention output over the elements [k, k + width) of the value rows
-/// (width: 2 vectors, 1 vector, or a tail of fewer than kLanes elements): out_r = inv[r] *
+/// R (1, 2 or 4) rows of the attention output over the elements [k, k + width) of the value rows:
+/// W = 2 (two vectors), 1 (one vector) or 0 (a tail of width < kLanes elements). out_r = inv[r] *
 /// sum_{c < n} e[r][c] * v_c, one multiply-add chain per element in ascending c. Named
-/// accumulators, two vectors per row (eight registers at R = 4).
-template <int R, class T>
+/// accumulators, two vectors per row (eight registers at R = 4); R and W are template parameters
+/// so that the loop over the rows carries no branch.
+template <int R, int W, class T>
 inline void weighted_slice(const float* e, Index lde, const float* inv, const T* values, Index dv,
                            Index n, Index k, Index width, float* out, Index ldo) {
-  const bool two = width == 2 * kLanes;
-  const bool tail = width < kLanes;
   V a0 = vzero(), a1 = vzero(), b0 = vzero(), b1 = vzero();
   V c0 = vzero(), c1 = vzero(), d0 = vzero(), d1 = vzero();
   const float* e0 = e;
   const float* e1 = e + lde;
   const float* e2 = e + 2 * lde;
   const float* e3 = e + 3 * lde;
-  for (Index c = 0; c < n; ++c) {
-    const T* row = values + c * dv + k;
-    const V x0 = tail ? load_row_tail(row, width) : vload_row(row);
-    const V x1 = two ? vload_row(row + kLanes) : vzero();
+  const T* row = values + k;
+  for (Index c = 0; c < n; ++c, row += dv) {
+    V x0, x1 = vzero();
+    if constexpr (W == 0) {
+      x0 = load_row_tail(row, width);
+    } else {
+      x0 = vload_row(row);
+    }
+    if constexpr (W == 2) x1 = vload_row(row + kLanes);
     const V w0 = vset(e0[c]);
     a0 = vmadd(w0, x0, a0);
-    if (two) a1 = vmadd(w0, x1, a1);
+    if constexpr (W == 2) a1 = vmadd(w0, x1, a1);
     if constexpr (R >= 2) {
       const V w1 = vset(e1[c]);
       b0 = vmadd(w1, x0, b0);
-      if (two) b1 = vmadd(w1, x1, b1);
+      if constexpr (W == 2) b1 = vmadd(w1, x1, b1);
     }
     if constexpr (R >= 4) {
       const V w2 = vset(e2[c]), w3 = vset(e3[c]);
       c0 = vmadd(w2, x0, c0);
       d0 = vmadd(w3, x0, d0);
-      if (two) {
+      if constexpr (W == 2) {
         c1 = vmadd(w2, x1, c1);
         d1 = vmadd(w3, x1, d1);
       }
@@ -293,12 +419,12 @@ inline void weighted_slice(const float* e, Index lde, const float* inv, const T*
   const auto put = [&](Index r, V lo, V hi) {
     float* o = out + r * ldo + k;
     const V s = vset(inv[r]);
-    if (tail) {
+    if constexpr (W == 0) {
       store_tail(o, width, vmul(lo, s));
-      return;
+    } else {
+      vstore(o, vmul(lo, s));
+      if constexpr (W == 2) vstore(o + kLanes, vmul(hi, s));
     }
-    vstore(o, vmul(lo, s));
-    if (two) vstore(o + kLanes, vmul(hi, s));
   };
   put(0, a0, a1);
   if constexpr (R >= 2) put(1, b0, b1);
@@ -313,13 +439,13 @@ inline void weighted_group(const float* e, Index lde, const float* inv, const T*
                            Index n, float* out, Index ldo) {
   Index k = 0;
   for (; k + 2 * kLanes <= dv; k += 2 * kLanes) {
-    weighted_slice<R>(e, lde, inv, values, dv, n, k, 2 * kLanes, out, ldo);
+    weighted_slice<R, 2>(e, lde, inv, values, dv, n, k, 2 * kLanes, out, ldo);
   }
   if (k + kLanes <= dv) {
-    weighted_slice<R>(e, lde, inv, values, dv, n, k, kLanes, out, ldo);
+    weighted_slice<R, 1>(e, lde, inv, values, dv, n, k, kLanes, out, ldo);
     k += kLanes;
   }
-  if (k < dv) weighted_slice<R>(e, lde, inv, values, dv, n, k, dv - k, out, ldo);
+  if (k < dv) weighted_slice<R, 0>(e, lde, inv, values, dv, n, k, dv - k, out, ldo);
 }
 
 /// The attention output of `rows` softmax rows over the first n stored value rows: out[r][0, dv)

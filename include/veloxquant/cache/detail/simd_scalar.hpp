@@ -26,6 +26,8 @@ inline V vzero() {
   for (float& f : r.x) f = 0.0f;
   return r;
 }
+/// A no-op here (simd_avx2.hpp: keeps a value in a register).
+inline void vpin(V&) {}
 inline V vset(float a) {
   V r;
   for (float& f : r.x) f = a;
