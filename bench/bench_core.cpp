@@ -16,6 +16,16 @@
 //   BM_CausalAttention/S/H        the engine's causal attention of the prompt (32 query heads over
 //                                 H KV heads): per query head, blocks of 64 query rows, Eigen GEMM
 //                                 over the keys they see, softmax, GEMM with V
+//
+// attend (docs/design.md 2.8): G = 4 query heads per KV head, H = 8 KV heads, D = 128, half rows.
+//   BM_DecodeAttend/budget        one decode step through attend() on a SqueezeAttention layer at
+//                                 `budget` (evicting every step: budget + 1 rows attended)
+//   BM_DecodeGQAF16/rows          the engine's dense GQA decode attention over fp16 rows: per KV
+//                                 head its 4 query rows meet each key and value row once (F16C)
+//   BM_DecodeGQAF32Gemm/rows      the same over fp32 rows with Eigen: [4, D] x [D, n], softmax,
+//                                 [4, n] x [n, D]
+//   BM_PrefillAttend/S            an S-token prompt through attend() into budget 512
+//   BM_CausalAttention/S/8        its comparison point (above, 32 query heads over 8 KV heads)
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -264,7 +274,147 @@ BENCHMARK(BM_DecodeView)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AttentionF32Gemv)->Arg(513)->Arg(2049)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodeViewThreads)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
+// ---- attend: decode ----------------------------------------------------------------------------
+
+constexpr Index kAttendKv = 8;
+constexpr Index kAttendGroups = 4;
+constexpr Index kAttendQ = kAttendKv * kAttendGroups;
+
+vc::KVCacheConfig squeeze_config(int budget) {
+  vc::KVCacheConfig cfg;  // method "squeeze"; no coordinator: the uniform budget
+  cfg.set_budget(budget);
+  return cfg;
+}
+
+void BM_DecodeAttend(benchmark::State& state) {
+  const int budget = static_cast<int>(state.range(0));
+  vc::SqueezeAttentionCache<Eigen::half> cache(squeeze_config(budget));
+  const auto prompt_k = random_tensor<Eigen::half>(1, kAttendKv, budget, kDim, 1);
+  const auto prompt_q = random_tensor<float>(1, kAttendQ, budget, kDim, 2);
+  (void)cache.update_and_view(prompt_k, prompt_k, prompt_q);
+  const auto k = random_tensor<Eigen::half>(1, kAttendKv, 1, kDim, 3);
+  const auto v = random_tensor<Eigen::half>(1, kAttendKv, 1, kDim, 4);
+  const auto q = random_tensor<float>(1, kAttendQ, 1, kDim, 5);
+  std::vector<float> out(static_cast<std::size_t>(kAttendQ * kDim));
+  for (auto _ : state) {
+    cache.attend(q, k, v, out.data());
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+
+// Decode attention with grouped queries over fp32 rows: Eigen GEMMs (the build's flags).
+void BM_DecodeGQAF32Gemm(benchmark::State& state) {
+  const Index n = state.range(0);
+  using MatF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const auto k = random_tensor<float>(1, kAttendKv, n, kDim, 2);
+  const auto v = random_tensor<float>(1, kAttendKv, n, kDim, 3);
+  const auto q = random_tensor<float>(1, kAttendQ, 1, kDim, 4);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+  MatF logits(kAttendGroups, n), out(kAttendGroups, kDim);
+  for (auto _ : state) {
+    for (Index h = 0; h < kAttendKv; ++h) {
+      const RowsF kh(k.data() + h * n * kDim, n, kDim), vh(v.data() + h * n * kDim, n, kDim);
+      const RowsF qh(q.data() + h * kAttendGroups * kDim, kAttendGroups, kDim);
+      logits.noalias() = qh * kh.transpose();
+      logits *= scale;
+      for (Index g = 0; g < kAttendGroups; ++g) softmax(logits.row(g).data(), n);
+      out.noalias() = logits * vh;
+      benchmark::DoNotOptimize(out.data());
+    }
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+
+#if defined(VQ_BENCH_F16C)
+// Dense GQA decode attention over fp16 rows: each key row is converted once and met by the four
+// query rows; each value row is converted once and accumulated into the four outputs (two
+// 8-float column slices per pass: 8 accumulators).
+VQ_BENCH_F16C void gqa_attention_f16(const Eigen::half* k, const Eigen::half* v, const float* q,
+                                     Index n, float scale, float* logits, float* out) {
+  for (Index r = 0; r < n; ++r) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (Index d = 0; d < kDim; d += 8) {
+      const __m256 x = load(k + r * kDim + d);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), x, a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + kDim + d), x, a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * kDim + d), x, a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * kDim + d), x, a3);
+    }
+    logits[r] = hsum8(a0) * scale;
+    logits[n + r] = hsum8(a1) * scale;
+    logits[2 * n + r] = hsum8(a2) * scale;
+    logits[3 * n + r] = hsum8(a3) * scale;
+  }
+  for (Index g = 0; g < kAttendGroups; ++g) softmax(logits + g * n, n);
+  for (Index d = 0; d < kDim; d += 16) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, e0 = a0, e1 = a0;
+    for (Index i = 0; i < n; ++i) {
+      const Eigen::half* row = v + i * kDim + d;
+      const __m256 x0 = load(row), x1 = load(row + 8);
+      const __m256 p0 = _mm256_set1_ps(logits[i]), p1 = _mm256_set1_ps(logits[n + i]);
+      const __m256 p2 = _mm256_set1_ps(logits[2 * n + i]), p3 = _mm256_set1_ps(logits[3 * n + i]);
+      a0 = _mm256_fmadd_ps(p0, x0, a0);
+      a1 = _mm256_fmadd_ps(p0, x1, a1);
+      b0 = _mm256_fmadd_ps(p1, x0, b0);
+      b1 = _mm256_fmadd_ps(p1, x1, b1);
+      c0 = _mm256_fmadd_ps(p2, x0, c0);
+      c1 = _mm256_fmadd_ps(p2, x1, c1);
+      e0 = _mm256_fmadd_ps(p3, x0, e0);
+      e1 = _mm256_fmadd_ps(p3, x1, e1);
+    }
+    _mm256_storeu_ps(out + d, a0);
+    _mm256_storeu_ps(out + d + 8, a1);
+    _mm256_storeu_ps(out + kDim + d, b0);
+    _mm256_storeu_ps(out + kDim + d + 8, b1);
+    _mm256_storeu_ps(out + 2 * kDim + d, c0);
+    _mm256_storeu_ps(out + 2 * kDim + d + 8, c1);
+    _mm256_storeu_ps(out + 3 * kDim + d, e0);
+    _mm256_storeu_ps(out + 3 * kDim + d + 8, e1);
+  }
+}
+
+void BM_DecodeGQAF16(benchmark::State& state) {
+  if (!vc::simd_level_supported(vc::SimdLevel::avx2)) {
+    state.SkipWithError("no F16C/AVX2 on this CPU");
+    return;
+  }
+  const Index n = state.range(0);
+  const auto k = random_tensor<Eigen::half>(1, kAttendKv, n, kDim, 2);
+  const auto v = random_tensor<Eigen::half>(1, kAttendKv, n, kDim, 3);
+  const auto q = random_tensor<float>(1, kAttendQ, 1, kDim, 4);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+  std::vector<float> logits(static_cast<std::size_t>(kAttendGroups * n)), out(kAttendGroups * kDim);
+  for (auto _ : state) {
+    for (Index h = 0; h < kAttendKv; ++h) {
+      gqa_attention_f16(k.data() + h * n * kDim, v.data() + h * n * kDim,
+                        q.data() + h * kAttendGroups * kDim, n, scale, logits.data(), out.data());
+      benchmark::DoNotOptimize(out.data());
+    }
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(BM_DecodeGQAF16)->Arg(513)->Arg(2049)->Unit(benchmark::kMicrosecond);
+#endif
+
+BENCHMARK(BM_DecodeAttend)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DecodeGQAF32Gemm)->Arg(513)->Arg(2049)->Unit(benchmark::kMicrosecond);
+
 // ---- prefill -----------------------------------------------------------------------------------
+
+void BM_PrefillAttend(benchmark::State& state) {
+  const Index S = state.range(0);
+  const auto k = random_tensor<Eigen::half>(1, kAttendKv, S, kDim, 5);
+  const auto q = random_tensor<float>(1, kAttendQ, S, kDim, 6);
+  std::vector<float> out(static_cast<std::size_t>(kAttendQ * S * kDim));
+  for (auto _ : state) {
+    vc::SqueezeAttentionCache<Eigen::half> cache(squeeze_config(512));
+    cache.attend(q, k, k, out.data());
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations() * S);
+}
+BENCHMARK(BM_PrefillAttend)->Arg(512)->Arg(2048)->Arg(8192)->Unit(benchmark::kMillisecond);
 
 void BM_PrefillView(benchmark::State& state) {
   const Index S = state.range(0);
@@ -326,7 +476,7 @@ void BM_CausalAttention(benchmark::State& state) {
 
 BENCHMARK(BM_PrefillView)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_PrefillViewQueries)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_CausalAttention)->Args({1024, 32})->Args({4096, 32})->Args({1024, 8})->Args({4096, 8})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CausalAttention)->Args({1024, 32})->Args({4096, 32})->Args({1024, 8})->Args({4096, 8})->Args({512, 8})->Args({2048, 8})->Args({8192, 8})->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

@@ -59,6 +59,33 @@ def main():
                 continue
             print(f"| {n} | {s} | {fmt(p)} | {fmt(c)} | {p / c:.2f}x | {fmt(pq)} | {fmt(cq)} |"
                   f" {pq / cq:.2f}x |")
+    print()
+    print("| build | budget | decode attend (G = 4, H = 8) | dense GQA fp32 (Eigen) |"
+          " dense GQA fp16 (F16C) | ratio to the faster |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for n in names:
+        m = runs[n]
+        for budget in (512, 2048):
+            a = m.get(f"BM_DecodeAttend/{budget}")
+            f32 = m.get(f"BM_DecodeGQAF32Gemm/{budget + 1}")
+            f16 = m.get(f"BM_DecodeGQAF16/{budget + 1}")
+            if a is None or f32 is None:
+                continue
+            best = min(x for x in (f32, f16) if x is not None)
+            print(f"| {n} | {budget} | {fmt(a)} | {fmt(f32)} | {fmt(f16) if f16 else '-'} |"
+                  f" **{a / best:.2f}x** |")
+    print()
+    print("| build | S | prefill attend (into budget 512) | causal GQA attention with P.V |"
+          " ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for n in names:
+        m = runs[n]
+        for s in (512, 2048, 8192):
+            a = m.get(f"BM_PrefillAttend/{s}")
+            c = m.get(f"BM_CausalAttention/{s}/8")
+            if a is None or c is None:
+                continue
+            print(f"| {n} | {s} | {fmt(a)} | {fmt(c)} | **{a / c:.2f}x** |")
     ref = runs.get("O3-native")
     if ref:
         print()
