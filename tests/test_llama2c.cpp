@@ -20,6 +20,7 @@
 #include <random>
 #include <sstream>
 #include <stdexcept>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -195,6 +196,10 @@ TEST_F(Llama2c, EveryPolicyWithBudgetAtLeastTheLengthMatchesTheFullCacheExactly)
   const std::vector<int> tokens = sample_ids(kLength);
   ll::Engine<float> full = engine(standard());
   const std::vector<Eigen::MatrixXf> reference = teacher_forced(full, tokens, kPrefill);
+  // With real queries the engine's attention goes through attend (the cache computes it): the
+  // reference is then the full cache through attend too (it ignores the queries' scoring).
+  ll::Engine<float> full_attend = engine(standard(), true);
+  const std::vector<Eigen::MatrixXf> reference_attend = teacher_forced(full_attend, tokens, kPrefill);
   EXPECT_EQ(full.kept_bytes(), full.full_seq_bytes());
   // 5 layers x 4 KV heads x 70 positions x (8 + 8) floats
   EXPECT_EQ(full.full_seq_bytes(), 5u * 4u * kLength * 16u * sizeof(float));
@@ -222,11 +227,11 @@ TEST_F(Llama2c, EveryPolicyWithBudgetAtLeastTheLengthMatchesTheFullCacheExactly)
       const std::vector<Eigen::MatrixXf> got = teacher_forced(e, tokens, kPrefill, [&] {
         for (const auto& c : e.caches()) ASSERT_EQ(c->tokens_kept(), e.position());  // no eviction
       });
-      ASSERT_EQ(got.size(), reference.size());
+      const std::vector<Eigen::MatrixXf>& want = queries ? reference_attend : reference;
+      ASSERT_EQ(got.size(), want.size());
       for (std::size_t call = 0; call < got.size(); ++call) {
-        EXPECT_TRUE(got[call] == reference[call])
-            << "call " << call << ": max |diff| "
-            << (got[call] - reference[call]).cwiseAbs().maxCoeff();
+        EXPECT_TRUE(got[call] == want[call])
+            << "call " << call << ": max |diff| " << (got[call] - want[call]).cwiseAbs().maxCoeff();
       }
       for (const auto& c : e.caches()) {
         const std::optional<int> budget = layer_budget(*c);
@@ -245,6 +250,8 @@ TEST_F(Llama2c, SmallBudgetsStayWithinBudgetAndDifferFromTheFullCache) {
   const std::vector<int> tokens = sample_ids(kLength);
   ll::Engine<float> full = engine(standard());
   const std::vector<Eigen::MatrixXf> reference = teacher_forced(full, tokens, kPrefill);
+  ll::Engine<float> full_attend = engine(standard(), true);  // the same attention path (attend)
+  const std::vector<Eigen::MatrixXf> reference_attend = teacher_forced(full_attend, tokens, kPrefill);
 
   std::vector<vc::KVCacheConfig> configs(5);
   configs[0].method = "h2o";
@@ -272,8 +279,9 @@ TEST_F(Llama2c, SmallBudgetsStayWithinBudgetAndDifferFromTheFullCache) {
       for (const Eigen::MatrixXf& logits : got) EXPECT_TRUE(logits.allFinite());
       // The prefill attends over the whole prompt whatever the budget; decode steps after
       // eviction see fewer rows, so their logits differ.
-      EXPECT_TRUE(got.front() == reference.front());
-      EXPECT_FALSE(got.back() == reference.back());
+      const std::vector<Eigen::MatrixXf>& want = queries ? reference_attend : reference;
+      EXPECT_TRUE(got.front() == want.front());
+      EXPECT_FALSE(got.back() == want.back());
       EXPECT_LT(e.kept_bytes(), e.full_seq_bytes() / 2);
     }
   }
@@ -311,6 +319,82 @@ TEST_F(Llama2c, HalfAndBfloat16StorageStayCloseToFloat) {
   EXPECT_GE(agree_bf16, 190);  // >= 95%
   EXPECT_LT((half - ref).cwiseAbs().maxCoeff(), 0.25f);
   EXPECT_LT((bf16 - ref).cwiseAbs().maxCoeff(), 1.0f);
+}
+
+/// The engine's attention through attend (the cache computes it, fused with its scoring) and
+/// through update_and_view plus the engine's own Eigen attention give the same logits, for every
+/// method with a budget that evicts, in float and half storage (docs/design.md 2.8).
+TEST_F(Llama2c, FusedAttendAndTheViewPathGiveTheSameLogits) {
+  const std::vector<int> tokens = sample_ids(kLength);
+  for (const char* method : {"squeeze", "h2o", "pyramidkv", "tova", "streaming_llm", "snapkv", "standard"}) {
+    vc::KVCacheConfig cfg;
+    cfg.method = method;
+    cfg.set_budget(24);
+    const auto run = [&](auto storage, ll::AttentionPath path) {
+      using T = decltype(storage);
+      ll::Engine<T> e(model(), vc::KVCacheBuilder::for_model<T>(model().config().n_layers, cfg), true, path);
+      return teacher_forced(e, tokens, kPrefill);
+    };
+    // Relative to the call's largest logit (|logit| reaches ~15): the two paths round differently
+    // (another exp, another summation order), nothing else.
+    const auto worst_relative = [&](const auto& a, const auto& b) {
+      float worst = 0.0f;
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        worst = std::max(worst, (a[i] - b[i]).cwiseAbs().maxCoeff() / std::max(1.0f, b[i].cwiseAbs().maxCoeff()));
+      }
+      return worst;
+    };
+    const auto fused = run(0.0f, ll::AttentionPath::fused), view = run(0.0f, ll::AttentionPath::view);
+    ASSERT_EQ(fused.size(), view.size());
+    EXPECT_LE(worst_relative(fused, view), 1e-5f) << method << ", float";
+    // In half storage a rounding difference of 1e-7 in a layer's output can move a key of the next
+    // layer by one half ulp (1e-3 relative), so the paths agree less closely, but on every argmax.
+    const auto fused_h = run(Eigen::half(0), ll::AttentionPath::fused);
+    const auto view_h = run(Eigen::half(0), ll::AttentionPath::view);
+    EXPECT_LE(worst_relative(fused_h, view_h), 2e-3f) << method << ", half";
+    for (std::size_t i = 0; i < fused_h.size(); ++i) {
+      for (Eigen::Index r = 0; r < fused_h[i].rows(); ++r) {
+        Eigen::Index a = 0, b = 0;
+        fused_h[i].row(r).maxCoeff(&a);
+        view_h[i].row(r).maxCoeff(&b);
+        EXPECT_EQ(a, b) << method << ", half, call " << i << ", row " << r;
+      }
+    }
+  }
+}
+
+/// llama2.c's run.c feeds the prompt one token per call. With the calibration window
+/// (squeeze_calibration_tokens, default 32) every layer gets the budget it gets when the same
+/// prompt comes as one prefill call, on the real model: and the budgets are not all the average.
+/// (A 32-token prompt: both ways measure the same 32 keys. A longer prefill call is measured
+/// whole, docs/design.md 5.2.)
+TEST_F(Llama2c, TokenAtATimePromptGetsThePrefillBudgets) {
+  const std::vector<int> prompt = sample_ids(32);
+  vc::KVCacheConfig cfg;  // squeeze, calibration over 32 tokens
+  cfg.set_budget(24);
+  ll::Engine<float> prefill = engine(cfg, true), by_token = engine(cfg, true);
+  (void)prefill.forward(prompt);
+  for (const int id : prompt) (void)by_token.forward({id});
+  std::set<int> budgets;
+  for (int l = 0; l < model().config().n_layers; ++l) {
+    const auto& a = dynamic_cast<const vc::SqueezeAttentionCache<float>&>(*prefill.caches()[static_cast<std::size_t>(l)]);
+    const auto& b = dynamic_cast<const vc::SqueezeAttentionCache<float>&>(*by_token.caches()[static_cast<std::size_t>(l)]);
+    EXPECT_TRUE(a.calibrated() && b.calibrated()) << l;
+    // Layer 1's keys come from layer 0's outputs, computed by a prefill GEMM in one engine and by
+    // one-row products in the other: float rounding apart, nothing more.
+    EXPECT_NEAR(a.concentration(), b.concentration(), 1e-3) << l;
+    EXPECT_EQ(a.layer_budget(), b.layer_budget()) << l;
+    budgets.insert(b.layer_budget());
+  }
+  // The last layer's report completed the set; the others adopt at their next call.
+  (void)prefill.forward({prompt.back()});
+  (void)by_token.forward({prompt.back()});
+  for (const auto* e : {&prefill, &by_token}) {
+    for (const auto& c : e->caches()) {
+      EXPECT_TRUE(dynamic_cast<const vc::SqueezeAttentionCache<float>&>(*c).budget_adopted());
+    }
+  }
+  EXPECT_GT(budgets.size(), 1u) << "every layer got the same budget";
 }
 
 // --- 4. Tokenizer -----------------------------------------------------------------------------

@@ -352,26 +352,13 @@ inline void apply_rope(RowMatrix& m, std::int64_t pos0, int head_dim) {
   }
 }
 
-/// Splits the columns into heads. m: [S, n_heads · head_dim]; returns [1, n_heads, S, head_dim].
-template <class U>
-cache::Tensor4<U> to_heads(const RowMatrix& m, int n_heads, int head_dim) {
-  cache::Tensor4<U> t(1, n_heads, m.rows(), head_dim);
-  for (Eigen::Index h = 0; h < n_heads; ++h)
-    for (Eigen::Index s = 0; s < m.rows(); ++s)
-      for (Eigen::Index d = 0; d < head_dim; ++d)
-        t(0, h, s, d) = static_cast<U>(m(s, h * head_dim + d));
-  return t;
-}
-
-/// Rows of head h as float. t: [1, H, n, D]; returns [n, D].
-template <class T>
-RowMatrix head_rows(const cache::Tensor4<T>& t, Eigen::Index h) {
-  const Eigen::Index n = t.dimension(2), D = t.dimension(3);
-  using Map = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
-  return Map(t.data() + h * n * D, n, D).template cast<float>();
-}
-
 }  // namespace detail
+
+/// How a layer's attention uses its cache.
+enum class AttentionPath {
+  fused,  ///< cache.attend(q, k, v, out): the cache absorbs the rows and computes the attention
+  view,   ///< cache.update_and_view(k, v[, q]), then the engine's own attention over the view
+};
 
 /// The forward pass over one KVCache<T> per layer (T: float, Eigen::half or Eigen::bfloat16).
 /// The model must outlive the engine.
@@ -381,9 +368,13 @@ class Engine {
   using Caches = std::vector<std::unique_ptr<cache::KVCache<T>>>;
 
   /// One cache per layer (else std::invalid_argument). pass_queries: give the caches the real
-  /// queries (update_and_fetch(k, v, q)) so the scored policies rank rows by real attention.
-  Engine(const Model& model, Caches caches, bool pass_queries = false)
-      : model_(&model), caches_(std::move(caches)), pass_queries_(pass_queries) {
+  /// queries so the scored policies rank rows by real attention; then `path` says whether the
+  /// cache computes the attention too (attend, the default) or the engine does, over the view.
+  /// Without queries the view path is used (attend needs the queries).
+  Engine(const Model& model, Caches caches, bool pass_queries = false,
+         AttentionPath path = AttentionPath::fused)
+      : model_(&model), caches_(std::move(caches)), pass_queries_(pass_queries),
+        path_(pass_queries ? path : AttentionPath::view) {
     const int n_layers = model.config().n_layers;
     if (caches_.size() != static_cast<std::size_t>(n_layers)) {
       throw std::invalid_argument("llama2c::Engine: " + std::to_string(caches_.size()) +
@@ -461,29 +452,34 @@ class Engine {
     detail::apply_rope(q, kv_cache.offset(), hd);
     detail::apply_rope(k, kv_cache.offset(), hd);
 
-    const cache::Tensor4<T> k4 = detail::to_heads<T>(k, c.n_kv_heads, hd);  // [1, n_kv, S, hd]
-    const cache::Tensor4<T> v4 = detail::to_heads<T>(v, c.n_kv_heads, hd);  // [1, n_kv, S, hd]
-    // K, V: [1, n_kv, n, hd], ascending position; the last S rows are this call's tokens.
-    const cache::KVPair<T> kv =
-        pass_queries_ ? kv_cache.update_and_fetch(k4, v4, detail::to_heads<float>(q, c.n_heads, hd))
-                      : kv_cache.update_and_fetch(k4, v4);
-
-    const Eigen::Index S = x.rows(), n = kv.first.dimension(2);
-    const float sqrt_hd = std::sqrt(static_cast<float>(hd));
-    RowMatrix out(S, c.dim);  // the heads' outputs side by side: [S, n_heads · hd]
-    for (int g = 0; g < c.n_kv_heads; ++g) {
-      const RowMatrix K = detail::head_rows(kv.first, g);   // [n, hd]
-      const RowMatrix V = detail::head_rows(kv.second, g);  // [n, hd]
-      for (int j = g * group; j < (g + 1) * group; ++j) {   // the query heads reading kv head g
-        RowMatrix p = (q.middleCols(j * hd, hd) * K.transpose()) / sqrt_hd;  // [S, n]
-        for (Eigen::Index s = 0; s < S; ++s) {
-          const Eigen::Index visible = n - S + s + 1;  // causal mask aligned to the lower right
-          auto row = p.row(s).head(visible);
-          row = (row.array() - row.maxCoeff()).exp().matrix();
-          row /= row.sum();
-          p.row(s).tail(n - visible).setZero();
+    // q, k, v are the engine's token-major rows: [1, S, heads, hd], read in place by the cache.
+    const Eigen::Index S = x.rows();
+    const cache::TensorRef<float> qr(q.data(), 1, c.n_heads, S, hd, cache::Layout::token_major);
+    const cache::TensorRef<float> kr(k.data(), 1, c.n_kv_heads, S, hd, cache::Layout::token_major);
+    const cache::TensorRef<float> vr(v.data(), 1, c.n_kv_heads, S, hd, cache::Layout::token_major);
+    RowMatrix out(S, c.dim);  // the heads' outputs side by side: [S, n_heads · hd] = [1, S, n_heads, hd]
+    if (path_ == AttentionPath::fused) {
+      kv_cache.attend(qr, kr, vr, out.data(), cache::Layout::token_major);
+    } else {
+      // The rows retained before the call (any order), then this call's S rows: [rows, hd] each.
+      const cache::KVView<T> view =
+          pass_queries_ ? kv_cache.update_and_view(kr, vr, qr) : kv_cache.update_and_view(kr, vr);
+      const Eigen::Index n = view.rows();
+      const float sqrt_hd = std::sqrt(static_cast<float>(hd));
+      for (int g = 0; g < c.n_kv_heads; ++g) {
+        const RowMatrix K = view.keys(0, g).template cast<float>();    // [n, hd]
+        const RowMatrix V = view.values(0, g).template cast<float>();  // [n, hd]
+        for (int j = g * group; j < (g + 1) * group; ++j) {  // the query heads reading kv head g
+          RowMatrix p = (q.middleCols(j * hd, hd) * K.transpose()) / sqrt_hd;  // [S, n]
+          for (Eigen::Index s = 0; s < S; ++s) {
+            const Eigen::Index visible = n - S + s + 1;  // causal mask aligned to the lower right
+            auto row = p.row(s).head(visible);
+            row = (row.array() - row.maxCoeff()).exp().matrix();
+            row /= row.sum();
+            p.row(s).tail(n - visible).setZero();
+          }
+          out.middleCols(j * hd, hd) = p * V;
         }
-        out.middleCols(j * hd, hd) = p * V;
       }
     }
     x += out * w.wo.transpose();
@@ -501,17 +497,25 @@ class Engine {
   const Model* model_;
   Caches caches_;
   bool pass_queries_;
+  AttentionPath path_;
 };
 
-/// Greedy decoding: `prompt` as one prefill, then one decode step per generated token, until
+/// Greedy decoding: `prompt` as one prefill (or, with `token_at_a_time`, one call per prompt
+/// token, as llama2.c's run.c feeds it), then one decode step per generated token, until
 /// `max_new` tokens, a BOS (not returned) or the end of the context. Returns the new ids.
 template <class T>
-std::vector<int> generate_greedy(Engine<T>& engine, const std::vector<int>& prompt, int max_new) {
+std::vector<int> generate_greedy(Engine<T>& engine, const std::vector<int>& prompt, int max_new,
+                                 bool token_at_a_time = false) {
   if (prompt.empty()) throw std::invalid_argument("llama2c::generate_greedy: empty prompt");
   std::vector<int> out;
   if (max_new <= 0) return out;
   const int seq_len = engine.model().config().seq_len;
-  Eigen::MatrixXf logits = engine.forward(prompt);
+  Eigen::MatrixXf logits;
+  if (token_at_a_time) {
+    for (const int id : prompt) logits = engine.forward({id});
+  } else {
+    logits = engine.forward(prompt);
+  }
   for (;;) {
     Eigen::Index next = 0;
     logits.row(logits.rows() - 1).maxCoeff(&next);  // the first maximum, like llama2.c

@@ -1,12 +1,18 @@
 // veloxquant — the demo: a real model (stories260K) tells a story with SqueezeAttention caches.
 //
-// The prompt goes through every layer's cache as one prefill call; each layer reports how
-// concentrated its prompt keys are, the shared coordinator turns that into per-layer budgets, and
-// generation continues one token per call within them, scored by the model's real queries. The
-// same story is generated with the full cache for comparison. Without the fixture files it says
-// where to get them and exits with status 2 (scripts/demo.sh then runs the synthetic demo).
+// The prompt goes through every layer's cache; each layer measures how concentrated its first
+// squeeze_calibration_tokens keys are, the shared coordinator turns that into per-layer budgets,
+// and generation continues one token per call within them, each layer's attention computed by its
+// cache (attend) and scored by the model's real queries. The same story is generated with the full
+// cache for comparison. With --token-at-a-time the prompt is also fed one token per call (as
+// llama2.c's run.c does) and the per-layer budgets of both ways are printed side by side.
+//
+// The model and tokenizer ship in examples/llama2c/ (Andrej Karpathy's stories260K, MIT; see
+// NOTICE there); --fixtures DIR reads DIR/model/ instead.
 //
 //   llama2c_story_demo [--fixtures DIR] [--prompt "text"] [--budget N] [--steps N] [--proxy]
+//                      [--token-at-a-time]
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -22,17 +28,20 @@ namespace vc = veloxquant::cache;
 namespace ll = veloxquant::llama2c;
 
 int main(int argc, char** argv) {
-  std::string dir = ll::fixtures_dir(VELOXQUANT_FIXTURES_DEFAULT);
+  std::string model_dir = VELOXQUANT_LLAMA2C_MODEL_DIR;  // the shipped model (examples/llama2c)
   std::string prompt = "Once upon a time, there was a little girl named Lily. She loved to play "
                        "outside in the park with her friends.";
   int budget = 48;  // average rows per KV head; the prompt alone is ~30 tokens
   int steps = 200;
   bool queries = true;
+  bool token_at_a_time = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const bool has = i + 1 < argc;
     if (a == "--fixtures" && has) {
-      dir = argv[++i];
+      model_dir = std::string(argv[++i]) + "/model";
+    } else if (a == "--token-at-a-time") {
+      token_at_a_time = true;
     } else if (a == "--prompt" && has) {
       prompt = argv[++i];
     } else if (a == "--budget" && has) {
@@ -44,20 +53,19 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--fixtures DIR] [--prompt \"text\"] [--budget N] [--steps N] "
-                   "[--proxy]\n",
+                   "[--proxy] [--token-at-a-time]\n",
                    argv[0]);
       return 1;
     }
   }
-  const std::string model_path = dir + "/model/stories260K.bin";
-  const std::string tok_path = dir + "/model/tok512.bin";
+  const std::string model_path = model_dir + "/stories260K.bin";
+  const std::string tok_path = model_dir + "/tok512.bin";
   if (!std::filesystem::exists(model_path) || !std::filesystem::exists(tok_path)) {
     std::printf(
-        "The real-model demo needs model/stories260K.bin and model/tok512.bin under %s.\n"
-        "Point --fixtures or VELOXQUANT_FIXTURES at a directory that has them: stories260K is\n"
-        "Andrej Karpathy's llama2.c checkpoint (MIT), from the Hugging Face repository\n"
-        "karpathy/tinyllamas, folder stories260K (see ../shared/fixtures/README.md).\n\n",
-        dir.c_str());
+        "The real-model demo needs stories260K.bin and tok512.bin in %s.\n"
+        "They ship in examples/llama2c/ (Andrej Karpathy's llama2.c checkpoint, MIT, from the\n"
+        "Hugging Face repository karpathy/tinyllamas, folder stories260K).\n\n",
+        model_dir.c_str());
     return 2;
   }
   try {
@@ -67,10 +75,13 @@ int main(int argc, char** argv) {
     const std::vector<int> ids = tok.encode(prompt, true);
 
     vc::KVCacheConfig cfg;  // method "squeeze"
-    cfg.squeeze_budget = budget;
+    cfg.set_budget(budget);
     ll::Engine<Eigen::half> squeeze(model, vc::KVCacheBuilder::for_model<Eigen::half>(n_layers, cfg),
                                     queries);
     const std::vector<int> story = ll::generate_greedy(squeeze, ids, steps);
+    const auto layer = [](const ll::Engine<Eigen::half>& e, int l) -> const vc::SqueezeAttentionCache<Eigen::half>& {
+      return dynamic_cast<const vc::SqueezeAttentionCache<Eigen::half>&>(*e.caches()[static_cast<std::size_t>(l)]);
+    };
 
     vc::KVCacheConfig full_cfg;
     full_cfg.method = "standard";
@@ -85,12 +96,46 @@ int main(int argc, char** argv) {
                 budget, queries ? "the model's real queries" : "the key-as-query proxy");
     std::printf("%s\n\n", tok.decode(all).c_str());
 
+    std::printf("Each layer measured its first %d keys (squeeze_calibration_tokens).\n",
+                cfg.squeeze_calibration_tokens);
     std::printf("layer  concentration  budget  rows kept\n");
     for (int l = 0; l < n_layers; ++l) {
-      const auto& c =
-          dynamic_cast<const vc::SqueezeAttentionCache<Eigen::half>&>(*squeeze.caches()[static_cast<std::size_t>(l)]);
+      const auto& c = layer(squeeze, l);
       std::printf("%5d  %13.4f  %6d  %9lld\n", l, c.concentration(), c.layer_budget(),
                   static_cast<long long>(c.tokens_kept()));
+    }
+    if (token_at_a_time) {
+      // The same prompt, one token per call. Each layer measures its first 32 keys however they
+      // arrive; the old rule (the first call only: one row, concentration 0) is shown beside.
+      const auto budgets_by_token = [&](int calibration_tokens, std::vector<int>& story_out) {
+        vc::KVCacheConfig c = cfg;
+        c.squeeze_calibration_tokens = calibration_tokens;
+        ll::Engine<Eigen::half> e(model, vc::KVCacheBuilder::for_model<Eigen::half>(n_layers, c),
+                                  queries);
+        story_out = ll::generate_greedy(e, ids, steps, true);
+        std::vector<int> out;
+        for (int l = 0; l < n_layers; ++l) out.push_back(layer(e, l).layer_budget());
+        return out;
+      };
+      std::vector<int> story2, story_old;
+      const std::vector<int> by_token = budgets_by_token(cfg.squeeze_calibration_tokens, story2);
+      const std::vector<int> old_rule = budgets_by_token(1, story_old);
+      std::printf("\nThe prompt fed one token per call (as llama2.c's run.c does):\n");
+      std::printf("layer  one prefill call  token at a time  token at a time, first call only\n");
+      int worst = 0;
+      for (int l = 0; l < n_layers; ++l) {
+        const int a = layer(squeeze, l).layer_budget(), b = by_token[static_cast<std::size_t>(l)];
+        worst = std::max(worst, std::abs(a - b));
+        std::printf("%5d  %16d  %15d  %32d\n", l, a, b, old_rule[static_cast<std::size_t>(l)]);
+      }
+      // Layers past the first see keys computed from the previous layers' outputs, which a
+      // prefill and one-row calls round differently; a budget may move by a row.
+      const bool all_average = std::all_of(old_rule.begin(), old_rule.end(),
+                                           [&](int b) { return b == budget; });
+      std::printf("Token at a time, the budgets agree with the prefill's within %d row%s (the text "
+                  "is %s); measuring the first call only gives %s.\n",
+                  worst, worst == 1 ? "" : "s", story2 == story ? "the same" : "different",
+                  all_average ? "every layer the average" : "other budgets");
     }
     std::size_t same = 0;
     while (same < story.size() && same < reference.size() && story[same] == reference[same]) ++same;
