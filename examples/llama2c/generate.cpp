@@ -2,11 +2,14 @@
 /// cache is any veloxquant policy.
 ///
 ///   llama2c_generate [--fixtures DIR] [--method standard|squeeze|h2o|pyramidkv|tova|
-///                    streaming_llm|snapkv] [--budget N] [--queries] [--steps N] [--prompt "text"]
+///                    streaming_llm|snapkv] [--budget N] [--queries [--view]] [--steps N]
+///                    [--prompt "text"]
 ///
 /// DIR holds model/stories260K.bin and model/tok512.bin (default: $VELOXQUANT_FIXTURES, else the
 /// directory configured at build time). --budget sets the budget of every policy (the StreamingLLM
-/// window); --queries passes the real queries to the caches; --steps is the number of new tokens.
+/// window); --queries passes the real queries to the caches (the cache then computes the attention,
+/// attend; --view computes it in the engine over update_and_view instead); --steps is the number of
+/// new tokens.
 /// The text goes to stdout, the statistics to stderr.
 
 #include <chrono>
@@ -31,16 +34,9 @@ int usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--fixtures DIR] [--method standard|squeeze|h2o|pyramidkv|tova|"
                "streaming_llm|snapkv]\n"
-               "          [--budget N] [--queries] [--steps N] [--prompt \"text\"]\n",
+               "          [--budget N] [--queries [--view]] [--steps N] [--prompt \"text\"]\n",
                argv0);
   return 2;
-}
-
-/// Every policy's budget set to `budget` (the StreamingLLM window holds budget - n_sink rows).
-void set_budget(vc::KVCacheConfig& cfg, int budget) {
-  cfg.squeeze_budget = cfg.h2o_budget = cfg.pyramid_budget = budget;
-  cfg.tova_budget = cfg.snap_budget = budget;
-  cfg.stream_window_size = budget > cfg.stream_n_sink ? budget - cfg.stream_n_sink : 1;
 }
 
 }  // namespace
@@ -51,18 +47,21 @@ int main(int argc, char** argv) {
   vc::KVCacheConfig cfg;
   cfg.method = "standard";
   bool queries = false;
+  bool view = false;
   int steps = 256;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     const bool has_value = i + 1 < argc;
     if (arg == "--queries") {
       queries = true;
+    } else if (arg == "--view") {
+      view = true;
     } else if (arg == "--fixtures" && has_value) {
       dir = argv[++i];
     } else if (arg == "--method" && has_value) {
       cfg.method = argv[++i];
     } else if (arg == "--budget" && has_value) {
-      set_budget(cfg, std::atoi(argv[++i]));
+      cfg.set_budget(std::atoi(argv[++i]));  // every method's budget
     } else if (arg == "--steps" && has_value) {
       steps = std::atoi(argv[++i]);
     } else if (arg == "--prompt" && has_value) {
@@ -77,7 +76,8 @@ int main(int argc, char** argv) {
     const ll::Tokenizer tokenizer =
         ll::Tokenizer::load(dir + "/model/tok512.bin", model.config().vocab_size);
     ll::Engine<float> engine(
-        model, vc::KVCacheBuilder::for_model<float>(model.config().n_layers, cfg), queries);
+        model, vc::KVCacheBuilder::for_model<float>(model.config().n_layers, cfg), queries,
+        view ? ll::AttentionPath::view : ll::AttentionPath::fused);
 
     const std::vector<int> ids = tokenizer.encode(prompt, true);
     const auto start = std::chrono::steady_clock::now();
