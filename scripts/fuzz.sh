@@ -4,7 +4,7 @@
 # fuzz/corpus/ and the saved regressions fuzz/regressions/. The checked-in corpus is never written:
 # the fuzzer works on a copy in a temporary directory, and its artifacts go to another one.
 #
-#   bash scripts/fuzz.sh [SECONDS]
+#   bash scripts/fuzz.sh [SECONDS]     (or --setup: install what it needs, and stop)
 #
 # Exits nonzero on any crash, sanitizer report, oracle/invariant violation, timeout or OOM, and
 # prints the path of the crashing input, its base64 (so a CI log is enough to reproduce it) and the
@@ -13,6 +13,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+SETUP_ONLY=0
+if [ "${1:-}" = "--setup" ]; then  # install what the fuzzer needs, and stop
+  SETUP_ONLY=1
+  set -- 0
+fi
 SECS=${1:-60}
 if ! [[ "$SECS" =~ ^[0-9]+$ ]]; then
   echo "usage: bash scripts/fuzz.sh [SECONDS]" >&2
@@ -37,6 +42,10 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}"
 fi
 have_fuzzer_runtime || { echo "[fuzz] clang's libFuzzer runtime is still missing" >&2; exit 1; }
+if [ "$SETUP_ONLY" = 1 ]; then
+  echo "[fuzz] set up"
+  exit 0
+fi
 
 # --- build (only when a source is newer than the binary) ----------------------------------------
 BUILD=build-fuzz

@@ -37,6 +37,7 @@ fi
 # for symbolised reports; no NDEBUG, so Eigen's own index and shape assertions stay on.
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Check -DCMAKE_CXX_FLAGS_CHECK="-O0 -g1" \
   -DVELOXQUANT_SANITIZE="$SANITIZE" -DVELOXQUANT_TEST_LIBRARY_FLAGS="-O1" \
+  -DVELOXQUANT_TEST_HEAVY_FLAGS="-O1" \
   -DVELOXQUANT_BUILD_TESTS=ON -DVELOXQUANT_BUILD_EXAMPLES=ON >/dev/null
 cmake --build "$BUILD" -j"$JOBS"
 ctest --test-dir "$BUILD" --output-on-failure -j"$JOBS" --timeout 900

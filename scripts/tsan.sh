@@ -4,6 +4,7 @@
 # run on a std::thread parallel-for. Exits nonzero on any failure or report (TSan halts on the
 # first).
 #
+# Usage: bash scripts/tsan.sh [--setup]   (--setup: install and probe only)
 # Environment: JOBS (default nproc), TSAN_BUILD_DIR (default build-tsan).
 # Installs what is missing first (scripts/deps.sh; libtsan2 if a TSan program does not link).
 set -euo pipefail
@@ -40,6 +41,12 @@ if ! "$probe/p" >"$probe/out" 2>&1; then
     log "a trivial TSan program fails on this machine"
     exit 1
   fi
+fi
+
+# --setup: only install and probe (.ci/run does that first, then runs this beside the fuzzer).
+if [ "${1:-}" = "--setup" ]; then
+  log "set up"
+  exit 0
 fi
 
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:${TSAN_OPTIONS:-}"

@@ -59,7 +59,8 @@ vc::Tensor4<double> reference_attention(const vc::KVView<T>& view, const vc::Ten
         for (Index c = 0; c < n; ++c) {
           double dot = 0.0;
           for (Index d = 0; d < Dk; ++d) {
-            dot += static_cast<double>(q(b, j, s, d)) * static_cast<double>(static_cast<float>(keys(c, d)));
+            dot += static_cast<double>(q(b, j, s, d)) *
+                   static_cast<double>(static_cast<float>(keys(c, d)));
           }
           logit[static_cast<std::size_t>(c)] = dot * scale;
           top = std::max(top, dot * scale);
@@ -99,7 +100,8 @@ std::vector<U> token_major(const vc::Tensor4<U>& t) {
   for (Index b = 0; b < B; ++b)
     for (Index h = 0; h < H; ++h)
       for (Index s = 0; s < S; ++s)
-        for (Index d = 0; d < D; ++d) out[static_cast<std::size_t>(((b * S + s) * H + h) * D + d)] = t(b, h, s, d);
+        for (Index d = 0; d < D; ++d)
+          out[static_cast<std::size_t>(((b * S + s) * H + h) * D + d)] = t(b, h, s, d);
   return out;
 }
 
@@ -122,7 +124,8 @@ TYPED_TEST(AttendTest, SameStateAsUpdateAndViewAndTheAttentionOverItsRows) {
         const auto q = random_queries(rng, B, G * H, S, Dk, 2.0);
         const vc::Tensor4<float> out = subject.cache->attend(q, k, v);
         const vc::KVView<T> view = twin.cache->update_and_view(k, v, q);
-        ASSERT_TRUE(logical_state(subject) == logical_state(twin)) << ctx << ", S = " << S << ": state differs";
+        ASSERT_TRUE(logical_state(subject) == logical_state(twin))
+            << ctx << ", S = " << S << ": state differs";
         EXPECT_EQ(compare_output(out, reference_attention(view, q)), "") << ctx << ", S = " << S;
       }
     }
@@ -165,9 +168,10 @@ TYPED_TEST(AttendTest, EveryInputFormGivesTheSameStateAndOutput) {
   for (const Kind kind : kKinds) {
     const std::string ctx = kind_name(kind);
     Subject<T> ref = make_subject<T>(kind);
-    Subject<T> tok = make_subject<T>(kind);   // token-major TensorRefs, token-major output
-    Subject<T> map = make_subject<T>(kind);   // TensorMaps
-    Subject<T> fetch = make_subject<T>(kind);  // update_and_fetch(_into) through TensorRef/TensorMap
+    Subject<T> tok = make_subject<T>(kind);  // token-major TensorRefs, token-major output
+    Subject<T> map = make_subject<T>(kind);  // TensorMaps
+    Subject<T> fetch =
+        make_subject<T>(kind);  // update_and_fetch(_into) through TensorRef/TensorMap
     Subject<T> fetch_ref = make_subject<T>(kind);
     std::mt19937 rng(70u + static_cast<unsigned>(kind));
     const Index B = 2, H = 2, G = 2, Dk = 8, Dv = 5, Hq = G * H;
@@ -188,14 +192,16 @@ TYPED_TEST(AttendTest, EveryInputFormGivesTheSameStateAndOutput) {
       EXPECT_EQ(got_t.back(), -1.0f);
       got_t.pop_back();
       EXPECT_TRUE(token_major(want) == got_t) << ctx << ", S = " << S << ": token-major output";
-      EXPECT_TRUE(logical_state(tok) == logical_state(ref)) << ctx << ", S = " << S << ": token-major state";
+      EXPECT_TRUE(logical_state(tok) == logical_state(ref))
+          << ctx << ", S = " << S << ": token-major state";
 
       vc::Tensor4<float> got_m(B, Hq, S, Dv);
       float spare = 0.0f;
       map.cache->attend(Map(q.data(), B, Hq, S, Dk), ConstMap(k.data(), B, H, S, Dk),
                         ConstMap(v.data(), B, H, S, Dv), S ? got_m.data() : &spare);
       EXPECT_TRUE(bitwise_equal(got_m, want)) << ctx << ", S = " << S << ": TensorMap output";
-      EXPECT_TRUE(logical_state(map) == logical_state(ref)) << ctx << ", S = " << S << ": TensorMap state";
+      EXPECT_TRUE(logical_state(map) == logical_state(ref))
+          << ctx << ", S = " << S << ": TensorMap state";
 
       // The update APIs: Tensor4 on one cache, token-major TensorRef / TensorMap on the other.
       const vc::KVPair<T> a = fetch.cache->update_and_fetch(k, v, q);
@@ -204,10 +210,9 @@ TYPED_TEST(AttendTest, EveryInputFormGivesTheSameStateAndOutput) {
       if (S % 2 == 0) {
         fetch_ref.cache->update_and_fetch_into(kr, vr, ConstMap(q.data(), B, Hq, S, Dk), into);
       } else {
-        fetch_ref.cache->update_and_fetch_into(Map(const_cast<float*>(k.data()), B, H, S, Dk),
-                                              ConstMap(v.data(), B, H, S, Dv),
-                                              vc::TensorRef<float>(qt.data(), B, Hq, S, Dk, vc::Layout::token_major),
-                                              into);
+        fetch_ref.cache->update_and_fetch_into(
+            Map(const_cast<float*>(k.data()), B, H, S, Dk), ConstMap(v.data(), B, H, S, Dv),
+            vc::TensorRef<float>(qt.data(), B, Hq, S, Dk, vc::Layout::token_major), into);
       }
       EXPECT_TRUE(bitwise_equal(a.first, into.first) && bitwise_equal(a.second, into.second))
           << ctx << ", S = " << S << ": fetch through references";
@@ -218,12 +223,16 @@ TYPED_TEST(AttendTest, EveryInputFormGivesTheSameStateAndOutput) {
     const vc::Tensor4<float> v = random_tensor<float>(rng, B, H, 3, Dv);
     const std::vector<float> kt = token_major(k), vt = token_major(v);
     (void)fetch.cache->update_and_view(k, v);
-    (void)fetch_ref.cache->update_and_view(vc::TensorRef<float>(kt.data(), B, H, 3, Dk, vc::Layout::token_major),
-                                           vc::TensorRef<float>(vt.data(), B, H, 3, Dv, vc::Layout::token_major));
-    EXPECT_TRUE(logical_state(fetch) == logical_state(fetch_ref)) << ctx << ": view without queries";
+    (void)fetch_ref.cache->update_and_view(
+        vc::TensorRef<float>(kt.data(), B, H, 3, Dk, vc::Layout::token_major),
+        vc::TensorRef<float>(vt.data(), B, H, 3, Dv, vc::Layout::token_major));
+    EXPECT_TRUE(logical_state(fetch) == logical_state(fetch_ref))
+        << ctx << ": view without queries";
     (void)fetch.cache->update_and_fetch(k, v);
-    (void)fetch_ref.cache->update_and_fetch(ConstMap(k.data(), B, H, 3, Dk), ConstMap(v.data(), B, H, 3, Dv));
-    EXPECT_TRUE(logical_state(fetch) == logical_state(fetch_ref)) << ctx << ": fetch without queries";
+    (void)fetch_ref.cache->update_and_fetch(ConstMap(k.data(), B, H, 3, Dk),
+                                            ConstMap(v.data(), B, H, 3, Dv));
+    EXPECT_TRUE(logical_state(fetch) == logical_state(fetch_ref))
+        << ctx << ": fetch without queries";
   }
 }
 
@@ -251,7 +260,8 @@ TYPED_TEST(AttendTest, ReferencesReadTheCallersBufferInPlace) {
     for (Index s = 0; s < S; ++s)
       for (Index d = 0; d < D; ++d)
         EXPECT_EQ(static_cast<float>(st.first(0, h, s, d)),
-                  static_cast<float>(static_cast<T>(static_cast<float>(kt[static_cast<std::size_t>((s * H + h) * D + d)]))));
+                  static_cast<float>(static_cast<T>(
+                      static_cast<float>(kt[static_cast<std::size_t>((s * H + h) * D + d)]))));
 }
 
 TYPED_TEST(AttendTest, ParallelHeadsGiveTheSerialOutputBitwise) {
@@ -269,7 +279,8 @@ TYPED_TEST(AttendTest, ParallelHeadsGiveTheSerialOutputBitwise) {
       const vc::Tensor4<float> a = serial.cache->attend(q, k, v);
       const vc::Tensor4<float> b = parallel.cache->attend(q, k, v);
       EXPECT_TRUE(bitwise_equal(a, b)) << kind_name(kind) << ", S = " << S;
-      EXPECT_TRUE(logical_state(serial) == logical_state(parallel)) << kind_name(kind) << ", S = " << S;
+      EXPECT_TRUE(logical_state(serial) == logical_state(parallel))
+          << kind_name(kind) << ", S = " << S;
     }
   }
 }
@@ -293,7 +304,8 @@ TYPED_TEST(AttendTest, BadCallsThrowWriteNothingAndChangeNothing) {
       const Snapshot before = snapshot(subject);
       const std::string what = invalid_argument_message(call);
       EXPECT_TRUE(contains(what, part)) << kind_name(kind) << ", " << name << ": " << what;
-      EXPECT_TRUE(snapshot(subject) == before) << kind_name(kind) << ", " << name << " changed the cache";
+      EXPECT_TRUE(snapshot(subject) == before)
+          << kind_name(kind) << ", " << name << " changed the cache";
       for (const float x : out) {
         if (x != kSentinel) {
           ADD_FAILURE() << kind_name(kind) << ", " << name << " wrote to out";
@@ -342,13 +354,18 @@ TYPED_TEST(AttendTest, BadCallsThrowWriteNothingAndChangeNothing) {
     });
     check("keys with too many elements", "too many elements", [&] {
       const Index huge = Index{1} << 40;
-      subject.cache->attend(qref, vc::TensorRef<float>(k.data(), huge, huge, S, Dk), vref, out.data());
+      subject.cache->attend(qref, vc::TensorRef<float>(k.data(), huge, huge, S, Dk), vref,
+                            out.data());
     });
     // The same reference errors through the update APIs.
     check("negative D through update_and_fetch", "update_and_fetch: keys has a negative dimension",
-          [&] { (void)subject.cache->update_and_fetch(vc::TensorRef<float>(k.data(), B, H, S, -2), vref); });
-    check("null keys through update_and_view", "update_and_view: keys has null data",
-          [&] { (void)subject.cache->update_and_view(vc::TensorRef<float>(nullptr, B, H, S, Dk), vref, qref); });
+          [&] {
+            (void)subject.cache->update_and_fetch(vc::TensorRef<float>(k.data(), B, H, S, -2),
+                                                  vref);
+          });
+    check("null keys through update_and_view", "update_and_view: keys has null data", [&] {
+      (void)subject.cache->update_and_view(vc::TensorRef<float>(nullptr, B, H, S, Dk), vref, qref);
+    });
     // Still in step with the twin.
     valid_call_on_both(subject, twin, rng, 1, Api::kViewQ, kind_name(kind));
   }
@@ -364,9 +381,11 @@ TYPED_TEST(AttendTest, EmptyCallsAreLikeUpdateAndView) {
     std::mt19937 rng(5u + static_cast<unsigned>(kind));
     establish(subject, twin, rng, kind_name(kind));
     float out = 7.0f;
-    subject.cache->attend(vc::TensorRef<float>(nullptr, 2, 4, 0, 4), vc::TensorRef<float>(nullptr, 2, 2, 0, 4),
+    subject.cache->attend(vc::TensorRef<float>(nullptr, 2, 4, 0, 4),
+                          vc::TensorRef<float>(nullptr, 2, 2, 0, 4),
                           vc::TensorRef<float>(nullptr, 2, 2, 0, 3), &out);
-    (void)twin.cache->update_and_view(random_tensor<float>(rng, 2, 2, 0, 4), random_tensor<float>(rng, 2, 2, 0, 3),
+    (void)twin.cache->update_and_view(random_tensor<float>(rng, 2, 2, 0, 4),
+                                      random_tensor<float>(rng, 2, 2, 0, 3),
                                       random_queries(rng, 2, 4, 0, 4));
     EXPECT_EQ(out, 7.0f);
     EXPECT_TRUE(logical_state(subject) == logical_state(twin)) << kind_name(kind);

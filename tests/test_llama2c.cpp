@@ -348,7 +348,9 @@ TEST_F(Llama2c, FusedAttendAndTheViewPathGiveTheSameLogits) {
     ASSERT_EQ(fused.size(), view.size());
     EXPECT_LE(worst_relative(fused, view), 1e-5f) << method << ", float";
     // In half storage a rounding difference of 1e-7 in a layer's output can move a key of the next
-    // layer by one half ulp (1e-3 relative), so the paths agree less closely, but on every argmax.
+    // layer by one half ulp (1e-3 relative), so the paths agree less closely, but on every argmax
+    // (checked for the flagship method: each run costs seconds under the sanitizers).
+    if (std::string(method) != "squeeze") continue;
     const auto fused_h = run(Eigen::half(0), ll::AttentionPath::fused);
     const auto view_h = run(Eigen::half(0), ll::AttentionPath::view);
     EXPECT_LE(worst_relative(fused_h, view_h), 2e-3f) << method << ", half";

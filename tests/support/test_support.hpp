@@ -311,7 +311,8 @@ void enable_parallel_heads(cache::KVCache<T>& c, int workers = 4) {
 template <class T>
 bool bitwise_equal(const cache::Tensor4<T>& a, const cache::Tensor4<T>& b) {
   return a.dimensions() == b.dimensions() &&
-         std::memcmp(a.data(), b.data(), sizeof(T) * static_cast<std::size_t>(a.size())) == 0;
+         (a.size() == 0 ||  // an empty tensor has no data (memcmp of null is undefined)
+          std::memcmp(a.data(), b.data(), sizeof(T) * static_cast<std::size_t>(a.size())) == 0);
 }
 
 /// A cache score (float) against the oracle's (double): absolute 1e-6 or relative 1e-4.

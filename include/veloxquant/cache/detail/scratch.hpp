@@ -74,7 +74,8 @@ struct Scratch {
     alive.fit(g);
     picks.fit(cols);
     inv.fit(rows);
-    packed.fit(z.packed ? dim * static_cast<std::size_t>((z.columns + 31) / 32 * 32) : 0);  // packed_size
+    // packed_size(columns, dim) of simd_kernels.hpp
+    packed.fit(z.packed ? dim * static_cast<std::size_t>((z.columns + 31) / 32 * 32) : 0);
   }
 
   std::size_t heap_bytes() const {
