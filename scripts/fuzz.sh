@@ -4,7 +4,7 @@
 # fuzz/corpus/ and the saved regressions fuzz/regressions/. The checked-in corpus is never written:
 # the fuzzer works on a copy in a temporary directory, and its artifacts go to another one.
 #
-#   bash scripts/fuzz.sh [SECONDS]     (or --setup: install what it needs, and stop)
+#   bash scripts/fuzz.sh [SECONDS]     (or --setup: install what it needs; --build: and build it)
 #
 # Exits nonzero on any crash, sanitizer report, oracle/invariant violation, timeout or OOM, and
 # prints the path of the crashing input, its base64 (so a CI log is enough to reproduce it) and the
@@ -14,8 +14,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 SETUP_ONLY=0
+BUILD_ONLY=0
 if [ "${1:-}" = "--setup" ]; then  # install what the fuzzer needs, and stop
   SETUP_ONLY=1
+  set -- 0
+elif [ "${1:-}" = "--build" ]; then  # install and build, and stop
+  BUILD_ONLY=1
   set -- 0
 fi
 SECS=${1:-60}
@@ -58,6 +62,10 @@ if [ ! -x "$BIN" ] || [ -n "$(find include fuzz tests/reference tests/support -n
     -O1 -g -std=c++17 -I include -I tests -isystem /usr/include/eigen3 \
     fuzz/fuzz_cache.cpp -o "$BIN.tmp"
   mv "$BIN.tmp" "$BIN"
+fi
+if [ "$BUILD_ONLY" = 1 ]; then
+  echo "[fuzz] built $BIN"
+  exit 0
 fi
 
 # --- run ------------------------------------------------------------------------------------------
