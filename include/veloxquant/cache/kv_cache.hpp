@@ -38,9 +38,13 @@ class KVView {
       Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
   using PositionsMap = Eigen::Map<const Eigen::Matrix<std::int64_t, Eigen::Dynamic, 1>>;
 
+  /// A view of `heads`; with `copy` (a quantized cache, docs/design.md 2.3), the keys and values
+  /// come from that dequantized copy of the window instead: [B·H, rows, Dk] and [B·H, rows, Dv].
   KVView(const std::vector<detail::HeadStore<T>>* heads, Eigen::Index batch, Eigen::Index n_heads,
-         Eigen::Index key_dim, Eigen::Index value_dim, Eigen::Index rows, Eigen::Index new_rows)
+         Eigen::Index key_dim, Eigen::Index value_dim, Eigen::Index rows, Eigen::Index new_rows,
+         const KVPair<T>* copy = nullptr)
       : heads_(heads),
+        copy_(copy),
         batch_(batch),
         n_heads_(n_heads),
         key_dim_(key_dim),
@@ -59,10 +63,19 @@ class KVView {
 
   /// Keys of head (b, h): [rows(), Dk].
   RowsMap keys(Eigen::Index b, Eigen::Index h) const {
+    if (copy_ && rows_) {
+      (void)head(b, h);
+      return RowsMap(copy_->first.data() + (b * n_heads_ + h) * rows_ * key_dim_, rows_, key_dim_);
+    }
     return RowsMap(rows_ ? head(b, h).keys_data() : nullptr, rows_, key_dim_);
   }
   /// Values of head (b, h): [rows(), Dv].
   RowsMap values(Eigen::Index b, Eigen::Index h) const {
+    if (copy_ && rows_) {
+      (void)head(b, h);
+      return RowsMap(copy_->second.data() + (b * n_heads_ + h) * rows_ * value_dim_, rows_,
+                     value_dim_);
+    }
     return RowsMap(rows_ ? head(b, h).values_data() : nullptr, rows_, value_dim_);
   }
   /// Position of each row of head (b, h): [rows()].
@@ -81,6 +94,7 @@ class KVView {
   }
 
   const std::vector<detail::HeadStore<T>>* heads_;
+  const KVPair<T>* copy_;
   Eigen::Index batch_, n_heads_, key_dim_, value_dim_, rows_, new_rows_;
 };
 
@@ -98,7 +112,7 @@ class KVCache {
   /// An empty standard cache.
   KVCache() = default;
   /// An empty standard cache; validates `config`.
-  explicit KVCache(const KVCacheConfig& config) { config.validate(); }
+  explicit KVCache(const KVCacheConfig& config) : storage_(checked_storage(config)) {}
   virtual ~KVCache() = default;
   // A cache is polymorphic and owns per-call state: it is neither copied nor moved (hold it by
   // std::unique_ptr, as the factory and the builder do).
@@ -281,16 +295,18 @@ class KVCache {
     offset_ = 0;
     tokens_seen_ = 0;
     rule_.compressed = false;
+    view_copy_ = KVPair<T>{};
   }
 
   /// The rows per head the cache evicts down to; -1 for the standard cache (docs/design.md 2.6).
   virtual int layer_budget() const { return rule_.budget.value_or(-1); }
 
-  /// Bytes of retained K and V over all heads (sizeof(T) per element).
+  /// Bytes of retained K and V over all heads as stored: sizeof(T) per element, or a quantized
+  /// row's codes, scales and offsets (rounded up to whole elements of T).
   std::size_t kept_bytes() const {
-    std::size_t rows = 0;
-    for (const auto& h : heads_) rows += static_cast<std::size_t>(h.live());
-    return rows * row_bytes();
+    std::size_t bytes = 0;
+    for (const auto& h : heads_) bytes += static_cast<std::size_t>(h.live()) * h.slot_bytes();
+    return bytes;
   }
   /// Bytes the cache would hold if every token were kept: B·H·offset()·(Dk + Dv)·sizeof(T).
   std::size_t full_seq_bytes() const {
@@ -310,7 +326,9 @@ class KVCache {
   /// Heap bytes the cache holds right now (rows, bookkeeping, scratch, by capacity).
   std::size_t heap_bytes() const {
     std::size_t total = heads_.capacity() * sizeof(detail::HeadStore<T>) +
-                        scratch_.capacity() * sizeof(detail::Scratch);
+                        scratch_.capacity() * sizeof(detail::Scratch) +
+                        (view_copy_.first.size() + view_copy_.second.size()) * sizeof(T) +
+                        row_buf_.capacity() * sizeof(float);
     for (const auto& h : heads_) total += h.heap_bytes();
     for (const auto& s : scratch_) total += s.heap_bytes();
     return total;
@@ -339,7 +357,9 @@ class KVCache {
 
  protected:
   /// A policy's cache: `rule` says what the calls do with rows (docs/design.md 7.1).
-  explicit KVCache(const detail::Rule& rule) : rule_(rule) {}
+  /// `config` gives the storage of rows (key_bits, value_bits, quant_group; docs/design.md 2.9).
+  KVCache(const detail::Rule& rule, const KVCacheConfig& config)
+      : rule_(rule), storage_(storage_of(config)) {}
 
   /// Hook: before anything changes; may inspect the call's keys ([B, H, S, Dk], any input type)
   /// and throw.
@@ -405,6 +425,30 @@ class KVCache {
     return heads_[static_cast<std::size_t>(b * dims_.heads + h)];
   }
 
+  // How rows are stored: widths of keys and values (16: as T) and the group of quantized rows.
+  struct Storage {
+    int key_bits = 16, value_bits = 16, group = 32;
+    bool quantized() const { return key_bits < 16 || value_bits < 16; }
+  };
+  static Storage storage_of(const KVCacheConfig& c) {
+    return Storage{c.key_bits, c.value_bits, c.quant_group};
+  }
+  // The standard cache's: validates `c` first.
+  static Storage checked_storage(const KVCacheConfig& c) {
+    c.validate();
+    return storage_of(c);
+  }
+  // Floats of a row being dequantized: padded_dim of the wider head dim.
+  Index row_floats() const {
+    return detail::padded_dim(std::max(dims_.key_dim, dims_.value_dim));
+  }
+  detail::RowFormat key_format(Index dk) const {
+    return detail::RowFormat{storage_.key_bits, dk, storage_.group};
+  }
+  detail::RowFormat value_format(Index dv) const {
+    return detail::RowFormat{storage_.value_bits, dv, storage_.group};
+  }
+
   // Rows each head holds (the same for all heads), 0 before the first call.
   Index live_rows() const { return dims_.known ? heads_.front().live() : 0; }
 
@@ -422,14 +466,29 @@ class KVCache {
     detail::check_update<T>(keys, values, dims_, api);
     detail::check_rows_fit(live_rows(), keys.seq, api);
     if (queries) detail::check_queries(*queries, keys, api);
+    if (storage_.key_bits < 16) {
+      detail::check_quantizable(keys, key_format(keys.dim), "keys", "key_bits", api);
+    }
+    if (storage_.value_bits < 16) {
+      detail::check_quantizable(values, value_format(values.dim), "values", "value_bits", api);
+    }
     const Index S = keys.seq;
+    // A view of a quantized cache shows a dequantized copy of the window (docs/design.md 2.3).
+    const bool view_copy = !out && !att && storage_.quantized();
     // The output is sized first (the window is the retained rows plus the call's), so a bad_alloc
     // leaves the cache unchanged.
     if (out) resize_pair(*out, keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim);
+    if (view_copy) {
+      resize_pair(view_copy_, keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim);
+    }
+    if (storage_.quantized()) {
+      row_buf_.resize(static_cast<std::size_t>(detail::padded_dim(std::max(keys.dim, values.dim))));
+    }
     if (S == 0) {
       for (auto& h : heads_) h.compact();
       if (out && dims_.known) copy_retained(*out);
-      return make_view(live_rows(), 0, keys, values);
+      if (view_copy && dims_.known) copy_slots(view_copy_);
+      return make_view(live_rows(), 0, keys, values, view_copy);
     }
     // 2. The policy inspects the call (may throw); 3. storage and scratch are reserved (may
     // throw bad_alloc); 4. the policy starts the call (may throw before it changes anything).
@@ -449,7 +508,8 @@ class KVCache {
     offset_ += S;
     tokens_seen_ += dims_.batch * dims_.heads * S;
     if (out) copy_window(*out);
-    return make_view(heads_.front().physical(), S, keys, values);
+    if (view_copy) copy_slots(view_copy_);
+    return make_view(heads_.front().physical(), S, keys, values, view_copy);
   }
 
   // Reserves room for the call: fresh heads for a cache's first call (returned, swapped in by
@@ -464,7 +524,7 @@ class KVCache {
       const Index n = keys.batch * keys.heads;
       fresh.reserve(static_cast<std::size_t>(n));
       for (Index i = 0; i < n; ++i) {
-        fresh.emplace_back(keys.dim, values.dim);
+        fresh.emplace_back(key_format(keys.dim), value_format(values.dim));
         fresh.back().reserve(S);
       }
     } else {
@@ -535,12 +595,12 @@ class KVCache {
   }
 
   KVView<T> make_view(Index rows, Index new_rows, const detail::InputRows& keys,
-                      const detail::InputRows& values) const {
+                      const detail::InputRows& values, bool view_copy) const {
     if (!dims_.known) {
       return KVView<T>(&heads_, keys.batch, keys.heads, keys.dim, values.dim, 0, 0);
     }
     return KVView<T>(&heads_, dims_.batch, dims_.heads, dims_.key_dim, dims_.value_dim, rows,
-                     new_rows);
+                     new_rows, view_copy ? &view_copy_ : nullptr);
   }
 
   static void resize_pair(KVPair<T>& out, Index b, Index h, Index n, Index dk, Index dv) {
@@ -552,20 +612,27 @@ class KVCache {
 
   // The retained rows of every head in ascending position into `out` (resized if needed).
   void copy_retained(KVPair<T>& out) const {
-    copy_rows(out, [](const detail::HeadStore<T>& h, const auto& emit) {
+    std::vector<float> buf(storage_.quantized() ? static_cast<std::size_t>(row_floats()) : 0);
+    copy_rows(out, buf.data(), [](const detail::HeadStore<T>& h, const auto& emit) {
       for (const detail::Slot s : h.order()) emit(s);
     });
   }
   // The window of the call just made: the rows retained before it, then its own.
-  void copy_window(KVPair<T>& out) const {
-    copy_rows(out, [](const detail::HeadStore<T>& h, const auto& emit) {
+  void copy_window(KVPair<T>& out) {
+    copy_rows(out, row_buf_.data(), [](const detail::HeadStore<T>& h, const auto& emit) {
       for (const detail::Slot s : h.window()) emit(s);
       for (Index s = h.call_begin(); s < h.physical(); ++s) emit(s);
     });
   }
+  // Every head's slots [0, physical()) in slot order (a quantized cache's view; `out` is sized).
+  void copy_slots(KVPair<T>& out) {
+    copy_rows(out, row_buf_.data(), [](const detail::HeadStore<T>& h, const auto& emit) {
+      for (Index s = 0; s < h.physical(); ++s) emit(s);
+    });
+  }
   // Gathers, per head, the slots `each(head, emit)` emits: [B, H, n, D] twice.
   template <class Each>
-  void copy_rows(KVPair<T>& out, Each each) const {
+  void copy_rows(KVPair<T>& out, float* buf, Each each) const {
     Index n = 0;
     if (!heads_.empty()) each(heads_.front(), [&n](Index) { ++n; });
     resize_pair(out, dims_.batch, dims_.heads, n, dims_.key_dim, dims_.value_dim);
@@ -573,10 +640,16 @@ class KVCache {
     const auto dv = static_cast<std::size_t>(dims_.value_dim);
     T* kout = out.first.data();
     T* vout = out.second.data();
+    // A quantized row is dequantized through `buf` (float32, padded_dim(max(Dk, Dv))).
+    float* row = storage_.quantized() ? buf : nullptr;
     for (const auto& h : heads_) {
       each(h, [&](Index s) {
-        std::memcpy(kout, h.key_ptr(s), dk * sizeof(T));
-        std::memcpy(vout, h.value_ptr(s), dv * sizeof(T));
+        if (row) {
+          h.read_rows(s, kout, vout, row);
+        } else {
+          std::memcpy(kout, h.key_ptr(s), dk * sizeof(T));
+          std::memcpy(vout, h.value_ptr(s), dv * sizeof(T));
+        }
         kout += dk;
         vout += dv;
       });
@@ -591,6 +664,9 @@ class KVCache {
   detail::LayerDims dims_{};
   std::vector<detail::HeadStore<T>> heads_;
   std::vector<detail::Scratch> scratch_;
+  Storage storage_{};
+  KVPair<T> view_copy_;          // a quantized cache's view: the window dequantized
+  std::vector<float> row_buf_;  // [row_floats()]: a quantized row on its way out
   std::int64_t offset_ = 0;
   std::int64_t tokens_seen_ = 0;
   ParallelFor parallel_for_;

@@ -30,7 +30,45 @@ class KVCacheBuilder {
   template <class T = Eigen::half>
   static std::vector<std::unique_ptr<KVCache<T>>> for_model(
       const std::vector<std::optional<int>>& layer_head_dims, const KVCacheConfig& config) {
+    return build<T>(layer_head_dims, config, true);
+  }
+
+  /// for_model with every one of `n_layers` layers attention-bearing.
+  template <class T = Eigen::half>
+  static std::vector<std::unique_ptr<KVCache<T>>> for_model(int n_layers,
+                                                            const KVCacheConfig& config) {
+    if (n_layers < 0) {
+      throw std::invalid_argument("KVCacheBuilder::for_model: n_layers (" +
+                                  std::to_string(n_layers) + ") must be >= 0");
+    }
+    // The head dims are unknown: the caches learn D (and check quant_group against it) from the
+    // first call.
+    return build<T>(std::vector<std::optional<int>>(static_cast<std::size_t>(n_layers), 1), config,
+                    false);
+  }
+
+  /// Starts a new sequence: resets each distinct SqueezeCoordinator once, then every cache.
+  template <class T>
+  static void reset(std::vector<std::unique_ptr<KVCache<T>>>& caches) {
+    std::set<SqueezeCoordinator*> seen;
+    for (auto& c : caches) {
+      if (auto* sq = dynamic_cast<SqueezeAttentionCache<T>*>(c.get())) {
+        const auto coord = sq->coordinator();
+        if (coord && seen.insert(coord.get()).second) coord->reset();
+      }
+    }
+    for (auto& c : caches) c->reset();
+  }
+
+ private:
+  // for_model; `dims_known`: the head dims are real (quant_group must divide them when some
+  // width is below 16).
+  template <class T>
+  static std::vector<std::unique_ptr<KVCache<T>>> build(
+      const std::vector<std::optional<int>>& layer_head_dims, const KVCacheConfig& config,
+      bool dims_known) {
     config.validate();
+    const bool quantized = config.key_bits < 16 || config.value_bits < 16;
     std::vector<int> attention_layers;
     for (std::size_t i = 0; i < layer_head_dims.size(); ++i) {
       const std::optional<int>& d = layer_head_dims[i];
@@ -39,6 +77,12 @@ class KVCacheBuilder {
         throw std::invalid_argument("KVCacheBuilder::for_model: head dim of layer " +
                                     std::to_string(i) + " (" + std::to_string(*d) +
                                     ") must be >= 1");
+      }
+      if (dims_known && quantized && *d % config.quant_group != 0) {
+        throw std::invalid_argument("KVCacheBuilder::for_model: quant_group (" +
+                                    std::to_string(config.quant_group) +
+                                    ") must divide the head dim of layer " + std::to_string(i) +
+                                    " (" + std::to_string(*d) + ")");
       }
       attention_layers.push_back(static_cast<int>(i));
     }
@@ -76,32 +120,6 @@ class KVCacheBuilder {
       ++attn_index;
     }
     return caches;
-  }
-
-  /// for_model with every one of `n_layers` layers attention-bearing.
-  template <class T = Eigen::half>
-  static std::vector<std::unique_ptr<KVCache<T>>> for_model(int n_layers,
-                                                            const KVCacheConfig& config) {
-    if (n_layers < 0) {
-      throw std::invalid_argument("KVCacheBuilder::for_model: n_layers (" +
-                                  std::to_string(n_layers) + ") must be >= 0");
-    }
-    // The head dim only marks a layer as attention-bearing; the caches learn D from the first call.
-    return for_model<T>(std::vector<std::optional<int>>(static_cast<std::size_t>(n_layers), 1),
-                        config);
-  }
-
-  /// Starts a new sequence: resets each distinct SqueezeCoordinator once, then every cache.
-  template <class T>
-  static void reset(std::vector<std::unique_ptr<KVCache<T>>>& caches) {
-    std::set<SqueezeCoordinator*> seen;
-    for (auto& c : caches) {
-      if (auto* sq = dynamic_cast<SqueezeAttentionCache<T>*>(c.get())) {
-        const auto coord = sq->coordinator();
-        if (coord && seen.insert(coord.get()).second) coord->reset();
-      }
-    }
-    for (auto& c : caches) c->reset();
   }
 };
 

@@ -47,6 +47,9 @@ inline constexpr double kMaxPyramidBeta = 1e6;
 inline void check_budget(const char* field, long long v) {
   if (v < 1) config_error(field, v, "must be >= 1");
 }
+inline void check_bits(const char* field, long long v) {
+  if (v != 16 && v != 8 && v != 4) config_error(field, v, "must be 16, 8 or 4");
+}
 inline void check_non_negative(const char* field, long long v) {
   if (v < 0) config_error(field, v, "must be >= 0");
 }
@@ -112,6 +115,11 @@ struct KVCacheConfig {
   int snap_obs_window = 32;
   int snap_n_sink = 4;
 
+  // Storage of rows (docs/design.md 2.9): every method, every storage type
+  int key_bits = 16;     ///< 16 (rows of T), 8 or 4 (quantized in groups along D)
+  int value_bits = 16;   ///< the same for values, chosen independently
+  int quant_group = 32;  ///< elements per group (one half scale and offset each); divides D, >= 8
+
   /// Sets the rows-per-head budget of every method (docs/design.md 2.1): squeeze_budget,
   /// h2o_budget, pyramid_budget, tova_budget, snap_budget, and stream_window_size = rows -
   /// stream_n_sink. Checks nothing: validate() (or the cache that is built) does.
@@ -128,6 +136,11 @@ struct KVCacheConfig {
     if (!is_known_method(method)) {
       throw std::invalid_argument("KVCacheConfig: method '" + method +
                                   "' is unknown; valid methods: " + method_list());
+    }
+    check_bits("key_bits", key_bits);
+    check_bits("value_bits", value_bits);
+    if (quant_group < 8) {
+      config_error("quant_group", quant_group, "must be >= 8");
     }
     if (method == "squeeze") {
       check_budget("squeeze_budget", squeeze_budget);

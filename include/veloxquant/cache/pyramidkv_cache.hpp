@@ -28,7 +28,7 @@ template <class T = Eigen::half>
 class PyramidKVCache : public KVCache<T> {
  public:
   /// Validates `config` as method "pyramidkv"; throws std::invalid_argument.
-  explicit PyramidKVCache(const KVCacheConfig& config) : KVCache<T>(rule_of(config)) {}
+  explicit PyramidKVCache(const KVCacheConfig& config) : KVCache<T>(rule_of(config), config) {}
 
   using KVCache<T>::budget;
   using KVCache<T>::n_sink;

@@ -55,7 +55,7 @@ class SqueezeAttentionCache : public KVCache<T> {
   explicit SqueezeAttentionCache(const KVCacheConfig& config,
                                  std::optional<int> layer_id = std::nullopt,
                                  std::shared_ptr<SqueezeCoordinator> coordinator = nullptr)
-      : KVCache<T>(rule_of(config, layer_id, coordinator)),
+      : KVCache<T>(rule_of(config, layer_id, coordinator), config),
         config_(config),
         layer_id_(layer_id),
         coordinator_(std::move(coordinator)) {}

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "input.hpp"
+#include "quant.hpp"
 
 namespace veloxquant::cache::detail {
 
@@ -172,6 +173,39 @@ void check_update(const InputRows& keys, const InputRows& values, const LayerDim
         os << "non-finite key at [b=" << b << ", h=" << h << ", s=" << s << ", d=" << d
            << "] (value " << value << " after conversion to the storage type)";
         fail(os.str());
+      }
+    }
+  }
+}
+
+/// Throws std::invalid_argument for the rows of a call that a quantized format (quant.hpp) cannot
+/// hold: a head dim that quant_group does not divide, or an element that is not finite or beyond
+/// +-kHalfMax once converted to float32 (a group's offset and scale are halves). `what`: "keys"
+/// or "values"; `bits_field`: "key_bits" or "value_bits". rows: [B, H, S, D]
+inline void check_quantizable(const InputRows& rows, const RowFormat& f, const char* what,
+                              const char* bits_field, const char* api) {
+  if (rows.dim % f.group != 0) {
+    std::ostringstream os;
+    os << api << ": quant_group (" << f.group << ") must divide the " << what << "' head dim D ("
+       << rows.dim << ") when " << bits_field << " is " << f.bits;
+    throw std::invalid_argument(os.str());
+  }
+  std::vector<float> buf(static_cast<std::size_t>(rows.dim));
+  for (Index b = 0; b < rows.batch; ++b) {
+    for (Index h = 0; h < rows.heads; ++h) {
+      for (Index s = 0; s < rows.seq; ++s) {
+        with_row(rows, b, h, s, [&](const auto* p) {
+          for (Index d = 0; d < rows.dim; ++d) buf[static_cast<std::size_t>(d)] = static_cast<float>(p[d]);
+        });
+        for (Index d = 0; d < rows.dim; ++d) {
+          const float x = buf[static_cast<std::size_t>(d)];
+          if (std::abs(x) <= kHalfMax) continue;  // false for NaN
+          std::ostringstream os;
+          os << api << ": " << what << " element at [b=" << b << ", h=" << h << ", s=" << s
+             << ", d=" << d << "] (value " << x << ") is not finite or beyond +-65504, the range "
+             << "of quantized storage (" << bits_field << " " << f.bits << ")";
+          throw std::invalid_argument(os.str());
+        }
       }
     }
   }

@@ -7,6 +7,10 @@
 // (O(D)), so every row the current call returned stays addressable until then: the window of a
 // call is slots [0, physical()), the rows retained before it (`window()` lists them in ascending
 // position) followed by the call's rows in arrival order.
+//
+// Keys and values are each stored as T or quantized (quant.hpp, docs/design.md 7.4); a quantized
+// row takes whole elements of T (its bytes rounded up), so one buffer and one slot arithmetic
+// serve both kinds.
 #pragma once
 
 #include <Eigen/Core>
@@ -29,7 +33,14 @@ template <class T>
 class HeadStore {
  public:
   HeadStore() = default;
-  HeadStore(Index dk, Index dv) : dk_(dk), dv_(dv) {}
+  HeadStore(Index dk, Index dv) : HeadStore(RowFormat{16, dk, 0}, RowFormat{16, dv, 0}) {}
+  /// Rows of keys and values in the formats given (fmt.dim: the head dims).
+  HeadStore(const RowFormat& kf, const RowFormat& vf)
+      : dk_(kf.dim), dv_(vf.dim), kf_(kf), vf_(vf), ks_(stride_of(kf)), vs_(stride_of(vf)) {
+    if (kf.quantized() || vf.quantized()) {
+      row_buf_.resize(static_cast<std::size_t>(padded_dim(std::max(dk_, dv_))));
+    }
+  }
 
   Index key_dim() const { return dk_; }
   Index value_dim() const { return dv_; }
@@ -99,8 +110,8 @@ class HeadStore {
   Slot append(const U* key, const U* value, std::int64_t position) noexcept {
     VELOXQUANT_ASSERT(n_phys_ < cap_, "append beyond reserved capacity");
     const Index s = n_phys_++;
-    store_row(key, key_ptr(s), dk_);
-    store_row(value, value_ptr(s), dv_);
+    put_row(key, kf_, key_ptr(s));
+    put_row(value, vf_, value_ptr(s));
     pos_[at(s)] = position;
     score_[at(s)] = 0.0f;
     alive_[at(s)] = kAlive;
@@ -160,10 +171,23 @@ class HeadStore {
   /// The rows retained before the current call, ascending position (when begin_window kept it).
   const std::vector<Slot>& window() const { return window_; }
 
-  T* key_ptr(Index s) { return k_.data() + s * dk_; }
-  const T* key_ptr(Index s) const { return k_.data() + s * dk_; }
-  T* value_ptr(Index s) { return v_.data() + s * dv_; }
-  const T* value_ptr(Index s) const { return v_.data() + s * dv_; }
+  /// Slot s's stored key (value) row: dk (dv) elements of T, or a quantized row's bytes.
+  T* key_ptr(Index s) { return k_.data() + s * ks_; }
+  const T* key_ptr(Index s) const { return k_.data() + s * ks_; }
+  T* value_ptr(Index s) { return v_.data() + s * vs_; }
+  const T* value_ptr(Index s) const { return v_.data() + s * vs_; }
+  /// The stored rows as the kernels read them, slot = row index.
+  StoredRows<T> key_rows() const { return StoredRows<T>{k_.data(), ks_, kf_}; }
+  StoredRows<T> value_rows() const { return StoredRows<T>{v_.data(), vs_, vf_}; }
+  bool quantized() const { return kf_.quantized() || vf_.quantized(); }
+  /// Bytes one slot's key and value rows take (codes and scales of quantized rows).
+  std::size_t slot_bytes() const { return static_cast<std::size_t>(ks_ + vs_) * sizeof(T); }
+  /// Slot s's rows as T: key [dk], value [dv] (quantized rows dequantized; float32 through buf,
+  /// [padded_dim(max(dk, dv))]).
+  void read_rows(Index s, T* key, T* value, float* buf) const {
+    get_row(kf_, key_ptr(s), key, buf);
+    get_row(vf_, value_ptr(s), value, buf);
+  }
   const T* keys_data() const { return k_.data(); }
   const T* values_data() const { return v_.data(); }
   const std::int64_t* positions_data() const { return pos_.data(); }
@@ -178,6 +202,7 @@ class HeadStore {
   /// Heap bytes held by this head (all buffers, by capacity).
   std::size_t heap_bytes() const {
     return k_.capacity() * sizeof(T) + v_.capacity() * sizeof(T) +
+           row_buf_.capacity() * sizeof(float) +
            pos_.capacity() * sizeof(std::int64_t) + score_.capacity() * sizeof(float) +
            alive_.capacity() +
            (order_.capacity() + window_.capacity() + holes_.capacity()) * sizeof(Slot);
@@ -191,9 +216,34 @@ class HeadStore {
 
   static std::size_t at(Index s) { return static_cast<std::size_t>(s); }
 
+  // Elements of T one row of format f takes.
+  static Index stride_of(const RowFormat& f) {
+    if (!f.quantized()) return f.dim;
+    const auto size = static_cast<Index>(sizeof(T));
+    return (f.row_bytes() + size - 1) / size;
+  }
+
+  // One input row into its slot: converted to T, or quantized from float32.
+  template <class U>
+  void put_row(const U* src, const RowFormat& f, T* dst) noexcept {
+    if (!f.quantized()) return store_row(src, dst, f.dim);
+    float* x = row_buf_.data();
+    for (Index i = 0; i < f.dim; ++i) x[i] = static_cast<float>(src[i]);
+    quantize_row(x, f, reinterpret_cast<std::uint8_t*>(dst));
+  }
+  static void get_row(const RowFormat& f, const T* src, T* dst, float* buf) noexcept {
+    if (!f.quantized()) {
+      std::memcpy(dst, src, sizeof(T) * static_cast<std::size_t>(f.dim));
+      return;
+    }
+    const QuantRows one{reinterpret_cast<const std::uint8_t*>(src), 0, f};
+    dequantize_row(one, 0, buf);
+    store_row(buf, dst, f.dim);
+  }
+
   void move_slot(Index from, Index to) noexcept {
-    std::memcpy(key_ptr(to), key_ptr(from), sizeof(T) * static_cast<std::size_t>(dk_));
-    std::memcpy(value_ptr(to), value_ptr(from), sizeof(T) * static_cast<std::size_t>(dv_));
+    std::memcpy(key_ptr(to), key_ptr(from), sizeof(T) * static_cast<std::size_t>(ks_));
+    std::memcpy(value_ptr(to), value_ptr(from), sizeof(T) * static_cast<std::size_t>(vs_));
     pos_[at(to)] = pos_[at(from)];
     score_[at(to)] = score_[at(from)];
     alive_[at(to)] = kAlive;
@@ -203,8 +253,8 @@ class HeadStore {
   void reallocate(Index rows) {
     const auto r = static_cast<std::size_t>(rows);
     const auto used = static_cast<std::size_t>(n_phys_);
-    std::vector<T> k(r * static_cast<std::size_t>(dk_));
-    std::vector<T> v(r * static_cast<std::size_t>(dv_));
+    std::vector<T> k(r * static_cast<std::size_t>(ks_));
+    std::vector<T> v(r * static_cast<std::size_t>(vs_));
     std::vector<std::int64_t> pos(r);
     std::vector<float> score(r);
     std::vector<std::uint8_t> alive(r, kDead);
@@ -215,8 +265,8 @@ class HeadStore {
     std::vector<Slot> holes;
     holes.reserve(r);
     // No-throw from here on.
-    std::copy_n(k_.begin(), used * static_cast<std::size_t>(dk_), k.begin());
-    std::copy_n(v_.begin(), used * static_cast<std::size_t>(dv_), v.begin());
+    std::copy_n(k_.begin(), used * static_cast<std::size_t>(ks_), k.begin());
+    std::copy_n(v_.begin(), used * static_cast<std::size_t>(vs_), v.begin());
     std::copy_n(pos_.begin(), used, pos.begin());
     std::copy_n(score_.begin(), used, score.begin());
     std::copy_n(alive_.begin(), used, alive.begin());
@@ -237,11 +287,14 @@ class HeadStore {
 
   Index dk_ = 0;
   Index dv_ = 0;
+  RowFormat kf_, vf_;
+  Index ks_ = 0, vs_ = 0;  // elements of T per key (value) row
   Index n_phys_ = 0;
   Index cap_ = 0;
   Index call_begin_ = 0;
-  std::vector<T> k_;                 // [cap, Dk]
-  std::vector<T> v_;                 // [cap, Dv]
+  std::vector<T> k_;                 // [cap, ks_]: Dk of T, or a quantized row's bytes
+  std::vector<T> v_;                 // [cap, vs_]
+  std::vector<float> row_buf_;       // [padded_dim(max(Dk, Dv))]: the row being quantized
   std::vector<std::int64_t> pos_;    // [cap]
   std::vector<float> score_;         // [cap]
   std::vector<std::uint8_t> alive_;  // [cap]

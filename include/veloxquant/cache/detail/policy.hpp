@@ -269,17 +269,17 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
         if (q) {
           q.read(gi, i0 + t, dst);
         } else {
-          load_query_row(head.key_ptr(first + i0 + t), d, dst);
+          load_stored_row(head.key_rows(), first + i0 + t, d, dst);
         }
       }
     }
     float* lg = sc.logits.data();
     if (packed) {
-      pack_keys(head.keys_data(), d, packed_upto, ncols, d, sc.packed.data(), sc.keys.data());
+      pack_keys(head.key_rows(), packed_upto, ncols, d, sc.packed.data(), sc.keys.data());
       packed_upto = ncols;
       logits_packed(qrows, nb * G, dp, sc.packed.data(), ncols, d, scale, lg, ld, sc.keys.data());
     } else {
-      logits(qrows, nb * G, dp, head.keys_data(), d, slot, ncols, d, scale, lg, ld, sc.keys.data());
+      logits(qrows, nb * G, dp, head.key_rows(), slot, ncols, d, scale, lg, ld, sc.keys.data());
     }
     if (holes) {
       for (Index c = 0; c < first; ++c) {
@@ -310,7 +310,7 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
         if (!evict && !att) continue;
         softmax_mean(rows_t, G, ld, ct + 1, w, sc.inv.data());  // over every row, itself included
         if (att) {
-          weighted_rows(rows_t, ld, sc.inv.data(), G, head.values_data(), head.value_dim(), ct + 1,
+          weighted_rows(rows_t, ld, sc.inv.data(), G, head.value_rows(), head.value_dim(), ct + 1,
                         att.row(i0 + t, 0), att.stride());
         }
         if (!evict) continue;
@@ -329,7 +329,7 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
         // Over the rows retained before the call and the call's rows up to itself.
         softmax_mean(rows_t, G, ld, ct + 1, w, sc.inv.data());
         if (att) {
-          weighted_rows(rows_t, ld, sc.inv.data(), G, head.values_data(), head.value_dim(), ct + 1,
+          weighted_rows(rows_t, ld, sc.inv.data(), G, head.value_rows(), head.value_dim(), ct + 1,
                         att.row(i0 + t, 0), att.stride());
         }
         decay_accumulate(score, w, ct + 1, rule.decay);
@@ -393,14 +393,14 @@ void compress_prompt(HeadStore<T>& head, const Rule& rule, Index count, const He
       if (q) {
         q.read(gi, count - w + t, dst);
       } else {
-        load_query_row(head.key_ptr(first + count - w + t), d, dst);
+        load_stored_row(head.key_rows(), first + count - w + t, d, dst);
       }
     }
   }
   const Index ld = Scratch::ld(count);
   float* lg = sc.logits.data();
   float* mean = sc.weights.data();
-  logits(qrows, w * G, dp, head.key_ptr(first), d, nullptr, count, d,
+  logits(qrows, w * G, dp, head.key_rows().from(first), nullptr, count, d,
          1.0f / std::sqrt(static_cast<float>(d)), lg, ld, sc.keys.data());
   softmax_mean(lg, w * G, ld, count, mean);
   for (Index i = 0; i < count; ++i) {
@@ -445,18 +445,18 @@ void attend_window(const HeadStore<T>& head, Index count, const HeadQueries& q,
     }
     if (count > 1) {
       // Each block packs only its own keys' columns (the earlier ones are there already).
-      pack_keys(head.keys_data(), d, i0 == 0 ? 0 : first + i0, ncols, d, sc.packed.data(),
+      pack_keys(head.key_rows(), i0 == 0 ? 0 : first + i0, ncols, d, sc.packed.data(),
                 sc.keys.data());
       logits_packed(qrows, nb * G, dp, sc.packed.data(), ncols, d, scale, lg, ld, sc.keys.data());
     } else {
-      logits(qrows, nb * G, dp, head.keys_data(), d, nullptr, ncols, d, scale, lg, ld,
+      logits(qrows, nb * G, dp, head.key_rows(), nullptr, ncols, d, scale, lg, ld,
              sc.keys.data());
     }
     for (Index t = 0; t < nb; ++t) {
       float* rows_t = lg + t * G * ld;
       const Index n = first + i0 + t + 1;
       softmax_mean(rows_t, G, ld, n, nullptr, sc.inv.data());
-      weighted_rows(rows_t, ld, sc.inv.data(), G, head.values_data(), head.value_dim(), n,
+      weighted_rows(rows_t, ld, sc.inv.data(), G, head.value_rows(), head.value_dim(), n,
                     att.row(i0 + t, 0), att.stride());
     }
   }

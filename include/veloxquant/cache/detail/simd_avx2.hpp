@@ -35,6 +35,14 @@ inline V vload_row(const Eigen::bfloat16* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
+/// Quantized codes (docs/design.md 7.4) as float32: kLanes bytes (B = 8), or the low (Hi = false)
+/// or high nibbles of kLanes bytes (B = 4).
+template <int B, bool Hi = false>
+inline V vcodes(const std::uint8_t* p) {
+  __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  if (B == 4) c = Hi ? _mm256_srli_epi32(c, 4) : _mm256_and_si256(c, _mm256_set1_epi32(0x0F));
+  return _mm256_cvtepi32_ps(c);
+}
 inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
 inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
 inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }

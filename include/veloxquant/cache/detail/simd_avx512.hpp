@@ -34,6 +34,14 @@ inline V vload_row(const Eigen::bfloat16* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
+/// Quantized codes (docs/design.md 7.4) as float32: kLanes bytes (B = 8), or the low (Hi = false)
+/// or high nibbles of kLanes bytes (B = 4).
+template <int B, bool Hi = false>
+inline V vcodes(const std::uint8_t* p) {
+  __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  if (B == 4) c = Hi ? _mm512_srli_epi32(c, 4) : _mm512_and_si512(c, _mm512_set1_epi32(0x0F));
+  return _mm512_cvtepi32_ps(c);
+}
 inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
 inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }

@@ -25,6 +25,14 @@
 #define VELOXQUANT_DETAIL_TARGET_AVX512_END _Pragma("GCC diagnostic pop") _Pragma("GCC pop_options")
 #endif
 
+/// Fully unrolls the loop that follows (small constant trip counts over named-register arrays:
+/// without it -O2 may keep the arrays in memory).
+#if defined(__GNUC__) || defined(__clang__)
+#define VELOXQUANT_DETAIL_UNROLL _Pragma("GCC unroll 16")
+#else
+#define VELOXQUANT_DETAIL_UNROLL
+#endif
+
 namespace veloxquant::cache::detail {
 
 /// Weights below exp(-87) (the bottom of float32's normal range) are taken as exactly 0: rows that

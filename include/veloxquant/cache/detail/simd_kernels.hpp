@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "cpu.hpp"
+#include "quant.hpp"
 #include "simd_common.hpp"
 
 #if VELOXQUANT_DETAIL_X86
@@ -152,6 +153,73 @@ template <class Q>
 inline void load_query_row(const Q* src, Index d, float* dst) {
   for (Index i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
   for (Index i = d; i < padded_dim(d); ++i) dst[i] = 0.0f;
+}
+
+// ---- Stored rows of either kind (docs/design.md 7.4): T rows go to the kernels above, quantized
+// rows to their counterparts, which dequantize in registers and give the values the kernels above
+// give on the dequantized rows as float32.
+
+/// logits over stored key rows (row j: (idx ? idx[j] : j)). As logits() above.
+template <class T>
+inline void logits(const float* q, Index m, Index ldq, const StoredRows<T>& keys,
+                   const std::int32_t* idx, Index n, Index d, float scale, float* out, Index ldo,
+                   float* kbuf) {
+  if (!keys.quantized()) {
+    return logits(q, m, ldq, keys.data, keys.stride, idx, n, d, scale, out, ldo, kbuf);
+  }
+  const QuantRows r = keys.bytes();
+  VELOXQUANT_DETAIL_DISPATCH(qlogits(q, m, ldq, r, idx, n, scale, out, ldo, kbuf));
+}
+
+/// pack_keys over stored key rows [j0, j1). As pack_keys() above.
+template <class T>
+inline void pack_keys(const StoredRows<T>& keys, Index j0, Index j1, Index d, float* kt,
+                      float* buf) {
+  if (!keys.quantized()) return pack_keys(keys.data, keys.stride, j0, j1, d, kt, buf);
+  const QuantRows r = keys.bytes();
+  VELOXQUANT_DETAIL_DISPATCH(qpack_keys(r, j0, j1, kt, buf));
+}
+
+/// weighted_rows over the first n stored value rows. As weighted_rows() above.
+template <class T>
+inline void weighted_rows(const float* e, Index lde, const float* inv, Index rows,
+                          const StoredRows<T>& values, Index dv, Index n, float* out, Index ldo) {
+  if (!values.quantized()) {
+    return weighted_rows(e, lde, inv, rows, values.data, dv, n, out, ldo);
+  }
+  const QuantRows r = values.bytes();
+  VELOXQUANT_DETAIL_DISPATCH(qweighted_rows(e, lde, inv, rows, r, n, out, ldo));
+}
+
+/// Row j of quantized rows dequantized to float32: out [padded_dim(d)], zero-padded.
+inline void dequantize_row(const QuantRows& rows, Index j, float* out) {
+  const auto pad = [&] {
+    for (Index k = rows.fmt.dim; k < padded_dim(rows.fmt.dim); ++k) out[k] = 0.0f;
+  };
+#if VELOXQUANT_DETAIL_X86
+  switch (active_simd_level()) {
+    case SimdLevel::avx512:
+      avx512::qload_padded_row(rows, j, out);
+      return pad();
+    case SimdLevel::avx2:
+      avx2::qload_padded_row(rows, j, out);
+      return pad();
+    case SimdLevel::sse2:
+      sse2::qload_padded_row(rows, j, out);
+      return pad();
+    case SimdLevel::scalar:
+      break;
+  }
+#endif
+  scalar::qload_padded_row(rows, j, out);
+  pad();
+}
+
+/// Stored row j as float32 (the key-as-query row): dst [padded_dim(d)], zero-padded.
+template <class T>
+inline void load_stored_row(const StoredRows<T>& rows, Index j, Index d, float* dst) {
+  if (rows.quantized()) return dequantize_row(rows.bytes(), j, dst);
+  load_query_row(rows.data + j * rows.stride, d, dst);
 }
 
 #undef VELOXQUANT_DETAIL_DISPATCH

@@ -147,25 +147,19 @@ inline void logits_4x2(const float* q, Index ldq, const T* keys, Index key_strid
   }
 }
 
-template <class T>
-inline void logits(const float* q, Index m, Index ldq, const T* keys, Index key_stride,
-                   const std::int32_t* idx, Index n, Index d, float scale, float* out, Index ldo,
-                   float* kbuf) {
-  if (d % kLanes == 0 && m == 1) return logits_1x8(q, keys, key_stride, idx, n, d, scale, out);
-  if (d % kLanes == 0 && m == 4) {
-    return logits_4x2(q, ldq, keys, key_stride, idx, n, d, scale, out, ldo);
-  }
-  if (d % kLanes == 0 && m == 2) {
-    return logits_2x4(q, ldq, keys, key_stride, idx, n, d, scale, out, ldo);
-  }
+/// The general logits: four keys at a time are converted to float32 by load(row, dst) (row: the
+/// key's index, dst: [padded_lanes(d)], zero-padded) into kbuf ([4, padded_lanes(d)]) and met by
+/// every query row, two rows at a time. idx, n, d, q, out as in logits().
+template <class Load>
+inline void logits_buffered(const float* q, Index m, Index ldq, const std::int32_t* idx, Index n,
+                            Index d, float scale, float* out, Index ldo, float* kbuf, Load load) {
   const Index dp = padded_lanes(d);
   for (Index j0 = 0; j0 < n; j0 += 4) {
     const Index nj = n - j0 < 4 ? n - j0 : 4;
     for (Index j = 0; j < 4; ++j) {
       float* dst = kbuf + j * dp;
       if (j < nj) {
-        const Index row = idx ? idx[j0 + j] : j0 + j;
-        load_padded_row(keys + row * key_stride, d, dst);
+        load(idx ? idx[j0 + j] : j0 + j, dst);
       } else {
         for (Index k = 0; k < dp; k += kLanes) vstore(dst + k, vzero());
       }
@@ -218,6 +212,22 @@ inline void logits(const float* q, Index m, Index ldq, const T* keys, Index key_
       for (Index j = 0; j < nj; ++j) oa[j] = sums[j] * scale;
     }
   }
+}
+
+template <class T>
+inline void logits(const float* q, Index m, Index ldq, const T* keys, Index key_stride,
+                   const std::int32_t* idx, Index n, Index d, float scale, float* out, Index ldo,
+                   float* kbuf) {
+  if (d % kLanes == 0 && m == 1) return logits_1x8(q, keys, key_stride, idx, n, d, scale, out);
+  if (d % kLanes == 0 && m == 4) {
+    return logits_4x2(q, ldq, keys, key_stride, idx, n, d, scale, out, ldo);
+  }
+  if (d % kLanes == 0 && m == 2) {
+    return logits_2x4(q, ldq, keys, key_stride, idx, n, d, scale, out, ldo);
+  }
+  logits_buffered(q, m, ldq, idx, n, d, scale, out, ldo, kbuf, [&](Index row, float* dst) {
+    load_padded_row(keys + row * key_stride, d, dst);
+  });
 }
 
 /// Loads x[i, i + kLanes) where fewer than kLanes remain before n: the rest is `pad`.
@@ -527,4 +537,300 @@ inline void convert_row(const U* src, T* dst, Index n) {
   Index i = 0;
   for (; i + kLanes <= n; i += kLanes) vstore_row(dst + i, vload_row(src + i));
   for (; i < n; ++i) dst[i] = static_cast<T>(static_cast<float>(src[i]));
+}
+
+// ---- Quantized rows (docs/design.md 7.4) --------------------------------------------------------
+// Every read of a quantized element is offset + code * scale through the path's multiply-add, in
+// registers; the kernels below then run the very chains of their float32 counterparts, so a
+// quantized cache scores and attends exactly as a float32 cache holding the dequantized rows.
+
+/// True when every vector of kLanes elements of a row lies in one group (and in one half of a
+/// 4-bit group): the kernels then take a group's scale and offset once per row and group.
+inline bool q_in_lanes(const RowFormat& f) {
+  return f.bits == 8 ? f.group % kLanes == 0 : f.group % 2 == 0 && f.group_bytes() % kLanes == 0;
+}
+
+/// Dequantized elements [k, k + kLanes) of a quantized row in any format, lane by lane (the
+/// general path); lanes at or beyond f.dim are 0.
+inline V qload_lanes(const std::uint8_t* row, const RowFormat& f, Index k) {
+  float cbuf[kLanes], sbuf[kLanes], obuf[kLanes];
+  float* c = opaque(cbuf);
+  float* s = opaque(sbuf);
+  float* o = opaque(obuf);
+  for (Index j = 0; j < kLanes; ++j) {
+    c[j] = s[j] = o[j] = 0.0f;
+    if (k + j < f.dim) {
+      c[j] = static_cast<float>(element_code(row, f, k + j));
+      group_scale_offset(row, f, (k + j) / f.group, s[j], o[j]);
+    }
+  }
+  return vmadd(vload(c), vload(s), vload(o));
+}
+
+/// Walks the vectors of a row of a q_in_lanes format in ascending element order: on_group(g) at
+/// the start of group g, then on_vec(k, c, hi) per vector: its first element k, the offset c of
+/// its code bytes in the row and hi (std::true_type: high nibbles) as a type.
+template <int B, class OnGroup, class OnVec>
+inline void q_walk(const RowFormat& f, OnGroup on_group, OnVec on_vec) {
+  const Index gb = f.group_bytes(), groups = f.groups();
+  for (Index g = 0; g < groups; ++g) {
+    on_group(g);
+    const Index k0 = g * f.group, c0 = g * gb;
+    for (Index e = 0; e < gb; e += kLanes) on_vec(k0 + e, c0 + e, std::false_type{});
+    if constexpr (B == 4) {
+      for (Index e = 0; e < gb; e += kLanes) on_vec(k0 + gb + e, c0 + e, std::true_type{});
+    }
+  }
+}
+
+/// Row j of `rows` dequantized to float32 into out ([padded_lanes(d)], zero-padded).
+inline void qload_padded_row(const QuantRows& rows, Index j, float* out) {
+  const RowFormat& f = rows.fmt;
+  const std::uint8_t* row = rows.row(j);
+  if (!q_in_lanes(f)) {
+    for (Index k = 0; k < f.dim; k += kLanes) vstore(out + k, qload_lanes(row, f, k));
+    return;
+  }
+  V s = vzero(), o = vzero();
+  const auto group = [&](Index g) {
+    float sf, of;
+    group_scale_offset(row, f, g, sf, of);
+    s = vset(sf);
+    o = vset(of);
+  };
+  if (f.bits == 8) {
+    q_walk<8>(f, group, [&](Index k, Index c, auto) {
+      vstore(out + k, vmadd(vcodes<8>(row + c), s, o));
+    });
+  } else {
+    q_walk<4>(f, group, [&](Index k, Index c, auto hi) {
+      vstore(out + k, vmadd(vcodes<4, decltype(hi)::value>(row + c), s, o));
+    });
+  }
+}
+
+/// logits over quantized keys for R (1, 2 or 4) query rows, K (4 or 2) keys at a time: each key
+/// vector is dequantized once in registers and met by the R rows. Chains as logits_1x8. q: [R,
+/// ldq]; out: [R, ldo].
+template <int R, int K, int B>
+inline void qlogits_tile(const float* q, Index ldq, const QuantRows& keys, const std::int32_t* idx,
+                         Index n, float scale, float* out, Index ldo) {
+  static_assert(R * K == 4 || R * K == 8, "tiles of four or eight logits");
+  const RowFormat& f = keys.fmt;
+  for (Index j0 = 0; j0 < n; j0 += K) {
+    const Index nj = n - j0 < K ? n - j0 : K;
+    const std::uint8_t* r[K];
+    VELOXQUANT_DETAIL_UNROLL
+    for (int j = 0; j < K; ++j) {
+      const Index at = j < nj ? j0 + j : j0;
+      r[j] = keys.row(idx ? idx[at] : at);
+    }
+    V acc[R * K], s[K], o[K];
+    VELOXQUANT_DETAIL_UNROLL
+    for (int a = 0; a < R * K; ++a) acc[a] = vzero();
+    q_walk<B>(
+        f,
+        [&](Index g) {
+          VELOXQUANT_DETAIL_UNROLL
+          for (int j = 0; j < K; ++j) {
+            float sf, of;
+            group_scale_offset(r[j], f, g, sf, of);
+            s[j] = vset(sf);
+            o[j] = vset(of);
+          }
+        },
+        [&](Index k, Index c, auto hi) {
+          V x[K];
+          VELOXQUANT_DETAIL_UNROLL
+          for (int j = 0; j < K; ++j) {
+            x[j] = vmadd(vcodes<B, decltype(hi)::value>(r[j] + c), s[j], o[j]);
+            vpin(x[j]);
+          }
+          VELOXQUANT_DETAIL_UNROLL
+          for (int i = 0; i < R; ++i) {
+            const V w = vload(q + i * ldq + k);
+            VELOXQUANT_DETAIL_UNROLL
+            for (int j = 0; j < K; ++j) acc[i * K + j] = vmadd(w, x[j], acc[i * K + j]);
+          }
+        });
+    float sums_buf[8];
+    float* sums = opaque(sums_buf);
+    vreduce_add4(acc[0], acc[1], acc[2], acc[3], sums);
+    if constexpr (R * K == 8) vreduce_add4(acc[4], acc[5], acc[6], acc[7], sums + 4);
+    for (int i = 0; i < R; ++i) {
+      for (Index j = 0; j < nj; ++j) out[i * ldo + j0 + j] = sums[i * K + j] * scale;
+    }
+  }
+}
+
+/// logits (above) over quantized keys: out[i * ldo + j] = scale * (q_i . k_j) with k_j row
+/// (idx ? idx[j] : j) of `keys` dequantized. The same value as logits() over the dequantized
+/// rows as float32, whichever kernel runs. kbuf: [4, padded_lanes(d)].
+inline void qlogits(const float* q, Index m, Index ldq, const QuantRows& keys,
+                    const std::int32_t* idx, Index n, float scale, float* out, Index ldo,
+                    float* kbuf) {
+  const RowFormat& f = keys.fmt;
+  if (q_in_lanes(f) && (m == 1 || m == 2 || m == 4)) {
+    const bool b8 = f.bits == 8;
+    if (m == 1) {
+      return b8 ? qlogits_tile<1, 4, 8>(q, ldq, keys, idx, n, scale, out, ldo)
+                : qlogits_tile<1, 4, 4>(q, ldq, keys, idx, n, scale, out, ldo);
+    }
+    if (m == 2) {
+      return b8 ? qlogits_tile<2, 2, 8>(q, ldq, keys, idx, n, scale, out, ldo)
+                : qlogits_tile<2, 2, 4>(q, ldq, keys, idx, n, scale, out, ldo);
+    }
+    return b8 ? qlogits_tile<4, 2, 8>(q, ldq, keys, idx, n, scale, out, ldo)
+              : qlogits_tile<4, 2, 4>(q, ldq, keys, idx, n, scale, out, ldo);
+  }
+  logits_buffered(q, m, ldq, idx, n, f.dim, scale, out, ldo, kbuf,
+                  [&](Index row, float* dst) { qload_padded_row(keys, row, dst); });
+}
+
+/// pack_keys over quantized keys: rows [j0, j1) dequantized into the tiles of logits_packed.
+/// buf: [padded_lanes(d)]
+inline void qpack_keys(const QuantRows& keys, Index j0, Index j1, float* kt, float* buf) {
+  constexpr Index kW = 2 * kLanes;
+  const Index d = keys.fmt.dim;
+  for (Index j = j0; j < j1; ++j) {
+    qload_padded_row(keys, j, buf);
+    float* col = kt + (j / kW) * d * kW + j % kW;
+    for (Index k = 0; k < d; ++k) col[k * kW] = buf[k];
+  }
+}
+
+/// Where vector [k, k + kLanes) of a quantized row sits (q_in_lanes formats): its group, the
+/// offset of its code bytes, and whether it is a group's high nibbles.
+struct QVec {
+  Index group = 0, code = 0;
+  bool hi = false;
+};
+inline QVec q_vec_at(const RowFormat& f, Index k) {
+  QVec v;
+  v.group = k / f.group;
+  const Index e = k % f.group, gb = f.group_bytes();
+  v.hi = f.bits == 4 && e >= gb;
+  v.code = v.group * gb + (v.hi ? e - gb : e);
+  return v;
+}
+/// One vector of a quantized row at v, dequantized with the group's scale s and offset o.
+template <int B>
+inline V qvec_load(const std::uint8_t* row, const QVec& v, V s, V o) {
+  if constexpr (B == 8) {
+    return vmadd(vcodes<8>(row + v.code), s, o);
+  } else {
+    return vmadd(v.hi ? vcodes<4, true>(row + v.code) : vcodes<4, false>(row + v.code), s, o);
+  }
+}
+
+/// weighted_slice over quantized value rows: B = 8 or 4 for q_in_lanes formats (a vector's
+/// scale and offset once per row), 0 for any format (lane by lane). Chains as weighted_slice.
+template <int R, int W, int B>
+inline void qweighted_slice(const float* e, Index lde, const float* inv, const QuantRows& values,
+                            Index n, Index k, Index width, float* out, Index ldo) {
+  const RowFormat& f = values.fmt;
+  V a0 = vzero(), a1 = vzero(), b0 = vzero(), b1 = vzero();
+  V c0 = vzero(), c1 = vzero(), d0 = vzero(), d1 = vzero();
+  const float* e0 = e;
+  const float* e1 = e + lde;
+  const float* e2 = e + 2 * lde;
+  const float* e3 = e + 3 * lde;
+  QVec v0, v1;
+  if constexpr (B != 0) {
+    v0 = q_vec_at(f, k);
+    if constexpr (W == 2) v1 = q_vec_at(f, k + kLanes);
+  }
+  const std::uint8_t* row = values.data;
+  for (Index c = 0; c < n; ++c, row += values.stride) {
+    V x0, x1 = vzero();
+    if constexpr (B == 0) {
+      x0 = qload_lanes(row, f, k);
+      if constexpr (W == 2) x1 = qload_lanes(row, f, k + kLanes);
+    } else {
+      float sf, of;
+      group_scale_offset(row, f, v0.group, sf, of);
+      V s = vset(sf), o = vset(of);
+      x0 = qvec_load<B>(row, v0, s, o);
+      if constexpr (W == 2) {
+        if (v1.group != v0.group) {
+          group_scale_offset(row, f, v1.group, sf, of);
+          s = vset(sf);
+          o = vset(of);
+        }
+        x1 = qvec_load<B>(row, v1, s, o);
+      }
+    }
+    const V w0 = vset(e0[c]);
+    a0 = vmadd(w0, x0, a0);
+    if constexpr (W == 2) a1 = vmadd(w0, x1, a1);
+    if constexpr (R >= 2) {
+      const V w1 = vset(e1[c]);
+      b0 = vmadd(w1, x0, b0);
+      if constexpr (W == 2) b1 = vmadd(w1, x1, b1);
+    }
+    if constexpr (R >= 4) {
+      const V w2 = vset(e2[c]), w3 = vset(e3[c]);
+      c0 = vmadd(w2, x0, c0);
+      d0 = vmadd(w3, x0, d0);
+      if constexpr (W == 2) {
+        c1 = vmadd(w2, x1, c1);
+        d1 = vmadd(w3, x1, d1);
+      }
+    }
+  }
+  const auto put = [&](Index r, V lo, V hi) {
+    float* o = out + r * ldo + k;
+    const V s = vset(inv[r]);
+    if constexpr (W == 0) {
+      store_tail(o, width, vmul(lo, s));
+    } else {
+      vstore(o, vmul(lo, s));
+      if constexpr (W == 2) vstore(o + kLanes, vmul(hi, s));
+    }
+  };
+  put(0, a0, a1);
+  if constexpr (R >= 2) put(1, b0, b1);
+  if constexpr (R >= 4) {
+    put(2, c0, c1);
+    put(3, d0, d1);
+  }
+}
+
+template <int R, int B>
+inline void qweighted_group(const float* e, Index lde, const float* inv, const QuantRows& values,
+                            Index n, float* out, Index ldo) {
+  const Index dv = values.fmt.dim;
+  Index k = 0;
+  for (; k + 2 * kLanes <= dv; k += 2 * kLanes) {
+    qweighted_slice<R, 2, B>(e, lde, inv, values, n, k, 2 * kLanes, out, ldo);
+  }
+  if (k + kLanes <= dv) {
+    qweighted_slice<R, 1, B>(e, lde, inv, values, n, k, kLanes, out, ldo);
+    k += kLanes;
+  }
+  if (k < dv) qweighted_slice<R, 0, 0>(e, lde, inv, values, n, k, dv - k, out, ldo);
+}
+
+template <int B>
+inline void qweighted_rows_b(const float* e, Index lde, const float* inv, Index rows,
+                             const QuantRows& values, Index n, float* out, Index ldo) {
+  Index r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    qweighted_group<4, B>(e + r * lde, lde, inv + r, values, n, out + r * ldo, ldo);
+  }
+  if (r + 2 <= rows) {
+    qweighted_group<2, B>(e + r * lde, lde, inv + r, values, n, out + r * ldo, ldo);
+    r += 2;
+  }
+  if (r < rows) qweighted_group<1, B>(e + r * lde, lde, inv + r, values, n, out + r * ldo, ldo);
+}
+
+/// weighted_rows over the first n quantized value rows (the same values as weighted_rows over
+/// them dequantized to float32). e: [rows, lde], inv: [rows], out: row r at out + r * ldo.
+inline void qweighted_rows(const float* e, Index lde, const float* inv, Index rows,
+                           const QuantRows& values, Index n, float* out, Index ldo) {
+  const RowFormat& f = values.fmt;
+  if (!q_in_lanes(f)) return qweighted_rows_b<0>(e, lde, inv, rows, values, n, out, ldo);
+  if (f.bits == 8) return qweighted_rows_b<8>(e, lde, inv, rows, values, n, out, ldo);
+  qweighted_rows_b<4>(e, lde, inv, rows, values, n, out, ldo);
 }

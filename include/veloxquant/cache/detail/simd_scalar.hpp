@@ -46,6 +46,17 @@ inline V vload_row(const T* p) {
   for (int i = 0; i < kLanes; ++i) r.x[i] = static_cast<float>(p[i]);
   return r;
 }
+/// Quantized codes (docs/design.md 7.4) as float32: kLanes bytes (B = 8), or the low (Hi = false)
+/// or high nibbles of kLanes bytes (B = 4).
+template <int B, bool Hi = false>
+inline V vcodes(const std::uint8_t* p) {
+  V r;
+  for (int i = 0; i < kLanes; ++i) {
+    const int c = B == 8 ? p[i] : Hi ? p[i] >> 4 : p[i] & 0x0F;
+    r.x[i] = static_cast<float>(c);
+  }
+  return r;
+}
 inline V vadd(V a, V b) {
   for (int i = 0; i < kLanes; ++i) a.x[i] += b.x[i];
   return a;

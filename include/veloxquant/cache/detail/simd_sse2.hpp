@@ -9,6 +9,7 @@
 #include <emmintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include <Eigen/Core>
 
@@ -43,6 +44,17 @@ inline V vload_row(const Eigen::half* p) {
 inline V vload_row(const Eigen::bfloat16* p) {
   const __m128i w = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), w));
+}
+/// Quantized codes (docs/design.md 7.4) as float32: kLanes bytes (B = 8), or the low (Hi = false)
+/// or high nibbles of kLanes bytes (B = 4).
+template <int B, bool Hi = false>
+inline V vcodes(const std::uint8_t* p) {
+  int w;
+  std::memcpy(&w, p, sizeof(w));
+  const __m128i z = _mm_setzero_si128();
+  __m128i c = _mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(w), z), z);
+  if (B == 4) c = Hi ? _mm_srli_epi32(c, 4) : _mm_and_si128(c, _mm_set1_epi32(0x0F));
+  return _mm_cvtepi32_ps(c);
 }
 inline V vadd(V a, V b) { return _mm_add_ps(a, b); }
 inline V vsub(V a, V b) { return _mm_sub_ps(a, b); }
