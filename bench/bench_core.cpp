@@ -24,6 +24,9 @@
 //                                 head its 4 query rows meet each key and value row once (F16C)
 //   BM_DecodeGQAF32Gemm/rows      the same over fp32 rows with Eigen: [4, D] x [D, n], softmax,
 //                                 [4, n] x [n, D]
+//   BM_DecodeAttendQuant/budget/bits  BM_DecodeAttend over quantized rows (docs/design.md 2.9):
+//                                 keys and values at `bits` (8 or 4), group 32; its comparison
+//                                 point is BM_DecodeAttend (half rows) at the same budget
 //   BM_PrefillAttend/S            an S-token prompt through attend() into budget 512
 //   BM_CausalAttention/S/8        its comparison point (above, 32 query heads over 8 KV heads)
 #include <benchmark/benchmark.h>
@@ -302,6 +305,34 @@ void BM_DecodeAttend(benchmark::State& state) {
   }
   state.SetItemsProcessed(state.iterations());
 }
+
+// BM_DecodeAttend with keys and values quantized to `bits`, group 32.
+void BM_DecodeAttendQuant(benchmark::State& state) {
+  const int budget = static_cast<int>(state.range(0));
+  vc::KVCacheConfig config = squeeze_config(budget);
+  config.key_bits = config.value_bits = static_cast<int>(state.range(1));
+  config.quant_group = 32;
+  vc::SqueezeAttentionCache<Eigen::half> cache(config);
+  const auto prompt_k = random_tensor<Eigen::half>(1, kAttendKv, budget, kDim, 1);
+  const auto prompt_q = random_tensor<float>(1, kAttendQ, budget, kDim, 2);
+  (void)cache.update_and_view(prompt_k, prompt_k, prompt_q);
+  const auto k = random_tensor<Eigen::half>(1, kAttendKv, 1, kDim, 3);
+  const auto v = random_tensor<Eigen::half>(1, kAttendKv, 1, kDim, 4);
+  const auto q = random_tensor<float>(1, kAttendQ, 1, kDim, 5);
+  std::vector<float> out(static_cast<std::size_t>(kAttendQ * kDim));
+  for (auto _ : state) {
+    cache.attend(q, k, v, out.data());
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations());
+  state.counters["kept_bytes"] = static_cast<double>(cache.kept_bytes());
+}
+BENCHMARK(BM_DecodeAttendQuant)
+    ->Args({512, 8})
+    ->Args({512, 4})
+    ->Args({2048, 8})
+    ->Args({2048, 4})
+    ->Unit(benchmark::kMicrosecond);
 
 // Decode attention with grouped queries over fp32 rows: Eigen GEMMs (the build's flags).
 void BM_DecodeGQAF32Gemm(benchmark::State& state) {

@@ -5,7 +5,9 @@
 // The contract every cache keeps, swept over every policy (tests/support/contract.hpp: standard,
 // squeeze without and with a coordinator, deferring squeeze, H2O, PyramidKV, TOVA, StreamingLLM,
 // SnapKV) x storage type (half, bfloat16, float) x update API (fetch, view, fetch_into, each with
-// and without queries, and the converting double overloads), through the public API only:
+// and without queries, and the converting double overloads), through the public API only; built
+// a second and a third time over quantized rows (8-bit keys / 4-bit values, 4/8; head dims times
+// 8, docs/testing.md):
 //  * a call returns the rows retained before it, then its own rows (docs/design.md 4.4, 2.3);
 //  * after a call every head holds the rows its policy allows: the budget, the sinks, the newest
 //    row; offset() is the true position; the accounting follows the rows;
@@ -43,7 +45,16 @@ using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
 
 template <class T>
 class ContractTest : public ::testing::Test {};
+// Over quantized rows (tests/CMakeLists.txt builds this file twice more) the storage types are
+// shared out between the two builds: 8-bit keys with 4-bit values on half and bfloat16, 4-bit
+// keys with 8-bit values on float.
+#if VELOXQUANT_TEST_KEY_BITS == 8 && VELOXQUANT_TEST_VALUE_BITS == 4
+using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16>;
+#elif VELOXQUANT_TEST_KEY_BITS == 4 && VELOXQUANT_TEST_VALUE_BITS == 8
+using StorageTypes = ::testing::Types<float>;
+#else
 using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
+#endif
 TYPED_TEST_SUITE(ContractTest, StorageTypes);
 
 // ---------------------------------------------------------------------------------------------
@@ -100,8 +111,9 @@ template <class T>
 void expect_returned(const Returned& got, Api api, const vc::KVPair<T>& before,
                      const std::vector<std::vector<std::int64_t>>& before_positions,
                      std::int64_t offset_before, const Call& call, const std::string& ctx) {
-  const vc::Tensor4<T> k = call.keys.template cast<T>();
-  const vc::Tensor4<T> v = call.values.template cast<T>();
+  const vc::KVPair<T> stored = stored_call<T>(call.keys, call.values);
+  const vc::Tensor4<T>& k = stored.first;
+  const vc::Tensor4<T>& v = stored.second;
   const Index B = k.dimension(0), H = k.dimension(1), S = k.dimension(2);
   const Index Dk = k.dimension(3), Dv = v.dimension(3);
   const Index n_before = before.first.dimension(2);
@@ -211,15 +223,17 @@ TYPED_TEST(ContractTest, EveryCallReturnsTheRetainedRowsThenItsOwnAndStaysWithin
         }
         const vc::KVPair<T> st = s.cache->state();
         EXPECT_EQ(st.first.dimension(2), rows) << where;
-        const auto row_bytes = static_cast<std::size_t>(kKeys[3] + kValues[3]) * sizeof(T);
+        const std::size_t row_bytes = stored_row_bytes<T>();
+        const auto t_row_bytes = static_cast<std::size_t>(kKeys[3] + kValues[3]) * sizeof(T);
         const auto heads = static_cast<std::size_t>(kKeys[0] * kKeys[1]);
         EXPECT_EQ(s.cache->kept_bytes(), heads * static_cast<std::size_t>(rows) * row_bytes) << where;
-        EXPECT_EQ(s.cache->full_seq_bytes(), heads * static_cast<std::size_t>(offset) * row_bytes)
+        EXPECT_EQ(s.cache->full_seq_bytes(), heads * static_cast<std::size_t>(offset) * t_row_bytes)
             << where;
         EXPECT_EQ(s.cache->tokens_kept(), rows) << where;
         if (rows > 0) {
           EXPECT_DOUBLE_EQ(s.cache->compression_ratio(),
-                           static_cast<double>(offset) / static_cast<double>(rows))
+                           static_cast<double>(offset * t_row_bytes) /
+                               static_cast<double>(rows * row_bytes))
               << where;
         }
       }
@@ -247,9 +261,16 @@ TYPED_TEST(ContractTest, EveryApiLeavesTheSameState) {
           vc::KVPair<T> into;
           (void)invoke(*subjects[i].cache, family[i], call, into);
         }
-        const Snapshot first = snapshot(subjects.front());
+        // A quantized cache's view holds a dequantized copy of the window (docs/design.md 2.3),
+        // which the other APIs do not: its heap is not compared here.
+        const auto state_of = [](const Subject<T>& s) {
+          Snapshot snap = snapshot(s);
+          if (kQuantized) snap.heap = 0;
+          return snap;
+        };
+        const Snapshot first = state_of(subjects.front());
         for (std::size_t i = 1; i < family.size(); ++i) {
-          EXPECT_TRUE(snapshot(subjects[i]) == first)
+          EXPECT_TRUE(state_of(subjects[i]) == first)
               << kind_name(kind) << ": " << api_name(family[i]) << " differs from "
               << api_name(family.front()) << " after call " << call_no;
         }
@@ -408,7 +429,8 @@ void non_finite_keys_everywhere(Kind kind) {
     }
     const std::vector<unsigned char> into_keys = bytes_of(into.first);
     Call call = random_call(rng, kKeys, kValues);
-    for (Index i = 0; i < call.keys.size(); ++i) {
+    // Every element; over quantized rows (8 times the elements) every 8th and the last.
+    for (Index i = 0; i < call.keys.size(); i += i + kDimScale < call.keys.size() ? kDimScale : 1) {
       const Index d = i % kKeys[3], s = (i / kKeys[3]) % kKeys[2];
       const Index h = (i / (kKeys[3] * kKeys[2])) % kKeys[1],
                   b = i / (kKeys[3] * kKeys[2] * kKeys[1]);
@@ -455,7 +477,9 @@ void non_finite_keys_everywhere(Kind kind) {
     valid_call_on_both(subject, twin, rng, 4, Api::kViewQ, ctx + ": next multi-token call");
   }
   EXPECT_EQ(thrown, expected);
-  EXPECT_EQ(expected, 2 * 48 * 3 * 9);
+  if (!kQuantized) {
+    EXPECT_EQ(expected, 2 * kKeys[0] * kKeys[1] * kKeys[2] * kKeys[3] * 3 * 9);
+  }
 }
 
 
@@ -489,8 +513,12 @@ TYPED_TEST(ContractTest, DoubleKeyOverflowingTheStorageTypeOnEveryPolicy) {
           << api_name(api) << ": " << what;
       EXPECT_TRUE(snapshot(subject) == before) << api_name(api);
     }
-    // The largest finite value of T is accepted (its scores may overflow: see HugeKeys below).
-    call.keys(1, 1, 2, 3) = std::is_same_v<T, Eigen::half> ? 65504.0 : 3.0e38;
+    // The largest finite value of T is accepted (its scores may overflow: see HugeKeys below);
+    // quantized keys hold up to the half range (in bfloat16: its largest value below 65504).
+    const double largest_quantized = std::is_same_v<T, Eigen::bfloat16> ? 65280.0 : 65504.0;
+    call.keys(1, 1, 2, 3) = kKeyBits < 16                     ? largest_quantized
+                            : std::is_same_v<T, Eigen::half> ? 65504.0
+                                                             : 3.0e38;
     call.keys(0, 1, 0, 2) = 1.0;
     vc::KVPair<T> a_out, b_out;
     EXPECT_TRUE(invoke(*subject.cache, Api::kFetchDouble, call, a_out) ==
@@ -511,22 +539,22 @@ struct ShapeCase {
 
 std::vector<ShapeCase> shape_cases() {
   return {
-      {"values B differs", kKeys, {1, 2, 3, 3}, false},
-      {"values H differs", kKeys, {2, 3, 3, 3}, false},
-      {"values S differs", kKeys, {2, 2, 4, 3}, false},
-      {"keys S differs", {2, 2, 1, 4}, kValues, false},
+      {"values B differs", kKeys, {1, 2, 3, dim(3)}, false},
+      {"values H differs", kKeys, {2, 3, 3, dim(3)}, false},
+      {"values S differs", kKeys, {2, 2, 4, dim(3)}, false},
+      {"keys S differs", {2, 2, 1, dim(4)}, kValues, false},
       {"zero key D", {2, 2, 3, 0}, kValues, false},
       {"zero value D", kKeys, {2, 2, 3, 0}, false},
-      {"zero B", {0, 2, 3, 4}, {0, 2, 3, 3}, false},
-      {"zero H", {2, 0, 3, 4}, {2, 0, 3, 3}, false},
-      {"zero B and S", {0, 2, 0, 4}, {0, 2, 0, 3}, false},
-      {"B changes", {3, 2, 1, 4}, {3, 2, 1, 3}, true},
-      {"H changes", {2, 1, 1, 4}, {2, 1, 1, 3}, true},
-      {"key D changes", {2, 2, 1, 8}, {2, 2, 1, 3}, true},
-      {"value D changes", {2, 2, 1, 4}, {2, 2, 1, 1}, true},
-      {"key and value D swap", {2, 2, 1, 3}, {2, 2, 1, 4}, true},
-      {"empty call with another D", {2, 2, 0, 5}, {2, 2, 0, 3}, true},
-      {"empty call with another B", {1, 2, 0, 4}, {1, 2, 0, 3}, true},
+      {"zero B", {0, 2, 3, dim(4)}, {0, 2, 3, dim(3)}, false},
+      {"zero H", {2, 0, 3, dim(4)}, {2, 0, 3, dim(3)}, false},
+      {"zero B and S", {0, 2, 0, dim(4)}, {0, 2, 0, dim(3)}, false},
+      {"B changes", {3, 2, 1, dim(4)}, {3, 2, 1, dim(3)}, true},
+      {"H changes", {2, 1, 1, dim(4)}, {2, 1, 1, dim(3)}, true},
+      {"key D changes", {2, 2, 1, 8}, {2, 2, 1, dim(3)}, true},
+      {"value D changes", {2, 2, 1, dim(4)}, {2, 2, 1, dim(1)}, true},
+      {"key and value D swap", {2, 2, 1, dim(3)}, {2, 2, 1, dim(4)}, true},
+      {"empty call with another D", {2, 2, 0, dim(5)}, {2, 2, 0, dim(3)}, true},
+      {"empty call with another B", {1, 2, 0, dim(4)}, {1, 2, 0, dim(3)}, true},
   };
 }
 
@@ -579,7 +607,7 @@ TYPED_TEST(ContractTest, ResetAllowsNewShapesAndThenRejectsTheOldOnes) {
     (void)invoke(*s.cache, Api::kFetch, random_call(rng, kKeys, kValues), into);
     if (s.coordinator) s.coordinator->reset();
     s.cache->reset();
-    const Shape k2{1, 3, 2, 5}, v2{1, 3, 2, 2};
+    const Shape k2{1, 3, 2, dim(5)}, v2{1, 3, 2, dim(2)};
     const Returned r = invoke(*s.cache, Api::kFetch, random_call(rng, k2, v2), into);
     EXPECT_EQ(r.key_shape, k2);
     EXPECT_EQ(r.value_shape, v2);
@@ -619,6 +647,10 @@ TYPED_TEST(ContractTest, TheFirstOfSeveralBadKeysIsNamed) {
 /// stored and returned as given, by every policy, through fetch and view.
 TYPED_TEST(ContractTest, NonFiniteValuesAreAccepted) {
   using T = TypeParam;
+  if (kValueBits < 16) {
+    GTEST_SKIP() << "quantized values are inspected (test_quant.cpp: QuantizedRowsRejectWhatA"
+                    "GroupCannotHold)";
+  }
   for (const Kind kind : kKinds) {
     SCOPED_TRACE(kind_name(kind));
     std::mt19937 rng(5u);
@@ -644,6 +676,10 @@ TYPED_TEST(ContractTest, NonFiniteValuesAreAccepted) {
 /// stored as its conversion to T.
 TYPED_TEST(ContractTest, LargeFiniteDoubleKeysThatFitTheStorageTypeAreAccepted) {
   using T = TypeParam;
+  if (kKeyBits < 16) {
+    GTEST_SKIP() << "quantized keys hold +-65504 at most (test_quant.cpp: QuantizedRowsRejectWhat"
+                    "AGroupCannotHold)";
+  }
   for (const Kind kind : kKinds) {
     SCOPED_TRACE(kind_name(kind));
     std::mt19937 rng(6u);
@@ -678,8 +714,9 @@ TYPED_TEST(ContractTest, EvictionCachesTrimNothingBeforeOrAfterACall) {
     vc::KVPair<T> into;
     (void)invoke(*s.cache, Api::kFetch, random_call(rng, with_s(kKeys, 9), with_s(kValues, 9)), into);
     EXPECT_FALSE(s.cache->is_trimmable());
-    const Snapshot before = snapshot(s);
+    // (The positions first: over quantized rows the first view sizes the view's buffer.)
     const auto held_before = held_positions(*s.cache);
+    const Snapshot before = snapshot(s);
     EXPECT_EQ(s.cache->trim(3), 0);
     EXPECT_EQ(s.cache->trim(100), 0);
     EXPECT_THROW(s.cache->trim(-1), std::invalid_argument);
@@ -868,7 +905,7 @@ TYPED_TEST(ContractTest, ParallelHeadsAreBitIdenticalToSerialOnWideCalls) {
 /// continues exactly as a twin that never saw a bad call.
 TYPED_TEST(ContractTest, BadQueriesThrowAndLeaveTheCacheUnchanged) {
   using T = TypeParam;
-  const Index B = 2, H = 2, S = 3, D = 4, Dv = 3, G = 2;
+  const Index B = 2, H = 2, S = 3, D = dim(4), Dv = dim(3), G = 2;
   for (const Kind kind : kKinds) {
     SCOPED_TRACE(kind_name(kind));
     std::mt19937 rng(31u + static_cast<unsigned>(kind));
@@ -890,10 +927,10 @@ TYPED_TEST(ContractTest, BadQueriesThrowAndLeaveTheCacheUnchanged) {
         const vc::Tensor4<double> vd = v.template cast<double>();
         EXPECT_EQ(bad_queries_rejected(fresh, api, kd, vd, bq), "");
         // The fresh cache then takes a call of another shape as its first call.
-        const vc::Tensor4<T> k1 = random_tensor<T>(rng, 1, 3, 2, 5);
-        const vc::Tensor4<T> v1 = random_tensor<T>(rng, 1, 3, 2, 2);
+        const vc::Tensor4<T> k1 = random_tensor<T>(rng, 1, 3, 2, dim(5));
+        const vc::Tensor4<T> v1 = random_tensor<T>(rng, 1, 3, 2, dim(2));
         vc::KVPair<T> o;
-        EXPECT_NO_THROW((void)invoke_with(*fresh.cache, api, k1, v1, random_queries(rng, 1, 3, 2, 5), o))
+        EXPECT_NO_THROW((void)invoke_with(*fresh.cache, api, k1, v1, random_queries(rng, 1, 3, 2, dim(5)), o))
             << bq.name;
         EXPECT_EQ(fresh.cache->offset(), 2);
         EXPECT_EQ(fresh.cache->heads(), 3);
@@ -928,21 +965,21 @@ TYPED_TEST(ContractTest, EmptyCallsWithQueriesChangeNothing) {
     for (const Api api : kQueryApis) {
       const Snapshot before = snapshot(subject);
       vc::KVPair<T> out;
-      const Returned o = invoke_with(*subject.cache, api, vc::Tensor4<T>(2, 2, 0, 4),
-                                     vc::Tensor4<T>(2, 2, 0, 3), vc::Tensor4<float>(2, 4, 0, 4), out);
+      const Returned o = invoke_with(*subject.cache, api, vc::Tensor4<T>(2, 2, 0, dim(4)),
+                                     vc::Tensor4<T>(2, 2, 0, dim(3)), vc::Tensor4<float>(2, 4, 0, dim(4)), out);
       EXPECT_EQ(o.key_shape[2], 0) << api_name(api);
       EXPECT_TRUE(o.view_rows.empty() && o.view_tail.empty()) << api_name(api);
       EXPECT_TRUE(snapshot(subject) == before) << api_name(api);
     }
     // First real call with another B, H and D; then an empty call returns the retained set.
-    const vc::Tensor4<T> k = random_tensor<T>(rng, 1, 3, 5, 6);
-    const vc::Tensor4<T> v = random_tensor<T>(rng, 1, 3, 5, 2);
+    const vc::Tensor4<T> k = random_tensor<T>(rng, 1, 3, 5, dim(6));
+    const vc::Tensor4<T> v = random_tensor<T>(rng, 1, 3, 5, dim(2));
     vc::KVPair<T> out;
-    (void)invoke_with(*subject.cache, Api::kFetchQ, k, v, random_queries(rng, 1, 6, 5, 6), out);
+    (void)invoke_with(*subject.cache, Api::kFetchQ, k, v, random_queries(rng, 1, 6, 5, dim(6)), out);
     EXPECT_EQ(subject.cache->offset(), 5);
     const Snapshot before = snapshot(subject);
-    const Returned o = invoke_with(*subject.cache, Api::kFetchQ, vc::Tensor4<T>(1, 3, 0, 6),
-                                   vc::Tensor4<T>(1, 3, 0, 2), vc::Tensor4<float>(1, 9, 0, 6), out);
+    const Returned o = invoke_with(*subject.cache, Api::kFetchQ, vc::Tensor4<T>(1, 3, 0, dim(6)),
+                                   vc::Tensor4<T>(1, 3, 0, dim(2)), vc::Tensor4<float>(1, 9, 0, dim(6)), out);
     EXPECT_EQ(o.keys, before.keys);
     EXPECT_EQ(o.values, before.values);
     EXPECT_TRUE(snapshot(subject) == before);
@@ -958,12 +995,12 @@ TYPED_TEST(ContractTest, KeyAndValueErrorsComeBeforeQueryErrors) {
   for (const Kind kind : kKinds) {
     SCOPED_TRACE(kind_name(kind));
     Subject<T> subject = make_subject<T>(kind);
-    vc::Tensor4<T> k = random_tensor<T>(rng, 2, 2, 3, 4);
+    vc::Tensor4<T> k = random_tensor<T>(rng, 2, 2, 3, dim(4));
     k(1, 0, 2, 3) = T(std::numeric_limits<float>::quiet_NaN());
-    const vc::Tensor4<T> v = random_tensor<T>(rng, 2, 2, 3, 3);
-    const vc::Tensor4<T> v_bad = random_tensor<T>(rng, 2, 2, 2, 3);  // S differs from the keys'
-    const vc::Tensor4<T> k_ok = random_tensor<T>(rng, 2, 2, 3, 4);
-    const vc::Tensor4<float> q_bad_heads = random_queries(rng, 2, 3, 3, 4);  // Hq not a multiple of H
+    const vc::Tensor4<T> v = random_tensor<T>(rng, 2, 2, 3, dim(3));
+    const vc::Tensor4<T> v_bad = random_tensor<T>(rng, 2, 2, 2, dim(3));  // S differs from the keys'
+    const vc::Tensor4<T> k_ok = random_tensor<T>(rng, 2, 2, 3, dim(4));
+    const vc::Tensor4<float> q_bad_heads = random_queries(rng, 2, 3, 3, dim(4));  // Hq not a multiple of H
     for (const Api api : kQueryApis) {
       const Snapshot before = snapshot(subject);
       vc::KVPair<T> out;
@@ -1072,7 +1109,7 @@ TYPED_TEST(ContractTest, StreamingAndStandardIgnoreQueriesBitwise) {
     SCOPED_TRACE(kind_name(kind));
     Subject<T> with = make_subject<T>(kind, config), without = make_subject<T>(kind, config);
     std::mt19937 rng(kind == Kind::kStreaming ? 5u : 6u);
-    const Index B = 2, H = 2, D = 5, Dv = 3;
+    const Index B = 2, H = 2, D = dim(5), Dv = dim(3);
     const Index sizes[] = {7, 1, 1, 0, 12, 1, 70, 1, 1, 3, 1};
     vc::KVPair<T> out_with, out_without;
     int c = 0;
@@ -1120,7 +1157,7 @@ TYPED_TEST(ContractTest, QueriesOfEveryElementTypeEqualTheirFloatConversion) {
     Subject<T> ref_kb = make(), by_kb = make();
     Subject<T> plain = make();
     std::mt19937 rng(99u + static_cast<unsigned>(kind));
-    const Index B = 2, H = 2, G = 2, D = 8, Dv = 3;
+    const Index B = 2, H = 2, G = 2, D = 8, Dv = dim(3);
     const Index sizes[] = {40, 1, 1, 9, 1, 100, 1, 1, 0, 3, 1};
     vc::KVPair<T> o1, o2, o3, o4, o5, o6, o7, o8, o9;
     int c = 0;

@@ -10,7 +10,12 @@
 //   llama2c_fidelity [--fixtures DIR] [--text sample|validation|PATH] [--windows N]
 //                    [--length L] [--prompt P] [--budgets 32,64,128,256]
 //                    [--methods squeeze,squeeze_uniform,h2o,pyramidkv,tova,streaming_llm,snapkv]
-//                    [--scoring proxy,queries] [--csv FILE] [--svg FILE]
+//                    [--scoring proxy,queries] [--widths 16/16,8/8,8/4,4/4] [--group G]
+//                    [--range FROM:TO] [--csv FILE] [--svg FILE]
+//
+// --widths gives key/value bits per row (quantized storage, docs/design.md 2.9), --group the
+// quantization group (default 8: the model's head dim), --range the bytes of the text windows may
+// come from (docs/fidelity.md: decisions use 0:400000 only).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -19,6 +24,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <utility>
 #include <memory>
 #include <sstream>
 #include <stdexcept>
@@ -44,6 +50,9 @@ struct Options {
   std::vector<std::string> methods{"squeeze", "squeeze_uniform", "h2o", "pyramidkv", "tova",
                                    "streaming_llm", "snapkv"};
   std::vector<std::string> scorings{"proxy", "queries"};
+  std::vector<std::pair<int, int>> widths{{16, 16}};  // key bits, value bits
+  int group = 8;
+  std::size_t range_from = 0, range_to = std::string::npos;  // bytes of the text
   std::string csv = "fidelity.csv";
   std::string svg = "fidelity.svg";
 };
@@ -96,6 +105,21 @@ Options parse(int argc, char** argv) {
       o.methods = split(value(), ',');
     } else if (a == "--scoring") {
       o.scorings = split(value(), ',');
+    } else if (a == "--widths") {
+      o.widths.clear();
+      for (const auto& w : split(value(), ',')) {
+        const auto kv = split(w, '/');
+        if (kv.size() != 2) throw std::invalid_argument("--widths: '" + w + "' is not KEY/VALUE");
+        o.widths.emplace_back(to_int(a, kv[0]), to_int(a, kv[1]));
+      }
+    } else if (a == "--group") {
+      o.group = to_int(a, value());
+    } else if (a == "--range") {
+      const std::string r = value();
+      const std::size_t colon = r.find(':');
+      if (colon == std::string::npos) throw std::invalid_argument("--range: '" + r + "' is not FROM:TO");
+      o.range_from = static_cast<std::size_t>(to_int(a, r.substr(0, colon)));
+      if (colon + 1 < r.size()) o.range_to = static_cast<std::size_t>(to_int(a, r.substr(colon + 1)));
     } else if (a == "--csv") {
       o.csv = value();
     } else if (a == "--svg") {
@@ -104,7 +128,8 @@ Options parse(int argc, char** argv) {
       std::cout << "usage: llama2c_fidelity [--fixtures DIR] [--text sample|validation|PATH]\n"
                    "  [--windows N] [--length L] [--prompt P] [--budgets 32,64,128,256]\n"
                    "  [--methods squeeze,squeeze_uniform,h2o,pyramidkv,tova,streaming_llm,snapkv]\n"
-                   "  [--scoring proxy,queries] [--csv FILE] [--svg FILE]\n";
+                   "  [--scoring proxy,queries] [--widths 16/16,8/8,8/4,4/4] [--group G]\n"
+                   "  [--range FROM:TO] [--csv FILE] [--svg FILE]\n";
       std::exit(0);
     } else {
       throw std::invalid_argument("unknown argument '" + a + "' (see --help)");
@@ -138,6 +163,11 @@ std::vector<std::vector<int>> make_windows(const Options& o, const ll::Tokenizer
   if (o.text == "sample") path = o.fixtures + "/text/tinystories_sample.txt";
   if (o.text == "validation") path = o.fixtures + "/text/tinystories_validation_head.txt";
   std::string text = read_file(path);
+  if (o.range_from > 0 || o.range_to != std::string::npos) {
+    if (o.range_from >= text.size()) throw std::invalid_argument("--range starts past the text");
+    text = text.substr(o.range_from, o.range_to == std::string::npos ? std::string::npos
+                                                                     : o.range_to - o.range_from);
+  }
   std::vector<std::vector<int>> out;
   const auto L = static_cast<std::size_t>(o.length);
   if (text.size() < 20000) {
@@ -174,14 +204,22 @@ std::vector<std::vector<int>> make_windows(const Options& o, const ll::Tokenizer
   std::ostringstream d;
   d << out.size() << " window(s) of " << L << " tokens of "
     << std::filesystem::path(path).filename().string();
+  if (o.range_from > 0 || o.range_to != std::string::npos) {
+    d << " (bytes " << o.range_from << ".."
+      << (o.range_to == std::string::npos ? std::string("end") : std::to_string(o.range_to)) << ")";
+  }
   *description = d.str();
   return out;
 }
 
 // "squeeze_uniform" is SqueezeAttention with strength 0: every layer gets the average budget, so
 // comparing it with "squeeze" isolates the data-driven per-layer budget.
-vc::KVCacheConfig config_for(const std::string& method, int budget) {
+vc::KVCacheConfig config_for(const std::string& method, int budget, std::pair<int, int> widths,
+                             int group) {
   vc::KVCacheConfig c;
+  c.key_bits = widths.first;
+  c.value_bits = widths.second;
+  c.quant_group = group;
   c.method = method == "squeeze_uniform" ? "squeeze" : method;
   if (method == "squeeze_uniform") c.squeeze_strength = 0.0;
   c.squeeze_budget = c.h2o_budget = c.pyramid_budget = c.tova_budget = c.snap_budget = budget;
@@ -232,6 +270,10 @@ struct WindowResult {
 struct Run {
   std::string method, scoring;
   int budget = 0;  // 0: the full cache
+  std::pair<int, int> widths{16, 16};
+  std::string width_name() const {
+    return std::to_string(widths.first) + "/" + std::to_string(widths.second);
+  }
   std::vector<WindowResult> windows;
 
   double mean(double WindowResult::*f) const {
@@ -342,7 +384,9 @@ std::string svg_plot(const std::vector<Run>& runs, const std::string& subtitle) 
   std::vector<std::string> order;
   for (const auto& r : runs) {
     if (r.budget == 0) continue;
-    const std::string key = r.method + " (" + r.scoring + ")";
+    const std::string key = r.method + " (" + r.scoring +
+                            (r.widths == std::make_pair(16, 16) ? std::string() : ", " + r.width_name()) +
+                            ")";
     if (!lines.count(key)) order.push_back(key);
     lines[key].push_back(&r);
   }
@@ -351,7 +395,7 @@ std::string svg_plot(const std::vector<Run>& runs, const std::string& subtitle) 
   for (const auto& key : order) {
     const std::string method = key.substr(0, key.find(' '));
     if (!color_of.count(method)) color_of[method] = static_cast<int>(color_of.size()) % 8;
-    const bool dashed = key.find("(proxy)") != std::string::npos;
+    const bool dashed = key.find("(proxy") != std::string::npos;
     const char* color = colors[color_of[method]];
     s << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"2\""
       << (dashed ? " stroke-dasharray=\"6,4\"" : "") << " points=\"";
@@ -389,12 +433,14 @@ int main(int argc, char** argv) {
 
     // Every run: the full cache first, then method x budget x scoring.
     std::vector<Run> runs;
-    runs.push_back(Run{"full", "-", 0, {}});
-    for (const auto& m : o.methods) {
-      for (int b : o.budgets) {
-        for (const auto& sc : o.scorings) {
-          if (m == "streaming_llm" && sc == "queries") continue;  // does not score rows
-          runs.push_back(Run{m, m == "streaming_llm" ? "-" : sc, b, {}});
+    runs.push_back(Run{"full", "-", 0, {16, 16}, {}});
+    for (const auto& wd : o.widths) {
+      for (const auto& m : o.methods) {
+        for (int b : o.budgets) {
+          for (const auto& sc : o.scorings) {
+            if (m == "streaming_llm" && sc == "queries") continue;  // does not score rows
+            runs.push_back(Run{m, m == "streaming_llm" ? "-" : sc, b, wd, {}});
+          }
         }
       }
     }
@@ -404,13 +450,15 @@ int main(int argc, char** argv) {
       Eigen::MatrixXf full;
       for (std::size_t ri = 0; ri < runs.size(); ++ri) {
         Run& run = runs[ri];
-        std::fprintf(stderr, "\r[window %zu/%zu] %-14s %-8s budget %-4d (%zu/%zu) %6.1f s",
-                     wi + 1, windows.size(), run.method.c_str(), run.scoring.c_str(), run.budget,
+        std::fprintf(stderr, "\r[window %zu/%zu] %-14s %-8s %-5s budget %-4d (%zu/%zu) %6.1f s",
+                     wi + 1, windows.size(), run.method.c_str(), run.scoring.c_str(),
+                     run.width_name().c_str(), run.budget,
                      ri + 1, runs.size(),
                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start)
                          .count());
         const vc::KVCacheConfig cfg =
-            run.budget == 0 ? config_for("standard", 512) : config_for(run.method, run.budget);
+            run.budget == 0 ? config_for("standard", 512, {16, 16}, o.group)
+                            : config_for(run.method, run.budget, run.widths, o.group);
         ll::Engine<float> engine(model, vc::KVCacheBuilder::for_model<float>(n_layers, cfg),
                                  run.scoring == "queries");
         double secs = 0;
@@ -429,15 +477,15 @@ int main(int argc, char** argv) {
     std::printf("Eviction fidelity on stories260K: %s; prompt %d tokens as one call, then %d "
                 "one-token calls; means over windows (KL spread: std and min..max).\n\n",
                 text_desc.c_str(), o.prompt, o.length - o.prompt);
-    std::printf("%-14s %-8s %6s %7s %6s %9s %9s %21s %7s %9s %6s %9s\n", "method", "scoring",
-                "budget", "NLL", "PPL", "KL", "KL std", "KL min..max", "top-1", "kept KiB",
+    std::printf("%-14s %-8s %5s %6s %7s %6s %9s %9s %21s %7s %9s %6s %9s\n", "method", "scoring",
+                "bits", "budget", "NLL", "PPL", "KL", "KL std", "KL min..max", "top-1", "kept KiB",
                 "ratio", "tok/s");
     for (const auto& r : runs) {
       char range[64];
       std::snprintf(range, sizeof range, "%.4f..%.4f", r.min(&WindowResult::kl),
                     r.max(&WindowResult::kl));
-      std::printf("%-14s %-8s %6s %7.4f %6.3f %9.5f %9.5f %21s %6.1f%% %9.1f %6.2f %9.0f\n",
-                  r.method.c_str(), r.scoring.c_str(),
+      std::printf("%-14s %-8s %5s %6s %7.4f %6.3f %9.5f %9.5f %21s %6.1f%% %9.1f %6.2f %9.0f\n",
+                  r.method.c_str(), r.scoring.c_str(), r.width_name().c_str(),
                   r.budget ? std::to_string(r.budget).c_str() : "full", r.mean(&WindowResult::nll),
                   std::exp(r.mean(&WindowResult::nll)), r.mean(&WindowResult::kl),
                   r.stdev(&WindowResult::kl), range, 100.0 * r.mean(&WindowResult::top1),
@@ -449,11 +497,12 @@ int main(int argc, char** argv) {
     // CSV: one row per window and run, then one summary row per run (window = "mean").
     std::ofstream csv(o.csv);
     if (!csv) throw std::runtime_error("cannot write " + o.csv);
-    csv << "method,scoring,budget,window,nll,ppl,kl,top1,kept_bytes,full_bytes,compression,"
-           "tokens_per_s\n";
+    csv << "method,scoring,key_bits,value_bits,budget,window,nll,ppl,kl,top1,kept_bytes,"
+           "full_bytes,compression,tokens_per_s\n";
     for (const auto& r : runs) {
       const auto row = [&](const std::string& win, const WindowResult& x) {
-        csv << r.method << ',' << r.scoring << ',' << (r.budget ? std::to_string(r.budget) : "full")
+        csv << r.method << ',' << r.scoring << ',' << r.widths.first << ',' << r.widths.second
+            << ',' << (r.budget ? std::to_string(r.budget) : "full")
             << ',' << win << ',' << x.nll << ',' << std::exp(x.nll) << ',' << x.kl << ','
             << x.top1 << ',' << x.kept << ',' << x.full << ',' << x.full / std::max(x.kept, 1.0)
             << ',' << x.tok_s << '\n';

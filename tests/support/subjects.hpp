@@ -76,9 +76,13 @@ inline const char* kind_name(Kind k) {
   return "?";
 }
 
-/// Budget 6 everywhere (StreamingLLM: 1 sink + window 5; squeeze before adoption: 8).
+/// Budget 6 everywhere (StreamingLLM: 1 sink + window 5; squeeze before adoption: 8); the storage
+/// above.
 inline vc::KVCacheConfig small_config() {
   vc::KVCacheConfig c;
+  c.key_bits = kKeyBits;
+  c.value_bits = kValueBits;
+  c.quant_group = kQuantGroup;
   c.squeeze_calibration_tokens = 1;  // report on the first call (docs/design.md 5.4)
   c.squeeze_budget = 8;
   c.h2o_budget = c.pyramid_budget = c.tova_budget = c.snap_budget = 6;
@@ -349,8 +353,32 @@ Returned invoke(vc::KVCache<T>& cache, Api api, const Call& c, vc::KVPair<T>& in
   return {};
 }
 
-inline constexpr Shape kKeys{2, 2, 3, 4};
-inline constexpr Shape kValues{2, 2, 3, 3};
+inline constexpr Shape kKeys{2, 2, 3, dim(4)};
+inline constexpr Shape kValues{2, 2, 3, dim(3)};
+
+/// Bytes one retained row (key and value) of the subjects takes: (Dk + Dv) elements of T, or a
+/// quantized row's codes (bits / 8 per element) and a 2-byte scale and offset per group, rounded
+/// up to whole elements of T (docs/design.md 7.4).
+template <class T>
+std::size_t stored_row_bytes() {
+  const auto one = [](int bits, Index d) -> std::size_t {
+    if (bits == 16) return static_cast<std::size_t>(d) * sizeof(T);
+    const auto bytes = static_cast<std::size_t>(d * bits / 8 + 4 * (d / kQuantGroup));
+    return (bytes + sizeof(T) - 1) / sizeof(T) * sizeof(T);
+  };
+  return one(kKeyBits, kKeys[3]) + one(kValueBits, kValues[3]);
+}
+
+/// The rows of a call as the subjects store and return them: converted to T, or quantized and
+/// dequantized (a standard cache of the same storage, fed the call).
+template <class T>
+vc::KVPair<T> stored_call(const vc::Tensor4<double>& keys, const vc::Tensor4<double>& values) {
+  if (!kQuantized) return {keys.template cast<T>(), values.template cast<T>()};
+  vc::KVCacheConfig c = small_config();
+  c.method = "standard";
+  vc::KVCache<T> standard(c);
+  return standard.update_and_fetch(keys, values);
+}
 
 inline Shape with_s(Shape s, Index S) {
   s[2] = S;

@@ -547,6 +547,25 @@ inline cache::KVCacheConfig stream_config(int n_sink, int window) {
   return c;
 }
 
+// The storage the subjects use: unquantized unless a TU asks otherwise (the contract suite is
+// built a second time over quantized rows, tests/CMakeLists.txt; quantized rows need head dims
+// that quant_group = 8 divides).
+#ifndef VELOXQUANT_TEST_KEY_BITS
+#define VELOXQUANT_TEST_KEY_BITS 16
+#endif
+#ifndef VELOXQUANT_TEST_VALUE_BITS
+#define VELOXQUANT_TEST_VALUE_BITS 16
+#endif
+inline constexpr int kKeyBits = VELOXQUANT_TEST_KEY_BITS;
+inline constexpr int kValueBits = VELOXQUANT_TEST_VALUE_BITS;
+inline constexpr bool kQuantized = kKeyBits < 16 || kValueBits < 16;
+inline constexpr int kQuantGroup = 8;
+
+/// Head dims of the tests' calls: as written unquantized, times 8 over quantized rows (so that the
+/// group of 8 divides every one, and their relations stay: 4 vs 3 vs 5 ...).
+inline constexpr Index kDimScale = kQuantized ? 8 : 1;
+constexpr Index dim(Index d) { return d * kDimScale; }
+
 /// One invalid call for the strong-guarantee tests (docs/design.md 8).
 struct BadCall {
   std::string name;
@@ -557,8 +576,8 @@ struct BadCall {
 };
 
 /// Shapes of the valid calls the bad calls are measured against.
-constexpr Shape kBadCallKeys{2, 2, 3, 4};
-constexpr Shape kBadCallValues{2, 2, 3, 3};
+constexpr Shape kBadCallKeys{2, 2, 3, dim(4)};
+constexpr Shape kBadCallValues{2, 2, 3, dim(3)};
 
 /// Every docs/design.md 8 error of update_and_fetch / update_and_view on a cache whose calls are
 /// kBadCallKeys / kBadCallValues: mismatched shapes, zero sizes, shapes that differ from the first
@@ -574,17 +593,17 @@ std::vector<BadCall> bad_calls(std::mt19937& rng, bool half) {
     c.needs_established = established;
     out.push_back(std::move(c));
   };
-  shape_case("values B differs", kBadCallKeys, {1, 2, 3, 3}, false);
-  shape_case("values H differs", kBadCallKeys, {2, 1, 3, 3}, false);
-  shape_case("values S differs", kBadCallKeys, {2, 2, 2, 3}, false);
+  shape_case("values B differs", kBadCallKeys, {1, 2, 3, dim(3)}, false);
+  shape_case("values H differs", kBadCallKeys, {2, 1, 3, dim(3)}, false);
+  shape_case("values S differs", kBadCallKeys, {2, 2, 2, dim(3)}, false);
   shape_case("zero key D", {2, 2, 3, 0}, kBadCallValues, false);
   shape_case("zero value D", kBadCallKeys, {2, 2, 3, 0}, false);
-  shape_case("zero B", {0, 2, 3, 4}, {0, 2, 3, 3}, false);
-  shape_case("B differs from the first call", {1, 2, 1, 4}, {1, 2, 1, 3}, true);
-  shape_case("H differs from the first call", {2, 3, 1, 4}, {2, 3, 1, 3}, true);
-  shape_case("key D differs from the first call", {2, 2, 1, 5}, {2, 2, 1, 3}, true);
-  shape_case("value D differs from the first call", {2, 2, 1, 4}, {2, 2, 1, 4}, true);
-  shape_case("empty call with another H", {2, 5, 0, 4}, {2, 5, 0, 3}, true);
+  shape_case("zero B", {0, 2, 3, dim(4)}, {0, 2, 3, dim(3)}, false);
+  shape_case("B differs from the first call", {1, 2, 1, dim(4)}, {1, 2, 1, dim(3)}, true);
+  shape_case("H differs from the first call", {2, 3, 1, dim(4)}, {2, 3, 1, dim(3)}, true);
+  shape_case("key D differs from the first call", {2, 2, 1, dim(5)}, {2, 2, 1, dim(3)}, true);
+  shape_case("value D differs from the first call", {2, 2, 1, dim(4)}, {2, 2, 1, dim(4)}, true);
+  shape_case("empty call with another H", {2, 5, 0, dim(4)}, {2, 5, 0, dim(3)}, true);
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const double inf = std::numeric_limits<double>::infinity();
   const std::vector<std::pair<double, Shape>> bad = {

@@ -38,13 +38,15 @@ class KVView {
       Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
   using PositionsMap = Eigen::Map<const Eigen::Matrix<std::int64_t, Eigen::Dynamic, 1>>;
 
-  /// A view of `heads`; with `copy` (a quantized cache, docs/design.md 2.3), the keys and values
-  /// come from that dequantized copy of the window instead: [B·H, rows, Dk] and [B·H, rows, Dv].
+  /// A view of `heads`; with copy_keys and copy_values (a quantized cache, docs/design.md 2.3)
+  /// the keys and values come from that dequantized copy of the window instead: [B·H, rows, Dk]
+  /// and [B·H, rows, Dv].
   KVView(const std::vector<detail::HeadStore<T>>* heads, Eigen::Index batch, Eigen::Index n_heads,
          Eigen::Index key_dim, Eigen::Index value_dim, Eigen::Index rows, Eigen::Index new_rows,
-         const KVPair<T>* copy = nullptr)
+         const T* copy_keys = nullptr, const T* copy_values = nullptr)
       : heads_(heads),
-        copy_(copy),
+        copy_k_(copy_keys),
+        copy_v_(copy_values),
         batch_(batch),
         n_heads_(n_heads),
         key_dim_(key_dim),
@@ -63,18 +65,17 @@ class KVView {
 
   /// Keys of head (b, h): [rows(), Dk].
   RowsMap keys(Eigen::Index b, Eigen::Index h) const {
-    if (copy_ && rows_) {
+    if (copy_k_ && rows_) {
       (void)head(b, h);
-      return RowsMap(copy_->first.data() + (b * n_heads_ + h) * rows_ * key_dim_, rows_, key_dim_);
+      return RowsMap(copy_k_ + (b * n_heads_ + h) * rows_ * key_dim_, rows_, key_dim_);
     }
     return RowsMap(rows_ ? head(b, h).keys_data() : nullptr, rows_, key_dim_);
   }
   /// Values of head (b, h): [rows(), Dv].
   RowsMap values(Eigen::Index b, Eigen::Index h) const {
-    if (copy_ && rows_) {
+    if (copy_v_ && rows_) {
       (void)head(b, h);
-      return RowsMap(copy_->second.data() + (b * n_heads_ + h) * rows_ * value_dim_, rows_,
-                     value_dim_);
+      return RowsMap(copy_v_ + (b * n_heads_ + h) * rows_ * value_dim_, rows_, value_dim_);
     }
     return RowsMap(rows_ ? head(b, h).values_data() : nullptr, rows_, value_dim_);
   }
@@ -94,7 +95,8 @@ class KVView {
   }
 
   const std::vector<detail::HeadStore<T>>* heads_;
-  const KVPair<T>* copy_;
+  const T* copy_k_;
+  const T* copy_v_;
   Eigen::Index batch_, n_heads_, key_dim_, value_dim_, rows_, new_rows_;
 };
 
@@ -295,7 +297,8 @@ class KVCache {
     offset_ = 0;
     tokens_seen_ = 0;
     rule_.compressed = false;
-    view_copy_ = KVPair<T>{};
+    view_k_ = std::vector<T>{};
+    view_v_ = std::vector<T>{};
   }
 
   /// The rows per head the cache evicts down to; -1 for the standard cache (docs/design.md 2.6).
@@ -327,7 +330,7 @@ class KVCache {
   std::size_t heap_bytes() const {
     std::size_t total = heads_.capacity() * sizeof(detail::HeadStore<T>) +
                         scratch_.capacity() * sizeof(detail::Scratch) +
-                        (view_copy_.first.size() + view_copy_.second.size()) * sizeof(T) +
+                        (view_k_.capacity() + view_v_.capacity()) * sizeof(T) +
                         row_buf_.capacity() * sizeof(float);
     for (const auto& h : heads_) total += h.heap_bytes();
     for (const auto& s : scratch_) total += s.heap_bytes();
@@ -467,10 +470,10 @@ class KVCache {
     detail::check_rows_fit(live_rows(), keys.seq, api);
     if (queries) detail::check_queries(*queries, keys, api);
     if (storage_.key_bits < 16) {
-      detail::check_quantizable(keys, key_format(keys.dim), "keys", "key_bits", api);
+      detail::check_quantizable<T>(keys, key_format(keys.dim), "keys", "key_bits", api);
     }
     if (storage_.value_bits < 16) {
-      detail::check_quantizable(values, value_format(values.dim), "values", "value_bits", api);
+      detail::check_quantizable<T>(values, value_format(values.dim), "values", "value_bits", api);
     }
     const Index S = keys.seq;
     // A view of a quantized cache shows a dequantized copy of the window (docs/design.md 2.3).
@@ -479,16 +482,17 @@ class KVCache {
     // leaves the cache unchanged.
     if (out) resize_pair(*out, keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim);
     if (view_copy) {
-      resize_pair(view_copy_, keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim);
-    }
-    if (storage_.quantized()) {
-      row_buf_.resize(static_cast<std::size_t>(detail::padded_dim(std::max(keys.dim, values.dim))));
+      fit_view_buffers(keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim, S > 0);
     }
     if (S == 0) {
       for (auto& h : heads_) h.compact();
       if (out && dims_.known) copy_retained(*out);
-      if (view_copy && dims_.known) copy_slots(view_copy_);
+      if (view_copy && dims_.known) copy_slots();
       return make_view(live_rows(), 0, keys, values, view_copy);
+    }
+    // The buffer quantized rows leave the cache through (fetch and view copies).
+    if (storage_.quantized()) {
+      row_buf_.resize(static_cast<std::size_t>(detail::padded_dim(std::max(keys.dim, values.dim))));
     }
     // 2. The policy inspects the call (may throw); 3. storage and scratch are reserved (may
     // throw bad_alloc); 4. the policy starts the call (may throw before it changes anything).
@@ -508,7 +512,7 @@ class KVCache {
     offset_ += S;
     tokens_seen_ += dims_.batch * dims_.heads * S;
     if (out) copy_window(*out);
-    if (view_copy) copy_slots(view_copy_);
+    if (view_copy) copy_slots();
     return make_view(heads_.front().physical(), S, keys, values, view_copy);
   }
 
@@ -600,7 +604,8 @@ class KVCache {
       return KVView<T>(&heads_, keys.batch, keys.heads, keys.dim, values.dim, 0, 0);
     }
     return KVView<T>(&heads_, dims_.batch, dims_.heads, dims_.key_dim, dims_.value_dim, rows,
-                     new_rows, view_copy ? &view_copy_ : nullptr);
+                     new_rows, view_copy ? view_k_.data() : nullptr,
+                     view_copy ? view_v_.data() : nullptr);
   }
 
   static void resize_pair(KVPair<T>& out, Index b, Index h, Index n, Index dk, Index dv) {
@@ -624,11 +629,27 @@ class KVCache {
       for (Index s = h.call_begin(); s < h.physical(); ++s) emit(s);
     });
   }
-  // Every head's slots [0, physical()) in slot order (a quantized cache's view; `out` is sized).
-  void copy_slots(KVPair<T>& out) {
-    copy_rows(out, row_buf_.data(), [](const detail::HeadStore<T>& h, const auto& emit) {
-      for (Index s = 0; s < h.physical(); ++s) emit(s);
-    });
+  // Every head's slots [0, physical()) in slot order into the view buffers (sized by
+  // fit_view_buffers): a quantized cache's view.
+  void copy_slots() {
+    copy_rows(view_k_.data(), view_v_.data(), row_buf_.data(),
+              [](const detail::HeadStore<T>& h, const auto& emit) {
+                for (Index s = 0; s < h.physical(); ++s) emit(s);
+              });
+  }
+  // Makes the view buffers hold `rows` rows per head: they grow as needed and shrink (only when
+  // `shrink`: a call that brings rows) once they are more than twice that, so that an empty call
+  // changes nothing. Strong exception guarantee.
+  void fit_view_buffers(Index batch, Index heads, Index rows, Index dk, Index dv, bool shrink) {
+    const auto need = [&](Index d) { return static_cast<std::size_t>(batch * heads * rows * d); };
+    const auto refit = [&](const std::vector<T>& buf, Index d) {
+      return buf.size() < need(d) || (shrink && buf.size() > 2 * need(d));
+    };
+    const bool rk = refit(view_k_, dk), rv = refit(view_v_, dv);
+    if (!rk && !rv) return;
+    std::vector<T> k(rk ? need(dk) : 0), v(rv ? need(dv) : 0);  // both allocated, then swapped
+    if (rk) view_k_.swap(k);
+    if (rv) view_v_.swap(v);
   }
   // Gathers, per head, the slots `each(head, emit)` emits: [B, H, n, D] twice.
   template <class Each>
@@ -636,10 +657,13 @@ class KVCache {
     Index n = 0;
     if (!heads_.empty()) each(heads_.front(), [&n](Index) { ++n; });
     resize_pair(out, dims_.batch, dims_.heads, n, dims_.key_dim, dims_.value_dim);
+    copy_rows(out.first.data(), out.second.data(), buf, each);
+  }
+  // The same into kout ([B, H, n, Dk]) and vout ([B, H, n, Dv]), sized by the caller.
+  template <class Each>
+  void copy_rows(T* kout, T* vout, float* buf, Each each) const {
     const auto dk = static_cast<std::size_t>(dims_.key_dim);
     const auto dv = static_cast<std::size_t>(dims_.value_dim);
-    T* kout = out.first.data();
-    T* vout = out.second.data();
     // A quantized row is dequantized through `buf` (float32, padded_dim(max(Dk, Dv))).
     float* row = storage_.quantized() ? buf : nullptr;
     for (const auto& h : heads_) {
@@ -665,7 +689,8 @@ class KVCache {
   std::vector<detail::HeadStore<T>> heads_;
   std::vector<detail::Scratch> scratch_;
   Storage storage_{};
-  KVPair<T> view_copy_;          // a quantized cache's view: the window dequantized
+  // A quantized cache's view: the window dequantized, [B·H, rows, Dk] and [B·H, rows, Dv].
+  std::vector<T> view_k_, view_v_;
   std::vector<float> row_buf_;  // [row_floats()]: a quantized row on its way out
   std::int64_t offset_ = 0;
   std::int64_t tokens_seen_ = 0;

@@ -180,9 +180,10 @@ void check_update(const InputRows& keys, const InputRows& values, const LayerDim
 
 /// Throws std::invalid_argument for the rows of a call that a quantized format (quant.hpp) cannot
 /// hold: a head dim that quant_group does not divide, or an element that is not finite or beyond
-/// +-kHalfMax once converted to float32 (a group's offset and scale are halves). `what`: "keys"
-/// or "values"; `bits_field`: "key_bits" or "value_bits". rows: [B, H, S, D]
-inline void check_quantizable(const InputRows& rows, const RowFormat& f, const char* what,
+/// +-kHalfMax once converted to the storage type T (a group's offset and scale are halves).
+/// `what`: "keys" or "values"; `bits_field`: "key_bits" or "value_bits". rows: [B, H, S, D]
+template <class T>
+void check_quantizable(const InputRows& rows, const RowFormat& f, const char* what,
                               const char* bits_field, const char* api) {
   if (rows.dim % f.group != 0) {
     std::ostringstream os;
@@ -195,15 +196,18 @@ inline void check_quantizable(const InputRows& rows, const RowFormat& f, const c
     for (Index h = 0; h < rows.heads; ++h) {
       for (Index s = 0; s < rows.seq; ++s) {
         with_row(rows, b, h, s, [&](const auto* p) {
-          for (Index d = 0; d < rows.dim; ++d) buf[static_cast<std::size_t>(d)] = static_cast<float>(p[d]);
+          for (Index d = 0; d < rows.dim; ++d) {
+            buf[static_cast<std::size_t>(d)] = static_cast<float>(static_cast<T>(p[d]));
+          }
         });
         for (Index d = 0; d < rows.dim; ++d) {
           const float x = buf[static_cast<std::size_t>(d)];
           if (std::abs(x) <= kHalfMax) continue;  // false for NaN
           std::ostringstream os;
           os << api << ": " << what << " element at [b=" << b << ", h=" << h << ", s=" << s
-             << ", d=" << d << "] (value " << x << ") is not finite or beyond +-65504, the range "
-             << "of quantized storage (" << bits_field << " " << f.bits << ")";
+             << ", d=" << d << "] (value " << x << " after conversion to the storage type) is not "
+             << "finite or beyond +-65504, the range of quantized storage (" << bits_field << " "
+             << f.bits << ")";
           throw std::invalid_argument(os.str());
         }
       }

@@ -223,12 +223,13 @@ class HeadStore {
     return (f.row_bytes() + size - 1) / size;
   }
 
-  // One input row into its slot: converted to T, or quantized from float32.
+  // One input row into its slot: converted to T, and quantized from that (every input type
+  // gives the codes its conversion to T gives).
   template <class U>
   void put_row(const U* src, const RowFormat& f, T* dst) noexcept {
     if (!f.quantized()) return store_row(src, dst, f.dim);
     float* x = row_buf_.data();
-    for (Index i = 0; i < f.dim; ++i) x[i] = static_cast<float>(src[i]);
+    for (Index i = 0; i < f.dim; ++i) x[i] = static_cast<float>(static_cast<T>(src[i]));
     quantize_row(x, f, reinterpret_cast<std::uint8_t*>(dst));
   }
   static void get_row(const RowFormat& f, const T* src, T* dst, float* buf) noexcept {

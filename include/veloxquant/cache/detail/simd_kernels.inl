@@ -557,12 +557,23 @@ inline V qload_lanes(const std::uint8_t* row, const RowFormat& f, Index k) {
   float* c = opaque(cbuf);
   float* s = opaque(sbuf);
   float* o = opaque(obuf);
+  const Index gb = f.group_bytes();
+  Index g = k / f.group, e = k % f.group;
+  float sg = 0.0f, og = 0.0f;
+  if (k < f.dim) group_scale_offset(row, f, g, sg, og);
   for (Index j = 0; j < kLanes; ++j) {
     c[j] = s[j] = o[j] = 0.0f;
-    if (k + j < f.dim) {
-      c[j] = static_cast<float>(element_code(row, f, k + j));
-      group_scale_offset(row, f, (k + j) / f.group, s[j], o[j]);
+    if (k + j >= f.dim) continue;
+    if (e == f.group) {
+      e = 0;
+      group_scale_offset(row, f, ++g, sg, og);
     }
+    const std::uint8_t* codes = row + g * gb;
+    const int code = f.bits == 8 ? codes[e] : e < gb ? codes[e] & 0x0F : codes[e - gb] >> 4;
+    c[j] = static_cast<float>(code);
+    s[j] = sg;
+    o[j] = og;
+    ++e;
   }
   return vmadd(vload(c), vload(s), vload(o));
 }

@@ -1,0 +1,565 @@
+// Quantized storage (docs/design.md 2.9, 7.4). The row format and the quantized kernels alone, on
+// purpose (quant.hpp, simd_kernels.inl): every element within half a step of its group after a
+// round trip; every quantized kernel on every path gives bitwise what its float32 counterpart
+// gives on the dequantized rows. Then through the public API: a quantized cache of every policy
+// scores, evicts and attends bitwise as a float32 cache fed the dequantized rows; bad widths,
+// groups and elements are rejected and change nothing; kept_bytes() counts what is held; the
+// view of a quantized cache shows the dequantized rows. (The contract suite runs over quantized
+// rows too: test_contract_q84 and test_contract_q48.)
+#include "support/checked_asserts.hpp"  // must precede every veloxquant header
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+#include <veloxquant/cache.hpp>
+
+#include "support/contract.hpp"
+#include "support/subjects.hpp"
+#include "support/test_support.hpp"
+
+namespace {
+
+namespace vc = veloxquant::cache;
+namespace vd = veloxquant::cache::detail;
+using Index = Eigen::Index;
+using veloxquant::test::Kind;
+using veloxquant::test::kKinds;
+using veloxquant::test::kind_name;
+
+template <class F>
+void for_each_level(F f) {
+  const vc::SimdLevel saved = vc::simd_level();
+  for (const vc::SimdLevel l : {vc::SimdLevel::scalar, vc::SimdLevel::sse2, vc::SimdLevel::avx2,
+                                vc::SimdLevel::avx512}) {
+    if (!vc::simd_level_supported(l)) continue;
+    vc::set_simd_level(l);
+    SCOPED_TRACE(vc::simd_level_name(l));
+    f(l);
+  }
+  vc::set_simd_level(saved);
+}
+
+struct Format {
+  int bits;
+  Index dim, group;
+};
+/// Formats that take the in-register path on some level and the lane-by-lane path on others:
+/// groups of 8, 16, 32 and 64, an odd group (4 bits: a half-empty last byte), a group of the
+/// whole row.
+const std::vector<Format>& formats() {
+  static const std::vector<Format> f = {{8, 64, 32}, {4, 64, 32}, {8, 64, 16}, {4, 64, 16},
+                                        {8, 64, 8},  {4, 64, 8},  {8, 128, 64}, {4, 128, 64},
+                                        {8, 8, 8},   {4, 8, 8},   {4, 27, 9},  {8, 27, 9},
+                                        {4, 48, 48}, {8, 40, 20}};
+  return f;
+}
+vd::RowFormat row_format(const Format& f) { return vd::RowFormat{f.bits, f.dim, f.group}; }
+std::string name(const Format& f) {
+  return std::to_string(f.bits) + " bits, D " + std::to_string(f.dim) + ", group " +
+         std::to_string(f.group);
+}
+
+/// n rows quantized: [n, row_bytes].
+std::vector<std::uint8_t> quantize(const std::vector<float>& x, const vd::RowFormat& f, Index n) {
+  std::vector<std::uint8_t> q(static_cast<std::size_t>(n * f.row_bytes()));
+  for (Index j = 0; j < n; ++j) {
+    vd::quantize_row(x.data() + j * f.dim, f, q.data() + j * f.row_bytes());
+  }
+  return q;
+}
+/// Their dequantization at the active level, as float32 rows [n, D].
+std::vector<float> dequantize(const std::vector<std::uint8_t>& q, const vd::RowFormat& f, Index n) {
+  const vd::QuantRows rows{q.data(), f.row_bytes(), f};
+  std::vector<float> out(static_cast<std::size_t>(n * f.dim));
+  std::vector<float> buf(static_cast<std::size_t>(vd::padded_dim(f.dim)));
+  for (Index j = 0; j < n; ++j) {
+    vd::dequantize_row(rows, j, buf.data());
+    std::copy(buf.begin(), buf.begin() + f.dim, out.begin() + j * f.dim);
+    for (Index k = f.dim; k < vd::padded_dim(f.dim); ++k) {
+      EXPECT_EQ(buf[static_cast<std::size_t>(k)], 0.0f) << "padding";
+    }
+  }
+  return out;
+}
+
+std::vector<float> normal_rows(std::mt19937& rng, Index n, Index d, float sigma = 1.0f,
+                               float mean = 0.0f) {
+  std::normal_distribution<float> g(mean, sigma);
+  std::vector<float> x(static_cast<std::size_t>(n * d));
+  for (auto& v : x) v = g(rng);
+  return x;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The row format
+// ---------------------------------------------------------------------------------------------
+
+/// Every element, after quantize_row and dequantize_row, is within half a step (the group's
+/// stored scale / 2) of the original, plus float32 rounding of the dequantizing multiply-add; on
+/// every path; for rows of every kind: normal, wide, shifted (a large mean), constant, tiny
+/// ranges, subnormal, and the extremes +-65504. Codes span [0, levels] where halves resolve the
+/// group's spread.
+TEST(QuantRowFormat, RoundTripIsWithinHalfAStepOfTheGroup) {
+  std::mt19937 rng(1);
+  for (const Format& fm : formats()) {
+    SCOPED_TRACE(name(fm));
+    const vd::RowFormat f = row_format(fm);
+    std::vector<std::vector<float>> cases = {
+        normal_rows(rng, 6, f.dim), normal_rows(rng, 6, f.dim, 300.0f),
+        normal_rows(rng, 6, f.dim, 0.01f, 1000.0f), std::vector<float>(6 * f.dim, 0.3f),
+        normal_rows(rng, 6, f.dim, 1e-6f), normal_rows(rng, 6, f.dim, 1e-9f)};
+    std::vector<float> extremes = normal_rows(rng, 6, f.dim, 20000.0f);
+    for (Index i = 0; i < 6 * f.dim; i += 5) extremes[static_cast<std::size_t>(i)] = i % 2 ? 65504.0f : -65504.0f;
+    for (auto& x : extremes) x = std::clamp(x, -65504.0f, 65504.0f);
+    cases.push_back(extremes);
+    for (std::size_t c = 0; c < cases.size(); ++c) {
+      const std::vector<float>& x = cases[c];
+      const std::vector<std::uint8_t> q = quantize(x, f, 6);
+      int lowest = f.levels(), highest = 0;
+      for (Index j = 0; j < 6; ++j) {
+        for (Index k = 0; k < f.dim; ++k) {
+          const int code = vd::element_code(q.data() + j * f.row_bytes(), f, k);
+          lowest = std::min(lowest, code);
+          highest = std::max(highest, code);
+        }
+      }
+      // Where half scales resolve the spread (not: the constant rows, a spread of 0.05 around
+      // 1000 where halves step by 0.5, spreads below the smallest half), the codes span it all.
+      if (c == 0 || c == 1 || c == 6) {
+        EXPECT_EQ(lowest, 0) << "case " << c;
+        EXPECT_EQ(highest, f.levels()) << "case " << c;
+      }
+      for_each_level([&](vc::SimdLevel) {
+        const std::vector<float> y = dequantize(q, f, 6);
+        for (Index j = 0; j < 6; ++j) {
+          for (Index k = 0; k < f.dim; ++k) {
+            float scale = 0.0f, offset = 0.0f;
+            vd::group_scale_offset(q.data() + j * f.row_bytes(), f, k / f.group, scale, offset);
+            const auto at = static_cast<std::size_t>(j * f.dim + k);
+            const double err = std::abs(static_cast<double>(y[at]) - x[at]);
+            const double ulp = std::abs(static_cast<double>(x[at])) * 0x1p-23 * 2;
+            ASSERT_LE(err, 0.5 * scale + ulp)
+                << "case " << c << ", row " << j << ", element " << k << ": " << x[at] << " -> "
+                << y[at] << ", scale " << scale;
+          }
+        }
+      });
+    }
+  }
+}
+
+/// A constant group whose value is a half round-trips exactly (scale 0), and so does a group of
+/// exactly representable steps; the stored offset never lies above the group's minimum.
+TEST(QuantRowFormat, ExactValuesStayExact) {
+  for (const int bits : {8, 4}) {
+    const vd::RowFormat f{bits, 16, 8};
+    std::vector<float> x(16);
+    for (Index k = 0; k < 8; ++k) x[static_cast<std::size_t>(k)] = -2.5f;
+    for (Index k = 8; k < 16; ++k) x[static_cast<std::size_t>(k)] = 0.25f * static_cast<float>(k - 8);
+    const std::vector<std::uint8_t> q = quantize(x, f, 1);
+    float s0, o0, s1, o1;
+    vd::group_scale_offset(q.data(), f, 0, s0, o0);
+    vd::group_scale_offset(q.data(), f, 1, s1, o1);
+    EXPECT_EQ(s0, 0.0f);
+    EXPECT_EQ(o0, -2.5f);
+    EXPECT_EQ(o1, 0.0f);
+    for_each_level([&](vc::SimdLevel) {
+      const std::vector<float> y = dequantize(q, f, 1);
+      for (Index k = 0; k < 8; ++k) EXPECT_EQ(y[static_cast<std::size_t>(k)], -2.5f);
+      if (bits == 8) {
+        // 1.75 / 255 is not a half: the codes are rounded, yet within half a step.
+        for (Index k = 8; k < 16; ++k) {
+          EXPECT_NEAR(y[static_cast<std::size_t>(k)], x[static_cast<std::size_t>(k)], 0.5 * s1 + 1e-6);
+        }
+      }
+    });
+  }
+  // The offset is the largest half <= min, also when min is not a half.
+  const vd::RowFormat f{8, 8, 8};
+  std::vector<float> x = {0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.6f, 0.7f, -0.1f};
+  const std::vector<std::uint8_t> q = quantize(x, f, 1);
+  float s, o;
+  vd::group_scale_offset(q.data(), f, 0, s, o);
+  EXPECT_LE(o, -0.1f);
+  EXPECT_GE(o + 255.0f * s, 0.7f);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The quantized kernels against their float32 counterparts
+// ---------------------------------------------------------------------------------------------
+
+/// Quantized rows as a float32 cache holds them: each row padded to whole floats.
+struct HeldRows {
+  std::vector<float> data;
+  Index stride = 0;  // floats per row
+  vd::RowFormat fmt;
+  vd::StoredRows<float> rows() const { return vd::StoredRows<float>{data.data(), stride, fmt}; }
+};
+HeldRows hold(const std::vector<std::uint8_t>& q, const vd::RowFormat& f, Index n) {
+  HeldRows h;
+  h.fmt = f;
+  h.stride = (f.row_bytes() + 3) / 4;
+  h.data.assign(static_cast<std::size_t>(n * h.stride), 0.0f);
+  for (Index j = 0; j < n; ++j) {
+    std::memcpy(h.data.data() + j * h.stride, q.data() + j * f.row_bytes(),
+                static_cast<std::size_t>(f.row_bytes()));
+  }
+  return h;
+}
+
+/// logits over quantized keys (m = 1 .. 8 query rows, with and without an index), the packed
+/// prefill keys and the attention output over quantized values equal, bitwise, on every path,
+/// what the float32 kernels give on the dequantized rows.
+TEST(QuantKernels, EveryKernelEqualsItsFloatCounterpartOnTheDequantizedRows) {
+  std::mt19937 rng(2);
+  const Index n = 37;
+  for (const Format& fm : formats()) {
+    SCOPED_TRACE(name(fm));
+    const vd::RowFormat f = row_format(fm);
+    const Index d = f.dim, dp = vd::padded_dim(d);
+    const std::vector<std::uint8_t> q = quantize(normal_rows(rng, n, d), f, n);
+    const HeldRows held = hold(q, f, n);
+    std::vector<std::int32_t> idx(static_cast<std::size_t>(n));
+    for (Index j = 0; j < n; ++j) idx[static_cast<std::size_t>(j)] = static_cast<std::int32_t>((j * 7) % n);
+    for_each_level([&](vc::SimdLevel) {
+      const std::vector<float> deq = dequantize(q, f, n);
+      const vd::StoredRows<float> plain{deq.data(), d, vd::RowFormat{16, d, 0}};
+      std::vector<float> kbuf(static_cast<std::size_t>(4 * dp));
+      for (const Index m : {1, 2, 3, 4, 5, 8}) {
+        SCOPED_TRACE("m = " + std::to_string(m));
+        std::vector<float> qs(static_cast<std::size_t>(m * dp), 0.0f);
+        const std::vector<float> g = normal_rows(rng, m, d);
+        for (Index i = 0; i < m; ++i)
+          for (Index k = 0; k < d; ++k) qs[static_cast<std::size_t>(i * dp + k)] = g[static_cast<std::size_t>(i * d + k)];
+        const Index ld = n + 3;
+        for (const bool with_idx : {false, true}) {
+          const std::int32_t* ix = with_idx ? idx.data() : nullptr;
+          std::vector<float> a(static_cast<std::size_t>(m * ld), -1.0f), b = a;
+          vd::logits(qs.data(), m, dp, plain, ix, n, d, 0.25f, a.data(), ld, kbuf.data());
+          vd::logits(qs.data(), m, dp, held.rows(), ix, n, d, 0.25f, b.data(), ld, kbuf.data());
+          ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+              << (with_idx ? "logits with an index" : "logits");
+        }
+        // The attention output of exp rows e [m, n] with normalisers inv [m].
+        std::vector<float> e = normal_rows(rng, m, n), inv(static_cast<std::size_t>(m), 0.5f);
+        for (auto& v : e) v = std::abs(v);
+        std::vector<float> oa(static_cast<std::size_t>(m * (d + 1)), -3.0f), ob = oa;
+        vd::weighted_rows(e.data(), n, inv.data(), m, plain, d, n, oa.data(), d + 1);
+        vd::weighted_rows(e.data(), n, inv.data(), m, held.rows(), d, n, ob.data(), d + 1);
+        ASSERT_EQ(std::memcmp(oa.data(), ob.data(), oa.size() * sizeof(float)), 0) << "weighted";
+      }
+      std::vector<float> pa(static_cast<std::size_t>(vd::packed_size(n, d)), 0.0f), pb = pa;
+      std::vector<float> buf(static_cast<std::size_t>(dp));
+      vd::pack_keys(plain, 0, n, d, pa.data(), buf.data());
+      vd::pack_keys(held.rows(), 0, n, d, pb.data(), buf.data());
+      ASSERT_EQ(std::memcmp(pa.data(), pb.data(), pa.size() * sizeof(float)), 0) << "packed";
+      // And the key-as-query row.
+      std::vector<float> ra(static_cast<std::size_t>(dp), 1.0f), rb = ra;
+      vd::load_stored_row(plain, 5, d, ra.data());
+      vd::load_stored_row(held.rows(), 5, d, rb.data());
+      ASSERT_EQ(std::memcmp(ra.data(), rb.data(), ra.size() * sizeof(float)), 0) << "query row";
+    });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Through the public API
+// ---------------------------------------------------------------------------------------------
+
+vc::Tensor4<double> random_input(std::mt19937& rng, Index B, Index H, Index S, Index D) {
+  return veloxquant::test::random_doubles(rng, B, H, S, D);
+}
+
+/// The rows a cache of storage `c` keeps for an input: a standard cache's state.
+template <class T>
+vc::KVPair<T> stored(const vc::KVCacheConfig& c, const vc::Tensor4<double>& k,
+                     const vc::Tensor4<double>& v) {
+  vc::KVCacheConfig s = c;
+  s.method = "standard";
+  vc::KVCache<T> standard(s);
+  return standard.update_and_fetch(k, v);
+}
+
+/// Every policy, every width pair (8/8, 4/4, 8/4, 16/4, 4/16), group 8 and 16: a quantized float32
+/// cache and a float32 cache fed the dequantized rows hold the same positions and scores and
+/// write the same attention output, bitwise, over a prefill longer than the budget and decode
+/// steps, with queries (attend) and with the key-as-query proxy (fetch).
+TEST(QuantizedCache, EveryPolicyScoresAndAttendsAsOnTheDequantizedRows) {
+  const std::pair<int, int> widths[] = {{8, 8}, {4, 4}, {8, 4}, {16, 4}, {4, 16}};
+  const Index B = 1, H = 2, G = 2, Dk = 32, Dv = 16;
+  for (const auto& [kb, vb] : widths) {
+    for (const int group : {8, 16}) {
+      for (const Kind kind : kKinds) {
+        for (const bool queries : {true, false}) {
+          const std::string ctx = std::string(kind_name(kind)) + ", " + std::to_string(kb) + "/" +
+                                  std::to_string(vb) + " bits, group " + std::to_string(group) +
+                                  (queries ? ", attend" : ", proxy");
+          SCOPED_TRACE(ctx);
+          vc::KVCacheConfig c = veloxquant::test::small_config();
+          c.key_bits = kb;
+          c.value_bits = vb;
+          c.quant_group = group;
+          vc::KVCacheConfig plain = c;
+          plain.key_bits = plain.value_bits = 16;
+          auto q = veloxquant::test::make_subject<float>(kind, c);
+          auto p = veloxquant::test::make_subject<float>(kind, plain);
+          std::mt19937 rng(7u + static_cast<unsigned>(kind));
+          for (const Index S : {Index{11}, Index{1}, Index{1}, Index{3}, Index{1}, Index{1}}) {
+            const vc::Tensor4<double> k = random_input(rng, B, H, S, Dk);
+            const vc::Tensor4<double> v = random_input(rng, B, H, S, Dv);
+            const vc::KVPair<float> kv = stored<float>(c, k, v);
+            // Not vacuous: the quantized rows are not the inputs.
+            const vc::Tensor4<float> kf0 = k.cast<float>(), vf0 = v.cast<float>();
+            if (kb < 16) {
+              ASSERT_FALSE(veloxquant::test::bitwise_equal(kv.first, kf0));
+            }
+            if (vb < 16) {
+              ASSERT_FALSE(veloxquant::test::bitwise_equal(kv.second, vf0));
+            }
+            if (queries) {
+              const vc::Tensor4<float> qs =
+                  veloxquant::test::random_queries(rng, B, G * H, S, Dk);
+              const vc::Tensor4<float> kf = k.cast<float>(), vf = v.cast<float>();
+              const vc::Tensor4<float> a = q.cache->attend(qs, kf, vf);
+              const vc::Tensor4<float> b = p.cache->attend(qs, kv.first, kv.second);
+              ASSERT_EQ(std::memcmp(a.data(), b.data(), sizeof(float) * a.size()), 0);
+            } else {
+              const vc::KVPair<float> a = q.cache->update_and_fetch(k, v);
+              const vc::KVPair<float> b = p.cache->update_and_fetch(kv.first, kv.second);
+              ASSERT_TRUE(veloxquant::test::bitwise_equal(a.first, b.first));
+              ASSERT_TRUE(veloxquant::test::bitwise_equal(a.second, b.second));
+            }
+            for (Index h = 0; h < H; ++h) {
+              ASSERT_EQ(q.cache->positions(0, h), p.cache->positions(0, h));
+              const std::vector<float> sq = q.cache->scores(0, h), sp = p.cache->scores(0, h);
+              ASSERT_EQ(sq.size(), sp.size());
+              ASSERT_EQ(std::memcmp(sq.data(), sp.data(), sizeof(float) * sq.size()), 0);
+            }
+            ASSERT_EQ(q.cache->layer_budget(), p.cache->layer_budget());
+          }
+          ASSERT_TRUE(veloxquant::test::bitwise_equal(q.cache->state().first,
+                                                      p.cache->state().first));
+        }
+      }
+    }
+  }
+}
+
+/// Once quantized, the storage type does not change what is scored or attended: a half cache
+/// and a float32 cache at the same widths, fed half inputs, keep the same positions and scores
+/// and write the same output, bitwise; the half cache returns the float32 one's rows rounded to
+/// half.
+TEST(QuantizedCache, TheStorageTypeOnlyRoundsWhatIsReturned) {
+  vc::KVCacheConfig c = veloxquant::test::small_config();
+  c.key_bits = 8;
+  c.value_bits = 4;
+  c.quant_group = 16;
+  for (const Kind kind : {Kind::kSqueeze, Kind::kTova, Kind::kSnap}) {
+    SCOPED_TRACE(kind_name(kind));
+    auto h = veloxquant::test::make_subject<Eigen::half>(kind, c);
+    auto f = veloxquant::test::make_subject<float>(kind, c);
+    std::mt19937 rng(3);
+    for (const Index S : {Index{9}, Index{1}, Index{2}, Index{1}}) {
+      const vc::Tensor4<Eigen::half> k = random_input(rng, 1, 2, S, 32).cast<Eigen::half>();
+      const vc::Tensor4<Eigen::half> v = random_input(rng, 1, 2, S, 16).cast<Eigen::half>();
+      const vc::Tensor4<float> qs = veloxquant::test::random_queries(rng, 1, 4, S, 32);
+      const vc::Tensor4<float> a = h.cache->attend(qs, k, v);
+      const vc::Tensor4<float> b = f.cache->attend(qs, k, v);
+      ASSERT_EQ(std::memcmp(a.data(), b.data(), sizeof(float) * a.size()), 0);
+      for (Index hd = 0; hd < 2; ++hd) {
+        ASSERT_EQ(h.cache->positions(0, hd), f.cache->positions(0, hd));
+        ASSERT_EQ(h.cache->scores(0, hd), f.cache->scores(0, hd));
+      }
+    }
+    const vc::KVPair<Eigen::half> sh = h.cache->state();
+    const vc::KVPair<float> sf = f.cache->state();
+    const vc::Tensor4<Eigen::half> rounded = sf.first.cast<Eigen::half>();
+    EXPECT_TRUE(veloxquant::test::bitwise_equal(sh.first, rounded));
+  }
+}
+
+/// kept_bytes() counts codes, scales and offsets (rounded up to whole elements of T);
+/// full_seq_bytes() stays the unquantized size; compression_ratio() compares the two.
+TEST(QuantizedCache, KeptBytesCountWhatIsHeld) {
+  struct Case {
+    int kb, vb, group;
+    Index dk, dv;
+    std::size_t row_bytes_half;  // key + value bytes of one retained row, T = half
+  };
+  // 8 bits, D 64, group 32: 64 codes + 2 x 4 = 72 bytes; 4 bits: 32 + 8 = 40.
+  const Case cases[] = {{8, 8, 32, 64, 64, 144}, {4, 4, 32, 64, 64, 80}, {8, 4, 32, 64, 64, 112},
+                        {16, 4, 32, 64, 64, 168}, {4, 8, 8, 8, 8, 8 + 12},
+                        // 4 bits, D 27, group 9: 3 x 5 code bytes + 3 x 4 = 27 -> 28 (whole halves)
+                        {4, 16, 9, 27, 27, 28 + 54}};
+  for (const Case& cs : cases) {
+    vc::KVCacheConfig c;
+    c.method = "standard";
+    c.key_bits = cs.kb;
+    c.value_bits = cs.vb;
+    c.quant_group = cs.group;
+    vc::KVCache<Eigen::half> cache(c);
+    std::mt19937 rng(4);
+    (void)cache.update_and_view(random_input(rng, 2, 3, 5, cs.dk), random_input(rng, 2, 3, 5, cs.dv));
+    EXPECT_EQ(cache.kept_bytes(), 2u * 3u * 5u * cs.row_bytes_half) << cs.kb << "/" << cs.vb;
+    const std::size_t full = 2u * 3u * 5u * static_cast<std::size_t>(cs.dk + cs.dv) * 2u;
+    EXPECT_EQ(cache.full_seq_bytes(), full);
+    EXPECT_DOUBLE_EQ(cache.compression_ratio(),
+                     static_cast<double>(full) / static_cast<double>(cache.kept_bytes()));
+  }
+}
+
+/// Widths other than 16, 8, 4 and groups below 8 are rejected at construction (validate, every
+/// cache, the factory, the builder); the builder also rejects a group that does not divide a
+/// layer's head dim; a cache that learns D from its first call rejects that call and is left
+/// unchanged.
+TEST(QuantizedCache, BadWidthsAndGroupsAreRejectedAtConstruction) {
+  for (const int bits : {0, 1, 2, 3, 5, 6, 7, 9, 12, 15, 17, 32, -8}) {
+    for (const bool keys : {true, false}) {
+      vc::KVCacheConfig c;
+      (keys ? c.key_bits : c.value_bits) = bits;
+      const std::string field = keys ? "key_bits" : "value_bits";
+      const std::string m = veloxquant::test::invalid_argument_message([&] { c.validate(); });
+      EXPECT_NE(m.find(field), std::string::npos) << m;
+      EXPECT_NE(m.find(std::to_string(bits)), std::string::npos) << m;
+      EXPECT_THROW((void)vc::KVCacheFactory::create<float>(c), std::invalid_argument);
+      EXPECT_THROW((void)vc::SqueezeAttentionCache<float>(c), std::invalid_argument);
+      EXPECT_THROW((void)vc::KVCacheBuilder::for_model<float>(3, c), std::invalid_argument);
+    }
+  }
+  for (const int group : {7, 4, 1, 0, -32}) {
+    vc::KVCacheConfig c;
+    c.quant_group = group;
+    const std::string m = veloxquant::test::invalid_argument_message([&] { c.validate(); });
+    EXPECT_NE(m.find("quant_group"), std::string::npos) << m;
+    for (const char* method : {"standard", "h2o", "tova", "streaming_llm", "snapkv", "pyramidkv"}) {
+      c.method = method;
+      EXPECT_THROW((void)vc::KVCacheFactory::create<Eigen::half>(c), std::invalid_argument) << method;
+    }
+  }
+  vc::KVCacheConfig c;
+  c.key_bits = 8;
+  c.quant_group = 32;
+  const std::string m = veloxquant::test::invalid_argument_message(
+      [&] { (void)vc::KVCacheBuilder::for_model<float>({64, std::nullopt, 48}, c); });
+  EXPECT_NE(m.find("quant_group (32)"), std::string::npos) << m;
+  EXPECT_NE(m.find("layer 2 (48)"), std::string::npos) << m;
+  EXPECT_NO_THROW((void)vc::KVCacheBuilder::for_model<float>({64, std::nullopt, 96}, c));
+  c.key_bits = 16;  // unquantized: the group is not used
+  EXPECT_NO_THROW((void)vc::KVCacheBuilder::for_model<float>({64, 48}, c));
+  // Learnt at the first call: rejected, nothing changes, a good call then goes through.
+  c.value_bits = 4;
+  vc::SqueezeAttentionCache<float> cache(c);
+  std::mt19937 rng(5);
+  const std::string first = veloxquant::test::invalid_argument_message([&] {
+    (void)cache.update_and_fetch(random_input(rng, 1, 2, 3, 64), random_input(rng, 1, 2, 3, 40));
+  });
+  EXPECT_NE(first.find("quant_group (32) must divide the values' head dim D (40)"),
+            std::string::npos)
+      << first;
+  EXPECT_EQ(cache.offset(), 0);
+  EXPECT_EQ(cache.key_dim(), 0);
+  EXPECT_NO_THROW((void)cache.update_and_fetch(random_input(rng, 1, 2, 3, 40),
+                                               random_input(rng, 1, 2, 3, 64)));
+  EXPECT_EQ(cache.offset(), 3);
+}
+
+/// A group's offset and scale are halves: quantized rows reject elements that are not finite or
+/// beyond +-65504 once converted to T, keys and values alike (unquantized values are not
+/// inspected, docs/design.md 8), naming the element; nothing changes; the largest accepted
+/// element round-trips within half a step.
+TEST(QuantizedCache, QuantizedRowsRejectWhatAGroupCannotHold) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  for (const bool keys : {true, false}) {
+    vc::KVCacheConfig c;
+    c.set_budget(8);
+    c.squeeze_n_sink = 1;
+    (keys ? c.key_bits : c.value_bits) = 8;
+    c.quant_group = 8;
+    vc::SqueezeAttentionCache<float> cache(c), twin(c);
+    std::mt19937 rng(6);
+    const vc::Tensor4<double> k0 = random_input(rng, 1, 2, 10, 16), v0 = random_input(rng, 1, 2, 10, 16);
+    (void)cache.update_and_fetch(k0, v0);
+    (void)twin.update_and_fetch(k0, v0);
+    for (const double bad : {nan, inf, -inf, 65520.0, -1e6, 3e38}) {
+      vc::Tensor4<double> k = random_input(rng, 1, 2, 2, 16), v = random_input(rng, 1, 2, 2, 16);
+      (keys ? k : v)(0, 1, 1, 5) = bad;
+      const std::string m = veloxquant::test::invalid_argument_message([&] {
+        (void)cache.update_and_view(k, v);
+      });
+      SCOPED_TRACE(std::string(keys ? "key " : "value ") + std::to_string(bad) + ": " + m);
+      EXPECT_EQ(veloxquant::test::named_index(m), (veloxquant::test::Shape{0, 1, 1, 5}));
+      if (!keys || std::isfinite(static_cast<float>(bad))) {
+        EXPECT_NE(m.find("65504"), std::string::npos);
+      }
+      EXPECT_EQ(cache.offset(), 10);
+      EXPECT_TRUE(cache.positions(0, 1) == twin.positions(0, 1));
+      EXPECT_TRUE(cache.scores(0, 1) == twin.scores(0, 1));
+    }
+    vc::Tensor4<double> k = random_input(rng, 1, 2, 1, 16), v = random_input(rng, 1, 2, 1, 16);
+    (keys ? k : v)(0, 0, 0, 3) = 65504.0;
+    (keys ? k : v)(0, 0, 0, 2) = -65504.0;
+    const vc::KVPair<float> a = cache.update_and_fetch(k, v);
+    const vc::KVPair<float> b = twin.update_and_fetch(k, v);
+    EXPECT_TRUE(veloxquant::test::bitwise_equal(a.first, b.first));
+    const float got = (keys ? a.first : a.second)(0, 0, a.first.dimension(2) - 1, 3);
+    EXPECT_NEAR(got, 65504.0f, 0.5f * 131008.0f / 255.0f + 1.0f);
+  }
+}
+
+/// The view of a quantized cache (docs/design.md 2.3) shows the dequantized rows: by position,
+/// the same rows a fetch returns, the call's rows last in arrival order; an empty call views the
+/// retained set.
+TEST(QuantizedCache, TheViewShowsTheDequantizedWindow) {
+  vc::KVCacheConfig c = veloxquant::test::small_config();
+  c.key_bits = 4;
+  c.value_bits = 8;
+  c.quant_group = 8;
+  for (const Kind kind : kKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    auto viewed = veloxquant::test::make_subject<Eigen::half>(kind, c);
+    auto fetched = veloxquant::test::make_subject<Eigen::half>(kind, c);
+    std::mt19937 rng(8);
+    for (const Index S : {Index{9}, Index{1}, Index{0}, Index{2}}) {
+      const vc::Tensor4<double> k = random_input(rng, 2, 2, S, 16), v = random_input(rng, 2, 2, S, 24);
+      const vc::KVPair<Eigen::half> f = fetched.cache->update_and_fetch(k, v);
+      const vc::KVView<Eigen::half> w = viewed.cache->update_and_view(k, v);
+      ASSERT_EQ(w.rows(), f.first.dimension(2));
+      ASSERT_EQ(w.new_rows(), S);
+      for (Index b = 0; b < 2; ++b) {
+        for (Index h = 0; h < 2; ++h) {
+          // The fetch is [retained before, ascending ; the call's rows]: rows matched by position.
+          for (Index r = 0; r < w.rows(); ++r) {
+            const std::int64_t p = w.positions(b, h)(r);
+            Index fr = -1;
+            if (r >= w.rows() - S) {
+              fr = f.first.dimension(2) - S + (r - (w.rows() - S));
+            } else {
+              // Rows before the call: f's first w.rows() - S rows in ascending position.
+              std::vector<std::int64_t> asc;
+              for (Index j = 0; j < w.rows() - S; ++j) asc.push_back(w.positions(b, h)(j));
+              std::sort(asc.begin(), asc.end());
+              fr = std::lower_bound(asc.begin(), asc.end(), p) - asc.begin();
+            }
+            for (Index d = 0; d < 16; ++d) {
+              ASSERT_EQ(static_cast<float>(w.keys(b, h)(r, d)), static_cast<float>(f.first(b, h, fr, d)));
+            }
+            for (Index d = 0; d < 24; ++d) {
+              ASSERT_EQ(static_cast<float>(w.values(b, h)(r, d)),
+                        static_cast<float>(f.second(b, h, fr, d)));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
