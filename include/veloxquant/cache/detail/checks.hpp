@@ -191,25 +191,24 @@ void check_quantizable(const InputRows& rows, const RowFormat& f, const char* wh
        << rows.dim << ") when " << bits_field << " is " << f.bits;
     throw std::invalid_argument(os.str());
   }
-  std::vector<float> buf(static_cast<std::size_t>(rows.dim));
   for (Index b = 0; b < rows.batch; ++b) {
     for (Index h = 0; h < rows.heads; ++h) {
       for (Index s = 0; s < rows.seq; ++s) {
+        Index bad = -1;
+        float x = 0.0f;
         with_row(rows, b, h, s, [&](const auto* p) {
-          for (Index d = 0; d < rows.dim; ++d) {
-            buf[static_cast<std::size_t>(d)] = static_cast<float>(static_cast<T>(p[d]));
+          for (Index d = 0; d < rows.dim && bad < 0; ++d) {
+            x = static_cast<float>(static_cast<T>(p[d]));
+            if (!(std::abs(x) <= kHalfMax)) bad = d;  // also NaN
           }
         });
-        for (Index d = 0; d < rows.dim; ++d) {
-          const float x = buf[static_cast<std::size_t>(d)];
-          if (std::abs(x) <= kHalfMax) continue;  // false for NaN
-          std::ostringstream os;
-          os << api << ": " << what << " element at [b=" << b << ", h=" << h << ", s=" << s
-             << ", d=" << d << "] (value " << x << " after conversion to the storage type) is not "
-             << "finite or beyond +-65504, the range of quantized storage (" << bits_field << " "
-             << f.bits << ")";
-          throw std::invalid_argument(os.str());
-        }
+        if (bad < 0) continue;
+        std::ostringstream os;
+        os << api << ": " << what << " element at [b=" << b << ", h=" << h << ", s=" << s
+           << ", d=" << bad << "] (value " << x << " after conversion to the storage type) is not "
+           << "finite or beyond +-65504, the range of quantized storage (" << bits_field << " "
+           << f.bits << ")";
+        throw std::invalid_argument(os.str());
       }
     }
   }

@@ -19,6 +19,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__SSE2__) || defined(_M_X64)
+#include <emmintrin.h>
+#endif
+
 namespace veloxquant::cache::detail {
 
 using Index = Eigen::Index;
@@ -91,6 +95,16 @@ inline std::uint16_t half_bits_up(float x) {
   return h + 1;  // x > 0 here: one step towards +inf
 }
 
+/// x rounded to the nearest integer, ties to even (the default rounding mode; on x86 one
+/// conversion instruction, unaffected by -ffast-math).
+inline int round_to_int(float x) {
+#if defined(__SSE2__) || defined(_M_X64)
+  return _mm_cvtss_si32(_mm_set_ss(x));
+#else
+  return static_cast<int>(std::nearbyint(x));
+#endif
+}
+
 /// Scale and offset of group g of a stored quantized row, as float32.
 inline void group_scale_offset(const std::uint8_t* row, const RowFormat& f, Index g, float& scale,
                                float& offset) {
@@ -128,8 +142,9 @@ inline void quantize_row(const float* x, const RowFormat& f, std::uint8_t* dst) 
     for (Index e = 0; e < f.group; ++e) {
       int c = 0;
       if (scale > 0.0f) {
-        const float t = std::nearbyint((xg[e] - off) / scale);
-        c = static_cast<int>(std::min(std::max(t, 0.0f), levels));
+        float t = (xg[e] - off) / scale;
+        t = std::min(std::max(t, 0.0f), levels);
+        c = round_to_int(t);
       }
       if (f.bits == 8) {
         codes[e] = static_cast<std::uint8_t>(c);

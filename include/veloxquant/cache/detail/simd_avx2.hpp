@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include <Eigen/Core>
 
@@ -35,6 +36,16 @@ inline V vload_row(const Eigen::bfloat16* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
+/// One half (its bit pattern) as float32 (F16C).
+inline float vhalf(std::uint16_t h) { return _cvtsh_ss(h); }
+/// The scale and offset at p (two halves) broadcast to vectors (F16C).
+inline void vmeta(const std::uint8_t* p, V& scale, V& offset) {
+  int w;
+  std::memcpy(&w, p, sizeof(w));
+  const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(w));
+  scale = _mm256_broadcastss_ps(f);
+  offset = _mm256_broadcastss_ps(_mm_movehdup_ps(f));
+}
 /// Quantized codes (docs/design.md 7.4) as float32: kLanes bytes (B = 8), or the low (Hi = false)
 /// or high nibbles of kLanes bytes (B = 4).
 template <int B, bool Hi = false>
@@ -42,6 +53,12 @@ inline V vcodes(const std::uint8_t* p) {
   __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   if (B == 4) c = Hi ? _mm256_srli_epi32(c, 4) : _mm256_and_si256(c, _mm256_set1_epi32(0x0F));
   return _mm256_cvtepi32_ps(c);
+}
+/// Both nibbles of kLanes bytes as float32 codes: lo = p[i] & 15, hi = p[i] >> 4.
+inline void vcodes4x2(const std::uint8_t* p, V& lo, V& hi) {
+  const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(0x0F)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
 }
 inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
 inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }

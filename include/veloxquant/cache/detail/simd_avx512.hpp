@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include <Eigen/Core>
 
@@ -34,6 +35,16 @@ inline V vload_row(const Eigen::bfloat16* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
+/// One half (its bit pattern) as float32 (F16C).
+inline float vhalf(std::uint16_t h) { return _cvtsh_ss(h); }
+/// The scale and offset at p (two halves) broadcast to vectors (F16C).
+inline void vmeta(const std::uint8_t* p, V& scale, V& offset) {
+  int w;
+  std::memcpy(&w, p, sizeof(w));
+  const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(w));
+  scale = _mm512_broadcastss_ps(f);
+  offset = _mm512_broadcastss_ps(_mm_movehdup_ps(f));
+}
 /// Quantized codes (docs/design.md 7.4) as float32: kLanes bytes (B = 8), or the low (Hi = false)
 /// or high nibbles of kLanes bytes (B = 4).
 template <int B, bool Hi = false>
@@ -41,6 +52,12 @@ inline V vcodes(const std::uint8_t* p) {
   __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   if (B == 4) c = Hi ? _mm512_srli_epi32(c, 4) : _mm512_and_si512(c, _mm512_set1_epi32(0x0F));
   return _mm512_cvtepi32_ps(c);
+}
+/// Both nibbles of kLanes bytes as float32 codes: lo = p[i] & 15, hi = p[i] >> 4.
+inline void vcodes4x2(const std::uint8_t* p, V& lo, V& hi) {
+  const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(0x0F)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4));
 }
 inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }

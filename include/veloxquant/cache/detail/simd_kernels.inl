@@ -550,6 +550,15 @@ inline bool q_in_lanes(const RowFormat& f) {
   return f.bits == 8 ? f.group % kLanes == 0 : f.group % 2 == 0 && f.group_bytes() % kLanes == 0;
 }
 
+/// Scale and offset of group g of a quantized row (the path's half conversion).
+inline void qmeta(const std::uint8_t* row, const RowFormat& f, Index g, float& scale,
+                  float& offset) {
+  std::uint16_t so[2];
+  std::memcpy(so, row + f.code_bytes() + 4 * g, sizeof(so));
+  scale = vhalf(so[0]);
+  offset = vhalf(so[1]);
+}
+
 /// Dequantized elements [k, k + kLanes) of a quantized row in any format, lane by lane (the
 /// general path); lanes at or beyond f.dim are 0.
 inline V qload_lanes(const std::uint8_t* row, const RowFormat& f, Index k) {
@@ -560,13 +569,13 @@ inline V qload_lanes(const std::uint8_t* row, const RowFormat& f, Index k) {
   const Index gb = f.group_bytes();
   Index g = k / f.group, e = k % f.group;
   float sg = 0.0f, og = 0.0f;
-  if (k < f.dim) group_scale_offset(row, f, g, sg, og);
+  if (k < f.dim) qmeta(row, f, g, sg, og);
   for (Index j = 0; j < kLanes; ++j) {
     c[j] = s[j] = o[j] = 0.0f;
     if (k + j >= f.dim) continue;
     if (e == f.group) {
       e = 0;
-      group_scale_offset(row, f, ++g, sg, og);
+      qmeta(row, f, ++g, sg, og);
     }
     const std::uint8_t* codes = row + g * gb;
     const int code = f.bits == 8 ? codes[e] : e < gb ? codes[e] & 0x0F : codes[e - gb] >> 4;
@@ -603,12 +612,7 @@ inline void qload_padded_row(const QuantRows& rows, Index j, float* out) {
     return;
   }
   V s = vzero(), o = vzero();
-  const auto group = [&](Index g) {
-    float sf, of;
-    group_scale_offset(row, f, g, sf, of);
-    s = vset(sf);
-    o = vset(of);
-  };
+  const auto group = [&](Index g) { vmeta(row + f.code_bytes() + 4 * g, s, o); };
   if (f.bits == 8) {
     q_walk<8>(f, group, [&](Index k, Index c, auto) {
       vstore(out + k, vmadd(vcodes<8>(row + c), s, o));
@@ -626,7 +630,7 @@ inline void qload_padded_row(const QuantRows& rows, Index j, float* out) {
 template <int R, int K, int B>
 inline void qlogits_tile(const float* q, Index ldq, const QuantRows& keys, const std::int32_t* idx,
                          Index n, float scale, float* out, Index ldo) {
-  static_assert(R * K == 4 || R * K == 8, "tiles of four or eight logits");
+  static_assert(R * K == 4 || R * K == 8 || R * K == 16, "tiles of 4, 8 or 16 logits");
   const RowFormat& f = keys.fmt;
   for (Index j0 = 0; j0 < n; j0 += K) {
     const Index nj = n - j0 < K ? n - j0 : K;
@@ -639,35 +643,55 @@ inline void qlogits_tile(const float* q, Index ldq, const QuantRows& keys, const
     V acc[R * K], s[K], o[K];
     VELOXQUANT_DETAIL_UNROLL
     for (int a = 0; a < R * K; ++a) acc[a] = vzero();
-    q_walk<B>(
-        f,
-        [&](Index g) {
-          VELOXQUANT_DETAIL_UNROLL
-          for (int j = 0; j < K; ++j) {
-            float sf, of;
-            group_scale_offset(r[j], f, g, sf, of);
-            s[j] = vset(sf);
-            o[j] = vset(of);
-          }
-        },
-        [&](Index k, Index c, auto hi) {
-          V x[K];
-          VELOXQUANT_DETAIL_UNROLL
-          for (int j = 0; j < K; ++j) {
-            x[j] = vmadd(vcodes<B, decltype(hi)::value>(r[j] + c), s[j], o[j]);
-            vpin(x[j]);
-          }
-          VELOXQUANT_DETAIL_UNROLL
-          for (int i = 0; i < R; ++i) {
-            const V w = vload(q + i * ldq + k);
-            VELOXQUANT_DETAIL_UNROLL
-            for (int j = 0; j < K; ++j) acc[i * K + j] = vmadd(w, x[j], acc[i * K + j]);
-          }
-        });
-    float sums_buf[8];
+    // The K keys' dequantized vectors x at element k, met by the R query rows.
+    const auto meet = [&](Index k, V* x) {
+      VELOXQUANT_DETAIL_UNROLL
+      for (int j = 0; j < K; ++j) vpin(x[j]);
+      VELOXQUANT_DETAIL_UNROLL
+      for (int i = 0; i < R; ++i) {
+        const V w = vload(q + i * ldq + k);
+        VELOXQUANT_DETAIL_UNROLL
+        for (int j = 0; j < K; ++j) acc[i * K + j] = vmadd(w, x[j], acc[i * K + j]);
+      }
+    };
+    // One vector of each key at code offset c (nibbles: Hi), met at element k.
+    const auto step = [&](Index k, Index c, auto hi) {
+      V x[K];
+      VELOXQUANT_DETAIL_UNROLL
+      for (int j = 0; j < K; ++j) x[j] = vmadd(vcodes<B, decltype(hi)::value>(r[j] + c), s[j], o[j]);
+      meet(k, x);
+    };
+    const Index gb = f.group_bytes(), groups = f.groups();
+    for (Index g = 0; g < groups; ++g) {
+      VELOXQUANT_DETAIL_UNROLL
+      for (int j = 0; j < K; ++j) vmeta(r[j] + f.code_bytes() + 4 * g, s[j], o[j]);
+      const Index k0 = g * f.group, c0 = g * gb;
+      if (B == 4 && gb == kLanes) {
+        // One vector per half of the group: both from one load of its bytes, in element order.
+        V lo[K], hi[K];
+        VELOXQUANT_DETAIL_UNROLL
+        for (int j = 0; j < K; ++j) {
+          vcodes4x2(r[j] + c0, lo[j], hi[j]);
+          lo[j] = vmadd(lo[j], s[j], o[j]);
+          hi[j] = vmadd(hi[j], s[j], o[j]);
+        }
+        meet(k0, lo);
+        meet(k0 + gb, hi);
+        continue;
+      }
+      for (Index e = 0; e < gb; e += kLanes) step(k0 + e, c0 + e, std::false_type{});
+      if constexpr (B == 4) {
+        for (Index e = 0; e < gb; e += kLanes) step(k0 + gb + e, c0 + e, std::true_type{});
+      }
+    }
+    float sums_buf[16];
     float* sums = opaque(sums_buf);
     vreduce_add4(acc[0], acc[1], acc[2], acc[3], sums);
-    if constexpr (R * K == 8) vreduce_add4(acc[4], acc[5], acc[6], acc[7], sums + 4);
+    if constexpr (R * K >= 8) vreduce_add4(acc[4], acc[5], acc[6], acc[7], sums + 4);
+    if constexpr (R * K == 16) {
+      vreduce_add4(acc[8], acc[9], acc[10], acc[11], sums + 8);
+      vreduce_add4(acc[12], acc[13], acc[14], acc[15], sums + 12);
+    }
     for (int i = 0; i < R; ++i) {
       for (Index j = 0; j < nj; ++j) out[i * ldo + j0 + j] = sums[i * K + j] * scale;
     }
@@ -691,8 +715,10 @@ inline void qlogits(const float* q, Index m, Index ldq, const QuantRows& keys,
       return b8 ? qlogits_tile<2, 2, 8>(q, ldq, keys, idx, n, scale, out, ldo)
                 : qlogits_tile<2, 2, 4>(q, ldq, keys, idx, n, scale, out, ldo);
     }
-    return b8 ? qlogits_tile<4, 2, 8>(q, ldq, keys, idx, n, scale, out, ldo)
-              : qlogits_tile<4, 2, 4>(q, ldq, keys, idx, n, scale, out, ldo);
+    // Four keys a tile where the registers allow it (32 vector registers: AVX-512).
+    constexpr int K4 = kLanes == 16 ? 4 : 2;
+    return b8 ? qlogits_tile<4, K4, 8>(q, ldq, keys, idx, n, scale, out, ldo)
+              : qlogits_tile<4, K4, 4>(q, ldq, keys, idx, n, scale, out, ldo);
   }
   logits_buffered(q, m, ldq, idx, n, f.dim, scale, out, ldo, kbuf,
                   [&](Index row, float* dst) { qload_padded_row(keys, row, dst); });
@@ -751,6 +777,9 @@ inline void qweighted_slice(const float* e, Index lde, const float* inv, const Q
     v0 = q_vec_at(f, k);
     if constexpr (W == 2) v1 = q_vec_at(f, k + kLanes);
   }
+  // The slice is exactly the low and high halves of one 4-bit group.
+  const bool pair = B == 4 && W == 2 && v0.group == v1.group && !v0.hi && v1.hi &&
+                    v0.code == v1.code;
   const std::uint8_t* row = values.data;
   for (Index c = 0; c < n; ++c, row += values.stride) {
     V x0, x1 = vzero();
@@ -758,17 +787,25 @@ inline void qweighted_slice(const float* e, Index lde, const float* inv, const Q
       x0 = qload_lanes(row, f, k);
       if constexpr (W == 2) x1 = qload_lanes(row, f, k + kLanes);
     } else {
-      float sf, of;
-      group_scale_offset(row, f, v0.group, sf, of);
-      V s = vset(sf), o = vset(of);
-      x0 = qvec_load<B>(row, v0, s, o);
-      if constexpr (W == 2) {
-        if (v1.group != v0.group) {
-          group_scale_offset(row, f, v1.group, sf, of);
-          s = vset(sf);
-          o = vset(of);
+      V s, o;
+      vmeta(row + f.code_bytes() + 4 * v0.group, s, o);
+      if constexpr (B == 4 && W == 2) {
+        if (pair) {
+          // The two halves of one group: both vectors from one load of its bytes.
+          vcodes4x2(row + v0.code, x0, x1);
+          x0 = vmadd(x0, s, o);
+          x1 = vmadd(x1, s, o);
+        } else {
+          x0 = qvec_load<B>(row, v0, s, o);
+          if (v1.group != v0.group) vmeta(row + f.code_bytes() + 4 * v1.group, s, o);
+          x1 = qvec_load<B>(row, v1, s, o);
         }
-        x1 = qvec_load<B>(row, v1, s, o);
+      } else {
+        x0 = qvec_load<B>(row, v0, s, o);
+        if constexpr (W == 2) {
+          if (v1.group != v0.group) vmeta(row + f.code_bytes() + 4 * v1.group, s, o);
+          x1 = qvec_load<B>(row, v1, s, o);
+        }
       }
     }
     const V w0 = vset(e0[c]);

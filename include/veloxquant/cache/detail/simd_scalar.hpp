@@ -11,6 +11,7 @@
 
 #include <Eigen/Core>
 
+#include "quant.hpp"
 #include "simd_common.hpp"
 
 namespace veloxquant::cache::detail::scalar {
@@ -46,6 +47,15 @@ inline V vload_row(const T* p) {
   for (int i = 0; i < kLanes; ++i) r.x[i] = static_cast<float>(p[i]);
   return r;
 }
+/// One half (its bit pattern) as float32.
+inline float vhalf(std::uint16_t h) { return half_bits_to_float(h); }
+/// The scale and offset at p (two halves) broadcast to vectors.
+inline void vmeta(const std::uint8_t* p, V& scale, V& offset) {
+  std::uint16_t so[2];
+  std::memcpy(so, p, sizeof(so));
+  scale = vset(vhalf(so[0]));
+  offset = vset(vhalf(so[1]));
+}
 /// Quantized codes (docs/design.md 7.4) as float32: kLanes bytes (B = 8), or the low (Hi = false)
 /// or high nibbles of kLanes bytes (B = 4).
 template <int B, bool Hi = false>
@@ -56,6 +66,11 @@ inline V vcodes(const std::uint8_t* p) {
     r.x[i] = static_cast<float>(c);
   }
   return r;
+}
+/// Both nibbles of kLanes bytes as float32 codes: lo = p[i] & 15, hi = p[i] >> 4.
+inline void vcodes4x2(const std::uint8_t* p, V& lo, V& hi) {
+  lo = vcodes<4, false>(p);
+  hi = vcodes<4, true>(p);
 }
 inline V vadd(V a, V b) {
   for (int i = 0; i < kLanes; ++i) a.x[i] += b.x[i];

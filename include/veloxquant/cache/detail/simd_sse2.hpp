@@ -13,6 +13,7 @@
 
 #include <Eigen/Core>
 
+#include "quant.hpp"
 #include "simd_common.hpp"
 
 namespace veloxquant::cache::detail::sse2 {
@@ -45,6 +46,15 @@ inline V vload_row(const Eigen::bfloat16* p) {
   const __m128i w = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), w));
 }
+/// One half (its bit pattern) as float32.
+inline float vhalf(std::uint16_t h) { return half_bits_to_float(h); }
+/// The scale and offset at p (two halves) broadcast to vectors.
+inline void vmeta(const std::uint8_t* p, V& scale, V& offset) {
+  std::uint16_t so[2];
+  std::memcpy(so, p, sizeof(so));
+  scale = vset(vhalf(so[0]));
+  offset = vset(vhalf(so[1]));
+}
 /// Quantized codes (docs/design.md 7.4) as float32: kLanes bytes (B = 8), or the low (Hi = false)
 /// or high nibbles of kLanes bytes (B = 4).
 template <int B, bool Hi = false>
@@ -55,6 +65,11 @@ inline V vcodes(const std::uint8_t* p) {
   __m128i c = _mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(w), z), z);
   if (B == 4) c = Hi ? _mm_srli_epi32(c, 4) : _mm_and_si128(c, _mm_set1_epi32(0x0F));
   return _mm_cvtepi32_ps(c);
+}
+/// Both nibbles of kLanes bytes as float32 codes: lo = p[i] & 15, hi = p[i] >> 4.
+inline void vcodes4x2(const std::uint8_t* p, V& lo, V& hi) {
+  lo = vcodes<4, false>(p);
+  hi = vcodes<4, true>(p);
 }
 inline V vadd(V a, V b) { return _mm_add_ps(a, b); }
 inline V vsub(V a, V b) { return _mm_sub_ps(a, b); }
