@@ -11,7 +11,11 @@
 // NOTICE there); --fixtures DIR reads DIR/model/ instead.
 //
 //   llama2c_story_demo [--fixtures DIR] [--prompt "text"] [--budget N] [--steps N] [--proxy]
-//                      [--token-at-a-time]
+//                      [--token-at-a-time] [--bits KEY/VALUE]
+//
+// The caches hold 8-bit keys and 4-bit values by default (quantized storage, docs/design.md 2.9;
+// the best per byte on this model, docs/fidelity.md); --bits 16/16 keeps half-precision rows. The
+// demo prints what eviction and quantization save, apart and together.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -32,6 +36,7 @@ int main(int argc, char** argv) {
   std::string prompt = "Once upon a time, there was a little girl named Lily. She loved to play "
                        "outside in the park with her friends.";
   int budget = 48;  // average rows per KV head; the prompt alone is ~30 tokens
+  int key_bits = 8, value_bits = 4;
   int steps = 200;
   bool queries = true;
   bool token_at_a_time = false;
@@ -48,12 +53,21 @@ int main(int argc, char** argv) {
       budget = std::atoi(argv[++i]);
     } else if (a == "--steps" && has) {
       steps = std::atoi(argv[++i]);
+    } else if (a == "--bits" && has) {
+      const std::string b = argv[++i];
+      const std::size_t slash = b.find('/');
+      if (slash == std::string::npos) {
+        std::fprintf(stderr, "--bits: '%s' is not KEY/VALUE (16, 8 or 4 each)\n", b.c_str());
+        return 1;
+      }
+      key_bits = std::atoi(b.substr(0, slash).c_str());
+      value_bits = std::atoi(b.substr(slash + 1).c_str());
     } else if (a == "--proxy") {
       queries = false;
     } else {
       std::fprintf(stderr,
                    "usage: %s [--fixtures DIR] [--prompt \"text\"] [--budget N] [--steps N] "
-                   "[--proxy] [--token-at-a-time]\n",
+                   "[--proxy] [--token-at-a-time] [--bits KEY/VALUE]\n",
                    argv[0]);
       return 1;
     }
@@ -76,6 +90,9 @@ int main(int argc, char** argv) {
 
     vc::KVCacheConfig cfg;  // method "squeeze"
     cfg.set_budget(budget);
+    cfg.key_bits = key_bits;
+    cfg.value_bits = value_bits;
+    cfg.quant_group = 8;  // the model's head dim
     ll::Engine<Eigen::half> squeeze(model, vc::KVCacheBuilder::for_model<Eigen::half>(n_layers, cfg),
                                     queries);
     const std::vector<int> story = ll::generate_greedy(squeeze, ids, steps);
@@ -92,8 +109,13 @@ int main(int argc, char** argv) {
     std::vector<int> all = ids;
     all.insert(all.end(), story.begin(), story.end());
     std::printf("stories260K (llama2.c, 5 layers, 8 query heads over 4 KV heads), SqueezeAttention "
-                "caches in half precision, average budget %d rows per KV head, scored with %s.\n\n",
-                budget, queries ? "the model's real queries" : "the key-as-query proxy");
+                "caches, average budget %d rows per KV head, scored with %s; %s.\n\n",
+                budget, queries ? "the model's real queries" : "the key-as-query proxy",
+                key_bits == 16 && value_bits == 16
+                    ? "half-precision rows"
+                    : (std::to_string(key_bits) + "-bit keys and " + std::to_string(value_bits) +
+                       "-bit values in groups of 8 (half scale and offset per group)")
+                          .c_str());
     std::printf("%s\n\n", tok.decode(all).c_str());
 
     std::printf("Each layer measured its first %d keys (squeeze_calibration_tokens).\n",
@@ -129,7 +151,8 @@ int main(int argc, char** argv) {
         std::printf("%5d  %16d  %15d  %32d\n", l, a, b, old_rule[static_cast<std::size_t>(l)]);
       }
       // Layers past the first see keys computed from the previous layers' outputs, which a
-      // prefill and one-row calls round differently; a budget may move by a row.
+      // prefill and one-row calls round differently (over quantized rows a code may flip too); a
+      // budget may move by a row or a few.
       const bool all_average = std::all_of(old_rule.begin(), old_rule.end(),
                                            [&](int b) { return b == budget; });
       std::printf("Token at a time, the budgets agree with the prefill's within %d row%s (the text "
@@ -141,9 +164,23 @@ int main(int argc, char** argv) {
     while (same < story.size() && same < reference.size() && story[same] == reference[same]) ++same;
     const double kept = static_cast<double>(squeeze.kept_bytes());
     const double whole = static_cast<double>(squeeze.full_seq_bytes());
-    std::printf("\n%lld tokens in context; KV cache %.1f KiB instead of %.1f KiB with the full cache "
-                "(%.0f%% saved, %.2fx compression).\n",
-                static_cast<long long>(squeeze.position()), kept / 1024.0, whole / 1024.0,
+    // The two levers apart: the rows eviction keeps, at half precision, against the full cache;
+    // then what quantization makes of those rows.
+    double evicted_only = 0;
+    for (const auto& c : squeeze.caches()) {
+      evicted_only += static_cast<double>(c->tokens_kept() * c->batch() * c->heads() *
+                                          (c->key_dim() + c->value_dim())) *
+                      sizeof(Eigen::half);
+    }
+    std::printf("\n%lld tokens in context; KV cache %.1f KiB instead of %.1f KiB with the full "
+                "half-precision cache.\n",
+                static_cast<long long>(squeeze.position()), kept / 1024.0, whole / 1024.0);
+    std::printf("  eviction alone (SqueezeAttention's rows at half precision): %.1f KiB, %.0f%% "
+                "saved\n",
+                evicted_only / 1024.0, 100.0 * (1.0 - evicted_only / whole));
+    std::printf("  quantization alone (every row, %d/%d bits): %.0f%% saved\n", key_bits, value_bits,
+                100.0 * (1.0 - kept / evicted_only));
+    std::printf("  both together: %.1f KiB, %.0f%% saved, %.2fx compression\n", kept / 1024.0,
                 100.0 * (1.0 - kept / whole), whole / kept);
     std::printf("The full cache generates the same first %zu of %zu tokens (greedy decoding).\n",
                 same, story.size());
