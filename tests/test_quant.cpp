@@ -514,6 +514,42 @@ TEST(QuantizedCache, QuantizedRowsRejectWhatAGroupCannotHold) {
   }
 }
 
+/// A decoded element may lie half a step beyond its group's extremes; a half cache returns it
+/// clamped to +-65504, never infinite, and still within half a step (8 and 4 bits, fetch, state,
+/// view).
+TEST(QuantizedCache, HalfRowsAtTheEdgeOfTheRangeStayFinite) {
+  for (const int bits : {8, 4}) {
+    vc::KVCacheConfig c;
+    c.method = "standard";
+    c.key_bits = c.value_bits = bits;
+    c.quant_group = 8;
+    vc::KVCache<Eigen::half> cache(c);
+    vc::Tensor4<Eigen::half> k(1, 1, 2, 8), v(1, 1, 2, 8);
+    for (Index d = 0; d < 8; ++d) {
+      // Row 0 from 0 to 65504; row 1 from -65504 to 0: the step is 257 (8 bits) or 4367 (4).
+      k(0, 0, 0, d) = v(0, 0, 0, d) = Eigen::half(d == 7 ? 65504.0f : 1000.0f * static_cast<float>(d));
+      k(0, 0, 1, d) = v(0, 0, 1, d) = Eigen::half(d == 0 ? -65504.0f : -1000.0f * static_cast<float>(d));
+    }
+    const vc::KVPair<Eigen::half> a = cache.update_and_fetch(k, v);
+    const vc::KVView<Eigen::half> w = cache.update_and_view(vc::Tensor4<Eigen::half>(1, 1, 0, 8),
+                                                            vc::Tensor4<Eigen::half>(1, 1, 0, 8));
+    const double half_step = 0.5 * 65504.0 / ((1 << bits) - 1) * (1.0 + 1e-3);
+    for (Index r = 0; r < 2; ++r) {
+      for (Index d = 0; d < 8; ++d) {
+        SCOPED_TRACE(std::to_string(bits) + " bits, row " + std::to_string(r) + ", element " +
+                     std::to_string(d));
+        const float x = static_cast<float>(k(0, 0, r, d));
+        for (const float y : {static_cast<float>(a.first(0, 0, r, d)),
+                              static_cast<float>(a.second(0, 0, r, d)),
+                              static_cast<float>(w.keys(0, 0)(r, d))}) {
+          ASSERT_TRUE(std::isfinite(y));
+          EXPECT_LE(std::abs(y - x), half_step);
+        }
+      }
+    }
+  }
+}
+
 /// The view of a quantized cache (docs/design.md 2.3) shows the dequantized rows: by position,
 /// the same rows a fetch returns, the call's rows last in arrival order; an empty call views the
 /// retained set.

@@ -469,10 +469,11 @@ class KVCache {
     detail::check_update<T>(keys, values, dims_, api);
     detail::check_rows_fit(live_rows(), keys.seq, api);
     if (queries) detail::check_queries(*queries, keys, api);
-    if (storage_.key_bits < 16) {
+    // (An empty call stores nothing: its D is either the first call's or still free.)
+    if (storage_.key_bits < 16 && keys.seq > 0) {
       detail::check_quantizable<T>(keys, key_format(keys.dim), "keys", "key_bits", api);
     }
-    if (storage_.value_bits < 16) {
+    if (storage_.value_bits < 16 && keys.seq > 0) {
       detail::check_quantizable<T>(values, value_format(values.dim), "values", "value_bits", api);
     }
     const Index S = keys.seq;
@@ -481,8 +482,12 @@ class KVCache {
     // The output is sized first (the window is the retained rows plus the call's), so a bad_alloc
     // leaves the cache unchanged.
     if (out) resize_pair(*out, keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim);
+    // The view's buffers and the row buffer, allocated now and swapped in at step 5.
+    ViewBuffers view_buffers;
     if (view_copy) {
-      fit_view_buffers(keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim, S > 0);
+      view_buffers = fit_view_buffers(keys.batch, keys.heads, live_rows() + S, keys.dim,
+                                      values.dim, S > 0);
+      if (S == 0) view_buffers.swap_into(view_k_, view_v_);  // nothing else can throw now
     }
     if (S == 0) {
       for (auto& h : heads_) h.compact();
@@ -491,8 +496,11 @@ class KVCache {
       return make_view(live_rows(), 0, keys, values, view_copy);
     }
     // The buffer quantized rows leave the cache through (fetch and view copies).
-    if (storage_.quantized()) {
-      row_buf_.resize(static_cast<std::size_t>(detail::padded_dim(std::max(keys.dim, values.dim))));
+    std::vector<float> row_buf;
+    const auto row_floats_needed =
+        static_cast<std::size_t>(detail::padded_dim(std::max(keys.dim, values.dim)));
+    if (storage_.quantized() && row_buf_.size() != row_floats_needed) {
+      row_buf.resize(row_floats_needed);
     }
     // 2. The policy inspects the call (may throw); 3. storage and scratch are reserved (may
     // throw bad_alloc); 4. the policy starts the call (may throw before it changes anything).
@@ -502,6 +510,8 @@ class KVCache {
     std::vector<detail::HeadStore<T>> fresh = reserve(keys, values, plan);
     start_call();
     // 5. No-throw from here on.
+    view_buffers.swap_into(view_k_, view_v_);
+    if (!row_buf.empty()) row_buf_.swap(row_buf);
     if (!dims_.known) {
       heads_.swap(fresh);
       dims_ = detail::LayerDims{keys.batch, keys.heads, keys.dim, values.dim, true};
@@ -637,19 +647,33 @@ class KVCache {
                 for (Index s = 0; s < h.physical(); ++s) emit(s);
               });
   }
-  // Makes the view buffers hold `rows` rows per head: they grow as needed and shrink (only when
-  // `shrink`: a call that brings rows) once they are more than twice that, so that an empty call
-  // changes nothing. Strong exception guarantee.
-  void fit_view_buffers(Index batch, Index heads, Index rows, Index dk, Index dv, bool shrink) {
-    const auto need = [&](Index d) { return static_cast<std::size_t>(batch * heads * rows * d); };
-    const auto refit = [&](const std::vector<T>& buf, Index d) {
-      return buf.size() < need(d) || (shrink && buf.size() > 2 * need(d));
+  // New view buffers (empty: keep the current one) that hold `rows` rows per head: they grow by
+  // half again as needed and shrink (only when `shrink`: a call that brings rows) once more than
+  // twice the size needed, so that an empty call changes nothing. Swapped in by the caller once
+  // nothing can throw.
+  struct ViewBuffers {
+    std::vector<T> k, v;
+    bool refit_k = false, refit_v = false;
+    void swap_into(std::vector<T>& keys, std::vector<T>& values) noexcept {
+      if (refit_k) keys.swap(k);
+      if (refit_v) values.swap(v);
+      refit_k = refit_v = false;
+    }
+  };
+  ViewBuffers fit_view_buffers(Index batch, Index heads, Index rows, Index dk, Index dv,
+                               bool shrink) const {
+    ViewBuffers out;
+    const auto fit = [&](const std::vector<T>& cur, Index d, std::vector<T>& fresh) {
+      const auto need = static_cast<std::size_t>(batch * heads * rows * d);
+      if (cur.size() >= need && !(shrink && cur.size() > 2 * need)) return false;
+      const std::size_t grown = cur.size() < need ? std::max(need, cur.size() + cur.size() / 2)
+                                                  : need;
+      fresh = std::vector<T>(grown);
+      return true;
     };
-    const bool rk = refit(view_k_, dk), rv = refit(view_v_, dv);
-    if (!rk && !rv) return;
-    std::vector<T> k(rk ? need(dk) : 0), v(rv ? need(dv) : 0);  // both allocated, then swapped
-    if (rk) view_k_.swap(k);
-    if (rv) view_v_.swap(v);
+    out.refit_k = fit(view_k_, dk, out.k);
+    out.refit_v = fit(view_v_, dv, out.v);
+    return out;
   }
   // Gathers, per head, the slots `each(head, emit)` emits: [B, H, n, D] twice.
   template <class Each>

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "assert.hpp"
@@ -239,6 +240,12 @@ class HeadStore {
     }
     const QuantRows one{reinterpret_cast<const std::uint8_t*>(src), 0, f};
     dequantize_row(one, 0, buf);
+    if constexpr (std::is_same_v<T, Eigen::half>) {
+      // A decoded element may lie up to half a step beyond the group's extremes; near +-65504
+      // that is past the largest half. The original was within +-65504: the clamp only moves the
+      // element towards it.
+      for (Index i = 0; i < f.dim; ++i) buf[i] = std::min(std::max(buf[i], -kHalfMax), kHalfMax);
+    }
     store_row(buf, dst, f.dim);
   }
 

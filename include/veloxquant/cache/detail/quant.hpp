@@ -85,8 +85,8 @@ inline std::uint16_t half_bits_of(float x) {
 inline std::uint16_t half_bits_down(float x) {
   std::uint16_t h = half_bits_of(x);
   if (half_bits_to_float(h) <= x) return h;
-  if (h == 0x0000u) return 0x8001u;             // +0 above a tiny negative x: the smallest negative
-  return (h & 0x8000u) ? h + 1 : h - 1;         // one step towards -inf
+  // One step towards -inf (a tiny negative x rounds to -0, whose step is the smallest negative).
+  return (h & 0x8000u) ? h + 1 : h - 1;
 }
 /// The smallest half >= x (x finite, 0 <= x <= kHalfMax), as bits.
 inline std::uint16_t half_bits_up(float x) {
@@ -97,9 +97,9 @@ inline std::uint16_t half_bits_up(float x) {
 
 /// x rounded to the nearest integer, ties to even (the default rounding mode; on x86 one
 /// conversion instruction, unaffected by -ffast-math).
-inline int round_to_int(float x) {
+inline int round_to_int(double x) {
 #if defined(__SSE2__) || defined(_M_X64)
-  return _mm_cvtss_si32(_mm_set_ss(x));
+  return _mm_cvtsd_si32(_mm_set_sd(x));
 #else
   return static_cast<int>(std::nearbyint(x));
 #endif
@@ -136,14 +136,16 @@ inline void quantize_row(const float* x, const RowFormat& f, std::uint8_t* dst) 
     const auto mm = std::minmax_element(xg, xg + f.group);
     const std::uint16_t off_bits = half_bits_down(*mm.first);
     const float off = half_bits_to_float(off_bits);
-    const std::uint16_t scale_bits = half_bits_up((*mm.second - off) / levels);
+    const std::uint16_t scale_bits = half_bits_up(std::max(0.0f, (*mm.second - off) / levels));
     const float scale = half_bits_to_float(scale_bits);
     std::uint8_t* codes = dst + g * gb;
     for (Index e = 0; e < f.group; ++e) {
       int c = 0;
       if (scale > 0.0f) {
-        float t = (xg[e] - off) / scale;
-        t = std::min(std::max(t, 0.0f), levels);
+        // In double: x - offset is exact there, so the nearest code is found however far the
+        // offset lies from x.
+        double t = (static_cast<double>(xg[e]) - off) / scale;
+        t = std::min(std::max(t, 0.0), static_cast<double>(levels));
         c = round_to_int(t);
       }
       if (f.bits == 8) {
