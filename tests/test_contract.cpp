@@ -6,8 +6,8 @@
 // squeeze without and with a coordinator, deferring squeeze, H2O, PyramidKV, TOVA, StreamingLLM,
 // SnapKV) x storage type (half, bfloat16, float) x update API (fetch, view, fetch_into, each with
 // and without queries, and the converting double overloads), through the public API only; built
-// a second and a third time over quantized rows (8-bit keys / 4-bit values, 4/8; head dims times
-// 8, docs/testing.md):
+// a second time over quantized rows (8-bit keys, 4-bit values; head dims times 8,
+// docs/testing.md):
 //  * a call returns the rows retained before it, then its own rows (docs/design.md 4.4, 2.3);
 //  * after a call every head holds the rows its policy allows: the budget, the sinks, the newest
 //    row; offset() is the true position; the accounting follows the rows;
@@ -45,13 +45,11 @@ using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
 
 template <class T>
 class ContractTest : public ::testing::Test {};
-// Over quantized rows (tests/CMakeLists.txt builds this file twice more) the storage types are
-// shared out between the two builds: 8-bit keys with 4-bit values on half and bfloat16, 4-bit
-// keys with 8-bit values on float.
-#if VELOXQUANT_TEST_KEY_BITS == 8 && VELOXQUANT_TEST_VALUE_BITS == 4
-using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16>;
-#elif VELOXQUANT_TEST_KEY_BITS == 4 && VELOXQUANT_TEST_VALUE_BITS == 8
-using StorageTypes = ::testing::Types<float>;
+// Over quantized rows (tests/CMakeLists.txt builds this file once more, 8-bit keys with 4-bit
+// values) the suite runs on half storage, the default (float and bfloat16 over quantized rows:
+// test_quant.cpp, every policy).
+#if VELOXQUANT_TEST_KEY_BITS < 16 || VELOXQUANT_TEST_VALUE_BITS < 16
+using StorageTypes = ::testing::Types<Eigen::half>;
 #else
 using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 #endif
@@ -833,6 +831,9 @@ TYPED_TEST(ContractTest, ParallelHeadsAreBitIdenticalToSerialOnWideCalls) {
   config.snap_budget = 64;
   config.snap_n_sink = 4;
   config.snap_obs_window = 32;
+  // Over quantized rows: groups of 32, the in-register path of every kernel (the groups of 8 of
+  // the other tests take the lane-by-lane path on AVX-512).
+  config.quant_group = 32;
   std::vector<Index> tova_calls = {300};
   for (int i = 0; i < 30; ++i) tova_calls.push_back(1);
   tova_calls.push_back(70);
@@ -1064,6 +1065,7 @@ TYPED_TEST(ContractTest, ParallelHeadsWithQueriesAreBitIdenticalToSerialOnWideCa
   config.stream_window_size = 94;
   config.h2o_grace = 4;
   config.snap_obs_window = 8;
+  config.quant_group = 16;  // over quantized rows: groups of 16 (8-bit rows take the fast path)
   const Index B = 2, H = 4, G = 4, D = 32, Dv = 16;
   const Index prefill = std::is_same_v<T, Eigen::half> ? 300 : 160;
   const std::vector<Index> sizes = {prefill, 1, 7, 130, 1, 1};

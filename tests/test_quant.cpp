@@ -5,7 +5,7 @@
 // scores, evicts and attends bitwise as a float32 cache fed the dequantized rows; bad widths,
 // groups and elements are rejected and change nothing; kept_bytes() counts what is held; the
 // view of a quantized cache shows the dequantized rows. (The contract suite runs over quantized
-// rows too: test_contract_q84 and test_contract_q48.)
+// rows too: test_contract_q84.)
 #include "support/checked_asserts.hpp"  // must precede every veloxquant header
 
 #include <gtest/gtest.h>
@@ -352,10 +352,10 @@ TEST(QuantizedCache, EveryPolicyScoresAndAttendsAsOnTheDequantizedRows) {
   }
 }
 
-/// Once quantized, the storage type does not change what is scored or attended: a half cache
-/// and a float32 cache at the same widths, fed half inputs, keep the same positions and scores
-/// and write the same output, bitwise; the half cache returns the float32 one's rows rounded to
-/// half.
+/// Once quantized, the storage type does not change what is scored or attended: half, bfloat16
+/// and float32 caches at the same widths, fed inputs that every type holds exactly (halves whose
+/// last bits are clear, so bfloat16 holds them too), keep the same positions and scores and write
+/// the same output, bitwise; the half and bfloat16 caches return the float32 one's rows rounded.
 TEST(QuantizedCache, TheStorageTypeOnlyRoundsWhatIsReturned) {
   vc::KVCacheConfig c = veloxquant::test::small_config();
   c.key_bits = 8;
@@ -364,24 +364,35 @@ TEST(QuantizedCache, TheStorageTypeOnlyRoundsWhatIsReturned) {
   for (const Kind kind : {Kind::kSqueeze, Kind::kTova, Kind::kSnap}) {
     SCOPED_TRACE(kind_name(kind));
     auto h = veloxquant::test::make_subject<Eigen::half>(kind, c);
+    auto bf = veloxquant::test::make_subject<Eigen::bfloat16>(kind, c);
     auto f = veloxquant::test::make_subject<float>(kind, c);
     std::mt19937 rng(3);
+    // Values with 8 significant bits (exact in half, bfloat16 and float).
+    const auto exact = [&](Index S, Index D) {
+      vc::Tensor4<float> t = random_input(rng, 1, 2, S, D).cast<float>();
+      for (Index i = 0; i < t.size(); ++i) t.data()[i] = std::ldexp(std::round(std::ldexp(t.data()[i], 6)), -6);
+      return t;
+    };
     for (const Index S : {Index{9}, Index{1}, Index{2}, Index{1}}) {
-      const vc::Tensor4<Eigen::half> k = random_input(rng, 1, 2, S, 32).cast<Eigen::half>();
-      const vc::Tensor4<Eigen::half> v = random_input(rng, 1, 2, S, 16).cast<Eigen::half>();
+      const vc::Tensor4<float> k = exact(S, 32), v = exact(S, 16);
       const vc::Tensor4<float> qs = veloxquant::test::random_queries(rng, 1, 4, S, 32);
       const vc::Tensor4<float> a = h.cache->attend(qs, k, v);
+      const vc::Tensor4<float> ab = bf.cache->attend(qs, k, v);
       const vc::Tensor4<float> b = f.cache->attend(qs, k, v);
       ASSERT_EQ(std::memcmp(a.data(), b.data(), sizeof(float) * a.size()), 0);
+      ASSERT_EQ(std::memcmp(ab.data(), b.data(), sizeof(float) * a.size()), 0);
       for (Index hd = 0; hd < 2; ++hd) {
         ASSERT_EQ(h.cache->positions(0, hd), f.cache->positions(0, hd));
         ASSERT_EQ(h.cache->scores(0, hd), f.cache->scores(0, hd));
+        ASSERT_EQ(bf.cache->positions(0, hd), f.cache->positions(0, hd));
+        ASSERT_EQ(bf.cache->scores(0, hd), f.cache->scores(0, hd));
       }
     }
-    const vc::KVPair<Eigen::half> sh = h.cache->state();
     const vc::KVPair<float> sf = f.cache->state();
     const vc::Tensor4<Eigen::half> rounded = sf.first.cast<Eigen::half>();
-    EXPECT_TRUE(veloxquant::test::bitwise_equal(sh.first, rounded));
+    EXPECT_TRUE(veloxquant::test::bitwise_equal(h.cache->state().first, rounded));
+    const vc::Tensor4<Eigen::bfloat16> rounded_bf = sf.second.cast<Eigen::bfloat16>();
+    EXPECT_TRUE(veloxquant::test::bitwise_equal(bf.cache->state().second, rounded_bf));
   }
 }
 
