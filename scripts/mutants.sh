@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation check: builds the test suite once per mutant of tests/mutants/mutants.txt (a
 # deliberately broken copy of the library) and reports whether the suite fails on it ("caught").
-# Usage: bash scripts/mutants.sh [--suite TREE] [--only ID] [OUT]
+# Usage: bash scripts/mutants.sh [--suite TREE] [--only ID[,ID...]] [OUT]
 #   --suite TREE  run another checkout's test suite (its tests/test_*.cpp, tests/reference,
 #                 tests/support headers and fuzz/ headers) against this library, built by this
 #                 tree's tests/CMakeLists.txt: how an older suite fares on the same mutants
@@ -76,7 +76,7 @@ caught=0
 total=0
 for m in "${mutants[@]}"; do
   IFS=$'\x1f' read -r id path old new <<<"$m"
-  if [ -n "$only" ] && [ "$only" != "$id" ]; then continue; fi
+  if [ -n "$only" ] && [[ ",$only," != *",$id,"* ]]; then continue; fi
   total=$((total + 1))
   file=$tree/include/veloxquant/cache/$path
   cp "$root/include/veloxquant/cache/$path" "$file"
