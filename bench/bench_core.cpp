@@ -289,29 +289,8 @@ vc::KVCacheConfig squeeze_config(int budget) {
   return cfg;
 }
 
-void BM_DecodeAttend(benchmark::State& state) {
-  const int budget = static_cast<int>(state.range(0));
-  vc::SqueezeAttentionCache<Eigen::half> cache(squeeze_config(budget));
-  const auto prompt_k = random_tensor<Eigen::half>(1, kAttendKv, budget, kDim, 1);
-  const auto prompt_q = random_tensor<float>(1, kAttendQ, budget, kDim, 2);
-  (void)cache.update_and_view(prompt_k, prompt_k, prompt_q);
-  const auto k = random_tensor<Eigen::half>(1, kAttendKv, 1, kDim, 3);
-  const auto v = random_tensor<Eigen::half>(1, kAttendKv, 1, kDim, 4);
-  const auto q = random_tensor<float>(1, kAttendQ, 1, kDim, 5);
-  std::vector<float> out(static_cast<std::size_t>(kAttendQ * kDim));
-  for (auto _ : state) {
-    cache.attend(q, k, v, out.data());
-    benchmark::DoNotOptimize(out.data());
-  }
-  state.SetItemsProcessed(state.iterations());
-}
-
-// BM_DecodeAttend with keys and values quantized to `bits`, group 32.
-void BM_DecodeAttendQuant(benchmark::State& state) {
-  const int budget = static_cast<int>(state.range(0));
-  vc::KVCacheConfig config = squeeze_config(budget);
-  config.key_bits = config.value_bits = static_cast<int>(state.range(1));
-  config.quant_group = 32;
+// One decode step through attend() on a SqueezeAttention layer of `config`, at `budget`.
+void decode_attend(benchmark::State& state, const vc::KVCacheConfig& config, int budget) {
   vc::SqueezeAttentionCache<Eigen::half> cache(config);
   const auto prompt_k = random_tensor<Eigen::half>(1, kAttendKv, budget, kDim, 1);
   const auto prompt_q = random_tensor<float>(1, kAttendQ, budget, kDim, 2);
@@ -326,6 +305,20 @@ void BM_DecodeAttendQuant(benchmark::State& state) {
   }
   state.SetItemsProcessed(state.iterations());
   state.counters["kept_bytes"] = static_cast<double>(cache.kept_bytes());
+}
+
+void BM_DecodeAttend(benchmark::State& state) {
+  const int budget = static_cast<int>(state.range(0));
+  decode_attend(state, squeeze_config(budget), budget);
+}
+
+// BM_DecodeAttend with keys and values quantized to `bits`, group 32.
+void BM_DecodeAttendQuant(benchmark::State& state) {
+  const int budget = static_cast<int>(state.range(0));
+  vc::KVCacheConfig config = squeeze_config(budget);
+  config.key_bits = config.value_bits = static_cast<int>(state.range(1));
+  config.quant_group = 32;
+  decode_attend(state, config, budget);
 }
 BENCHMARK(BM_DecodeAttendQuant)
     ->Args({512, 8})

@@ -21,6 +21,7 @@
 #include <veloxquant/cache.hpp>
 
 #include "support/contract.hpp"
+#include "support/simd_levels.hpp"
 #include "support/subjects.hpp"
 #include "support/test_support.hpp"
 
@@ -31,20 +32,8 @@ namespace vd = veloxquant::cache::detail;
 using Index = Eigen::Index;
 using veloxquant::test::Kind;
 using veloxquant::test::kKinds;
+using veloxquant::test::for_each_level;
 using veloxquant::test::kind_name;
-
-template <class F>
-void for_each_level(F f) {
-  const vc::SimdLevel saved = vc::simd_level();
-  for (const vc::SimdLevel l : {vc::SimdLevel::scalar, vc::SimdLevel::sse2, vc::SimdLevel::avx2,
-                                vc::SimdLevel::avx512}) {
-    if (!vc::simd_level_supported(l)) continue;
-    vc::set_simd_level(l);
-    SCOPED_TRACE(vc::simd_level_name(l));
-    f(l);
-  }
-  vc::set_simd_level(saved);
-}
 
 struct Format {
   int bits;
@@ -277,16 +266,6 @@ vc::Tensor4<double> random_input(std::mt19937& rng, Index B, Index H, Index S, I
   return veloxquant::test::random_doubles(rng, B, H, S, D);
 }
 
-/// The rows a cache of storage `c` keeps for an input: a standard cache's state.
-template <class T>
-vc::KVPair<T> stored(const vc::KVCacheConfig& c, const vc::Tensor4<double>& k,
-                     const vc::Tensor4<double>& v) {
-  vc::KVCacheConfig s = c;
-  s.method = "standard";
-  vc::KVCache<T> standard(s);
-  return standard.update_and_fetch(k, v);
-}
-
 /// Every policy, every width pair (8/8, 4/4, 8/4, 16/4, 4/16), group 8 and 16: a quantized float32
 /// cache and a float32 cache fed the dequantized rows hold the same positions and scores and
 /// write the same attention output, bitwise, over a prefill longer than the budget and decode
@@ -314,7 +293,7 @@ TEST(QuantizedCache, EveryPolicyScoresAndAttendsAsOnTheDequantizedRows) {
           for (const Index S : {Index{11}, Index{1}, Index{1}, Index{3}, Index{1}, Index{1}}) {
             const vc::Tensor4<double> k = random_input(rng, B, H, S, Dk);
             const vc::Tensor4<double> v = random_input(rng, B, H, S, Dv);
-            const vc::KVPair<float> kv = stored<float>(c, k, v);
+            const vc::KVPair<float> kv = veloxquant::test::stored_call<float>(k, v, c);
             // Not vacuous: the quantized rows are not the inputs.
             const vc::Tensor4<float> kf0 = k.cast<float>(), vf0 = v.cast<float>();
             if (kb < 16) {

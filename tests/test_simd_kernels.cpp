@@ -14,25 +14,15 @@
 #include <vector>
 #include <veloxquant/cache.hpp>
 
+#include "support/simd_levels.hpp"
+
 namespace {
 
 namespace vc = veloxquant::cache;
 namespace vd = veloxquant::cache::detail;
 using Index = Eigen::Index;
 
-/// Runs f() at every level this CPU supports, restoring the level in force afterwards.
-template <class F>
-void for_each_level(F f) {
-  const vc::SimdLevel saved = vc::simd_level();
-  for (const vc::SimdLevel l : {vc::SimdLevel::scalar, vc::SimdLevel::sse2, vc::SimdLevel::avx2,
-                                vc::SimdLevel::avx512}) {
-    if (!vc::simd_level_supported(l)) continue;
-    vc::set_simd_level(l);
-    SCOPED_TRACE(vc::simd_level_name(l));
-    f(l);
-  }
-  vc::set_simd_level(saved);
-}
+using veloxquant::test::for_each_level;
 
 template <class T>
 std::vector<T> random_rows(std::mt19937& rng, Index n, Index d, float sigma = 1.0f) {

@@ -369,12 +369,16 @@ std::size_t stored_row_bytes() {
   return one(kKeyBits, kKeys[3]) + one(kValueBits, kValues[3]);
 }
 
-/// The rows of a call as the subjects store and return them: converted to T, or quantized and
-/// dequantized (a standard cache of the same storage, fed the call).
+/// The rows of a call as caches of storage `storage` (the subjects' by default) store and
+/// return them: converted to T, or quantized and dequantized (a standard cache of that storage,
+/// fed the call).
 template <class T>
-vc::KVPair<T> stored_call(const vc::Tensor4<double>& keys, const vc::Tensor4<double>& values) {
-  if (!kQuantized) return {keys.template cast<T>(), values.template cast<T>()};
-  vc::KVCacheConfig c = small_config();
+vc::KVPair<T> stored_call(const vc::Tensor4<double>& keys, const vc::Tensor4<double>& values,
+                          const vc::KVCacheConfig& storage = small_config()) {
+  if (storage.key_bits == 16 && storage.value_bits == 16) {
+    return {keys.template cast<T>(), values.template cast<T>()};
+  }
+  vc::KVCacheConfig c = storage;
   c.method = "standard";
   vc::KVCache<T> standard(c);
   return standard.update_and_fetch(keys, values);

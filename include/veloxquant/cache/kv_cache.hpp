@@ -442,9 +442,7 @@ class KVCache {
     return storage_of(c);
   }
   // Floats of a row being dequantized: padded_dim of the wider head dim.
-  Index row_floats() const {
-    return detail::padded_dim(std::max(dims_.key_dim, dims_.value_dim));
-  }
+  static Index row_floats(Index dk, Index dv) { return detail::padded_dim(std::max(dk, dv)); }
   detail::RowFormat key_format(Index dk) const {
     return detail::RowFormat{storage_.key_bits, dk, storage_.group};
   }
@@ -485,8 +483,8 @@ class KVCache {
     // The view's buffers and the row buffer, allocated now and swapped in at step 5.
     ViewBuffers view_buffers;
     if (view_copy) {
-      view_buffers = fit_view_buffers(keys.batch, keys.heads, live_rows() + S, keys.dim,
-                                      values.dim, S > 0);
+      view_buffers =
+          fit_view_buffers(keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim, S > 0);
       if (S == 0) view_buffers.swap_into(view_k_, view_v_);  // nothing else can throw now
     }
     if (S == 0) {
@@ -497,8 +495,7 @@ class KVCache {
     }
     // The buffer quantized rows leave the cache through (fetch and view copies).
     std::vector<float> row_buf;
-    const auto row_floats_needed =
-        static_cast<std::size_t>(detail::padded_dim(std::max(keys.dim, values.dim)));
+    const auto row_floats_needed = static_cast<std::size_t>(row_floats(keys.dim, values.dim));
     if (storage_.quantized() && row_buf_.size() != row_floats_needed) {
       row_buf.resize(row_floats_needed);
     }
@@ -627,7 +624,9 @@ class KVCache {
 
   // The retained rows of every head in ascending position into `out` (resized if needed).
   void copy_retained(KVPair<T>& out) const {
-    std::vector<float> buf(storage_.quantized() ? static_cast<std::size_t>(row_floats()) : 0);
+    std::vector<float> buf(
+        storage_.quantized() ? static_cast<std::size_t>(row_floats(dims_.key_dim, dims_.value_dim))
+                             : 0);
     copy_rows(out, buf.data(), [](const detail::HeadStore<T>& h, const auto& emit) {
       for (const detail::Slot s : h.order()) emit(s);
     });
@@ -666,8 +665,8 @@ class KVCache {
     const auto fit = [&](const std::vector<T>& cur, Index d, std::vector<T>& fresh) {
       const auto need = static_cast<std::size_t>(batch * heads * rows * d);
       if (cur.size() >= need && !(shrink && cur.size() > 2 * need)) return false;
-      const std::size_t grown = cur.size() < need ? std::max(need, cur.size() + cur.size() / 2)
-                                                  : need;
+      const std::size_t grown =
+          cur.size() < need ? std::max(need, cur.size() + cur.size() / 2) : need;
       fresh = std::vector<T>(grown);
       return true;
     };
@@ -715,7 +714,7 @@ class KVCache {
   Storage storage_{};
   // A quantized cache's view: the window dequantized, [B·H, rows, Dk] and [B·H, rows, Dv].
   std::vector<T> view_k_, view_v_;
-  std::vector<float> row_buf_;  // [row_floats()]: a quantized row on its way out
+  std::vector<float> row_buf_;  // [row_floats(Dk, Dv)]: a quantized row on its way out
   std::int64_t offset_ = 0;
   std::int64_t tokens_seen_ = 0;
   ParallelFor parallel_for_;

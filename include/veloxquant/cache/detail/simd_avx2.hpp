@@ -36,8 +36,6 @@ inline V vload_row(const Eigen::bfloat16* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
-/// One half (its bit pattern) as float32 (F16C).
-inline float vhalf(std::uint16_t h) { return _cvtsh_ss(h); }
 /// The scale and offset at p (two halves) broadcast to vectors (F16C).
 inline void vmeta(const std::uint8_t* p, V& scale, V& offset) {
   int w;

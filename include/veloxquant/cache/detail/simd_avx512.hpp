@@ -35,8 +35,6 @@ inline V vload_row(const Eigen::bfloat16* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
-/// One half (its bit pattern) as float32 (F16C).
-inline float vhalf(std::uint16_t h) { return _cvtsh_ss(h); }
 /// The scale and offset at p (two halves) broadcast to vectors (F16C).
 inline void vmeta(const std::uint8_t* p, V& scale, V& offset) {
   int w;

@@ -225,9 +225,8 @@ inline void logits(const float* q, Index m, Index ldq, const T* keys, Index key_
   if (d % kLanes == 0 && m == 2) {
     return logits_2x4(q, ldq, keys, key_stride, idx, n, d, scale, out, ldo);
   }
-  logits_buffered(q, m, ldq, idx, n, d, scale, out, ldo, kbuf, [&](Index row, float* dst) {
-    load_padded_row(keys + row * key_stride, d, dst);
-  });
+  logits_buffered(q, m, ldq, idx, n, d, scale, out, ldo, kbuf,
+                  [&](Index row, float* dst) { load_padded_row(keys + row * key_stride, d, dst); });
 }
 
 /// Loads x[i, i + kLanes) where fewer than kLanes remain before n: the rest is `pad`.
@@ -318,7 +317,6 @@ inline void logits_packed(const float* q, Index m, Index ldq, const float* kt, I
     }
   }
 }
-
 
 /// w[0, n) = the mean over `rows` rows (row r at x + r * ldx) of softmax(row[0, n)), each softmax
 /// max-subtracted, weights below kSoftmaxMinWeight exactly 0 (a -inf logit, a masked column,
@@ -550,15 +548,6 @@ inline bool q_in_lanes(const RowFormat& f) {
   return f.bits == 8 ? f.group % kLanes == 0 : f.group % 2 == 0 && f.group_bytes() % kLanes == 0;
 }
 
-/// Scale and offset of group g of a quantized row (the path's half conversion).
-inline void qmeta(const std::uint8_t* row, const RowFormat& f, Index g, float& scale,
-                  float& offset) {
-  std::uint16_t so[2];
-  std::memcpy(so, row + f.code_bytes() + 4 * g, sizeof(so));
-  scale = vhalf(so[0]);
-  offset = vhalf(so[1]);
-}
-
 /// Dequantized elements [k, k + kLanes) of a quantized row in any format, lane by lane (the
 /// general path); lanes at or beyond f.dim are 0.
 inline V qload_lanes(const std::uint8_t* row, const RowFormat& f, Index k) {
@@ -569,13 +558,13 @@ inline V qload_lanes(const std::uint8_t* row, const RowFormat& f, Index k) {
   const Index gb = f.group_bytes();
   Index g = k / f.group, e = k % f.group;
   float sg = 0.0f, og = 0.0f;
-  if (k < f.dim) qmeta(row, f, g, sg, og);
+  if (k < f.dim) group_scale_offset(row, f, g, sg, og);
   for (Index j = 0; j < kLanes; ++j) {
     c[j] = s[j] = o[j] = 0.0f;
     if (k + j >= f.dim) continue;
     if (e == f.group) {
       e = 0;
-      qmeta(row, f, ++g, sg, og);
+      group_scale_offset(row, f, ++g, sg, og);
     }
     const std::uint8_t* codes = row + g * gb;
     const int code = f.bits == 8 ? codes[e] : e < gb ? codes[e] & 0x0F : codes[e - gb] >> 4;
@@ -614,9 +603,8 @@ inline void qload_padded_row(const QuantRows& rows, Index j, float* out) {
   V s = vzero(), o = vzero();
   const auto group = [&](Index g) { vmeta(row + f.code_bytes() + 4 * g, s, o); };
   if (f.bits == 8) {
-    q_walk<8>(f, group, [&](Index k, Index c, auto) {
-      vstore(out + k, vmadd(vcodes<8>(row + c), s, o));
-    });
+    q_walk<8>(f, group,
+              [&](Index k, Index c, auto) { vstore(out + k, vmadd(vcodes<8>(row + c), s, o)); });
   } else {
     q_walk<4>(f, group, [&](Index k, Index c, auto hi) {
       vstore(out + k, vmadd(vcodes<4, decltype(hi)::value>(row + c), s, o));
@@ -658,7 +646,8 @@ inline void qlogits_tile(const float* q, Index ldq, const QuantRows& keys, const
     const auto step = [&](Index k, Index c, auto hi) {
       V x[K];
       VELOXQUANT_DETAIL_UNROLL
-      for (int j = 0; j < K; ++j) x[j] = vmadd(vcodes<B, decltype(hi)::value>(r[j] + c), s[j], o[j]);
+      for (int j = 0; j < K; ++j)
+        x[j] = vmadd(vcodes<B, decltype(hi)::value>(r[j] + c), s[j], o[j]);
       meet(k, x);
     };
     const Index gb = f.group_bytes(), groups = f.groups();
@@ -778,8 +767,8 @@ inline void qweighted_slice(const float* e, Index lde, const float* inv, const Q
     if constexpr (W == 2) v1 = q_vec_at(f, k + kLanes);
   }
   // The slice is exactly the low and high halves of one 4-bit group.
-  const bool pair = B == 4 && W == 2 && v0.group == v1.group && !v0.hi && v1.hi &&
-                    v0.code == v1.code;
+  const bool pair =
+      B == 4 && W == 2 && v0.group == v1.group && !v0.hi && v1.hi && v0.code == v1.code;
   const std::uint8_t* row = values.data;
   for (Index c = 0; c < n; ++c, row += values.stride) {
     V x0, x1 = vzero();
@@ -789,17 +778,11 @@ inline void qweighted_slice(const float* e, Index lde, const float* inv, const Q
     } else {
       V s, o;
       vmeta(row + f.code_bytes() + 4 * v0.group, s, o);
-      if constexpr (B == 4 && W == 2) {
-        if (pair) {
-          // The two halves of one group: both vectors from one load of its bytes.
-          vcodes4x2(row + v0.code, x0, x1);
-          x0 = vmadd(x0, s, o);
-          x1 = vmadd(x1, s, o);
-        } else {
-          x0 = qvec_load<B>(row, v0, s, o);
-          if (v1.group != v0.group) vmeta(row + f.code_bytes() + 4 * v1.group, s, o);
-          x1 = qvec_load<B>(row, v1, s, o);
-        }
+      if (pair) {
+        // The two halves of one group: both vectors from one load of its bytes.
+        vcodes4x2(row + v0.code, x0, x1);
+        x0 = vmadd(x0, s, o);
+        x1 = vmadd(x1, s, o);
       } else {
         x0 = qvec_load<B>(row, v0, s, o);
         if constexpr (W == 2) {

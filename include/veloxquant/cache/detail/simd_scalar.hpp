@@ -47,14 +47,12 @@ inline V vload_row(const T* p) {
   for (int i = 0; i < kLanes; ++i) r.x[i] = static_cast<float>(p[i]);
   return r;
 }
-/// One half (its bit pattern) as float32.
-inline float vhalf(std::uint16_t h) { return half_bits_to_float(h); }
 /// The scale and offset at p (two halves) broadcast to vectors.
 inline void vmeta(const std::uint8_t* p, V& scale, V& offset) {
   std::uint16_t so[2];
   std::memcpy(so, p, sizeof(so));
-  scale = vset(vhalf(so[0]));
-  offset = vset(vhalf(so[1]));
+  scale = vset(half_bits_to_float(so[0]));
+  offset = vset(half_bits_to_float(so[1]));
 }
 /// Quantized codes (docs/design.md 7.4) as float32: kLanes bytes (B = 8), or the low (Hi = false)
 /// or high nibbles of kLanes bytes (B = 4).
