@@ -16,6 +16,7 @@
 
 #include "h2o_cache.hpp"
 #include "kv_cache.hpp"
+#include "prompt_cache.hpp"
 #include "pyramidkv_cache.hpp"
 #include "snapkv_cache.hpp"
 #include "squeeze_cache.hpp"
@@ -28,16 +29,17 @@
 #define VELOXQUANT_DETAIL_INSTANTIATE(...) extern template class __VA_ARGS__;
 #endif
 
-#define VELOXQUANT_DETAIL_INSTANTIATE_ALL(T)                          \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::detail::HeadStore<T>)   \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::KVView<T>)              \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::KVCache<T>)             \
+#define VELOXQUANT_DETAIL_INSTANTIATE_ALL(T)                                 \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::detail::HeadStore<T>)     \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::KVView<T>)                \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::KVCache<T>)               \
   VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::SqueezeAttentionCache<T>) \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::H2OCache<T>)            \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::PyramidKVCache<T>)      \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::TOVACache<T>)           \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::StreamingLLMCache<T>)   \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::SnapKVCache<T>)
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::H2OCache<T>)              \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::PyramidKVCache<T>)        \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::TOVACache<T>)             \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::StreamingLLMCache<T>)     \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::SnapKVCache<T>)           \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::detail::PromptCacheIO<T>)
 
 VELOXQUANT_DETAIL_INSTANTIATE_ALL(Eigen::half)
 VELOXQUANT_DETAIL_INSTANTIATE_ALL(Eigen::bfloat16)

@@ -18,7 +18,7 @@ template <class T = Eigen::half>
 class H2OCache : public KVCache<T> {
  public:
   /// Validates `config` as method "h2o"; throws std::invalid_argument.
-  explicit H2OCache(const KVCacheConfig& config) : KVCache<T>(rule_of(config), config) {}
+  explicit H2OCache(const KVCacheConfig& config) : KVCache<T>(rule_of(config), config, "h2o") {}
 
   using KVCache<T>::budget;
   using KVCache<T>::n_sink;

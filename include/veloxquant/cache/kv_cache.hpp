@@ -27,6 +27,11 @@
 
 namespace veloxquant::cache {
 
+namespace detail {
+template <class T>
+class PromptCacheIO;  // prompt_cache.hpp: saves and restores the state of every cache class
+}  // namespace detail
+
 /// Zero-copy view of the rows a call hands back: one block of `rows()` rows per (b, h), living in
 /// the cache's own storage. Valid until the next non-const call on the cache. Rows retained before
 /// the call may come in any order (positions() says which is which); the rows of the call come
@@ -112,9 +117,10 @@ class KVCache {
   using Index = Eigen::Index;
 
   /// An empty standard cache.
-  KVCache() = default;
+  KVCache() : config_(detail::with_method(KVCacheConfig{}, "standard")) {}
   /// An empty standard cache; validates `config`.
-  explicit KVCache(const KVCacheConfig& config) : storage_(checked_storage(config)) {}
+  explicit KVCache(const KVCacheConfig& config)
+      : config_(detail::with_method(config, "standard")), storage_(checked_storage(config)) {}
   virtual ~KVCache() = default;
   // A cache is polymorphic and owns per-call state: it is neither copied nor moved (hold it by
   // std::unique_ptr, as the factory and the builder do).
@@ -352,6 +358,11 @@ class KVCache {
   void set_parallel_heads(bool on) { parallel_heads_ = on; }
   bool parallel_heads() const { return parallel_heads_; }
 
+  /// The configuration the cache was built with; its `method` names the cache's own policy
+  /// ("standard" for this class, whatever method the config given to it named: the builder gives
+  /// a model's non-attention layers the model's config).
+  const KVCacheConfig& config() const { return config_; }
+
   /// Batch size, KV heads and head dims fixed by the first call (0 before it).
   Index batch() const { return dims_.batch; }
   Index heads() const { return dims_.heads; }
@@ -361,8 +372,9 @@ class KVCache {
  protected:
   /// A policy's cache: `rule` says what the calls do with rows (docs/design.md 7.1).
   /// `config` gives the storage of rows (key_bits, value_bits, quant_group; docs/design.md 2.9).
-  KVCache(const detail::Rule& rule, const KVCacheConfig& config)
-      : rule_(rule), storage_(storage_of(config)) {}
+  /// `method` names the policy (config().method).
+  KVCache(const detail::Rule& rule, const KVCacheConfig& config, const char* method)
+      : rule_(rule), config_(detail::with_method(config, method)), storage_(storage_of(config)) {}
 
   /// Hook: before anything changes; may inspect the call's keys ([B, H, S, Dk], any input type)
   /// and throw.
@@ -389,6 +401,8 @@ class KVCache {
   }
 
  private:
+  friend class detail::PromptCacheIO<T>;
+
   // The rows of an input (`what` names it in errors); throws std::invalid_argument for a
   // negative dimension, an element count beyond Index, or null data with a non-zero size.
   template <class X>
@@ -707,6 +721,7 @@ class KVCache {
   static constexpr Index kParallelWork = Index{1} << 16;
 
   detail::Rule rule_{};
+  KVCacheConfig config_;
   bool rebudget_ = false;
   detail::LayerDims dims_{};
   std::vector<detail::HeadStore<T>> heads_;

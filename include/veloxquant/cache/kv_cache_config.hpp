@@ -1,4 +1,5 @@
-// veloxquant — KVCacheConfig: every knob of every eviction policy (mirrors the Python KVCacheConfig).
+// veloxquant — KVCacheConfig: every knob of every eviction policy (mirrors the Python
+// KVCacheConfig).
 #pragma once
 
 #include <array>
@@ -76,17 +77,19 @@ inline void check_sink_below(const char* sink_field, int n_sink, const char* bud
 
 /// Configuration of every cache policy; an aggregate with the Python defaults (docs/design.md 2.1).
 struct KVCacheConfig {
-  std::string method = "squeeze";  ///< squeeze, h2o, pyramidkv, tova, streaming_llm, snapkv, standard
+  // Every field is also listed in detail::for_each_config_field (below): the prompt-cache format.
+  std::string method =
+      "squeeze";  ///< squeeze, h2o, pyramidkv, tova, streaming_llm, snapkv, standard
 
   // SqueezeAttention
-  int squeeze_budget = 512;                        ///< average budget; budget without coordinator
-  int squeeze_n_sink = 4;                          ///< leading positions never evicted
-  double squeeze_strength = 1.0;                   ///< reallocation strength in [0, 1]
-  std::optional<int> squeeze_resolved_budget{};    ///< explicit starting budget
-  double squeeze_recent_ratio = 0.5;               ///< share of evictable budget kept recent
-  double squeeze_decay = 0.98;                     ///< per-token score decay in (0, 1]
-  bool squeeze_defer = false;                      ///< hold rows until the budget is known
-  int squeeze_calibration_tokens = 32;             ///< tokens absorbed before the layer reports
+  int squeeze_budget = 512;                      ///< average budget; budget without coordinator
+  int squeeze_n_sink = 4;                        ///< leading positions never evicted
+  double squeeze_strength = 1.0;                 ///< reallocation strength in [0, 1]
+  std::optional<int> squeeze_resolved_budget{};  ///< explicit starting budget
+  double squeeze_recent_ratio = 0.5;             ///< share of evictable budget kept recent
+  double squeeze_decay = 0.98;                   ///< per-token score decay in (0, 1]
+  bool squeeze_defer = false;                    ///< hold rows until the budget is known
+  int squeeze_calibration_tokens = 32;           ///< tokens absorbed before the layer reports
 
   // H2O
   int h2o_budget = 512;
@@ -146,7 +149,8 @@ struct KVCacheConfig {
       check_budget("squeeze_budget", squeeze_budget);
       check_non_negative("squeeze_n_sink", squeeze_n_sink);
       check_unit_interval("squeeze_strength", squeeze_strength);
-      if (squeeze_resolved_budget) check_budget("squeeze_resolved_budget", *squeeze_resolved_budget);
+      if (squeeze_resolved_budget)
+        check_budget("squeeze_resolved_budget", *squeeze_resolved_budget);
       check_unit_interval("squeeze_recent_ratio", squeeze_recent_ratio);
       check_decay("squeeze_decay", squeeze_decay);
       if (squeeze_calibration_tokens < 1) {
@@ -169,7 +173,8 @@ struct KVCacheConfig {
       if (!(pyramid_beta >= 1.0 && pyramid_beta <= kMaxPyramidBeta)) {
         config_error("pyramid_beta", pyramid_beta, "must be in [1, 1e6]");
       }
-      if (pyramid_resolved_budget) check_budget("pyramid_resolved_budget", *pyramid_resolved_budget);
+      if (pyramid_resolved_budget)
+        check_budget("pyramid_resolved_budget", *pyramid_resolved_budget);
       check_unit_interval("pyramid_recent_ratio", pyramid_recent_ratio);
       check_decay("pyramid_decay", pyramid_decay);
       check_sink_below("pyramid_n_sink", pyramid_n_sink, "pyramid_budget", pyramid_budget);
@@ -183,7 +188,8 @@ struct KVCacheConfig {
       check_sink_below("tova_n_sink", tova_n_sink, "tova_budget", tova_budget);
     } else if (method == "streaming_llm") {
       check_non_negative("stream_n_sink", stream_n_sink);
-      if (stream_window_size < 1) config_error("stream_window_size", stream_window_size, "must be >= 1");
+      if (stream_window_size < 1)
+        config_error("stream_window_size", stream_window_size, "must be >= 1");
       if (static_cast<long long>(stream_n_sink) + stream_window_size > 2147483647LL) {
         config_error("stream_window_size", stream_window_size,
                      "plus stream_n_sink must fit in an int (rows per head)");
@@ -199,11 +205,51 @@ struct KVCacheConfig {
 
 namespace detail {
 
+/// Every field of KVCacheConfig, by name in declaration order: f(name, c.field) for each (the
+/// prompt-cache format stores a cache's config this way, docs/design.md G). A field added to
+/// KVCacheConfig is added here too; tests/test_prompt_cache.cpp round-trips every field.
+template <class Config, class F>
+void for_each_config_field(Config& c, F&& f) {
+  f("method", c.method);
+  f("squeeze_budget", c.squeeze_budget);
+  f("squeeze_n_sink", c.squeeze_n_sink);
+  f("squeeze_strength", c.squeeze_strength);
+  f("squeeze_resolved_budget", c.squeeze_resolved_budget);
+  f("squeeze_recent_ratio", c.squeeze_recent_ratio);
+  f("squeeze_decay", c.squeeze_decay);
+  f("squeeze_defer", c.squeeze_defer);
+  f("squeeze_calibration_tokens", c.squeeze_calibration_tokens);
+  f("h2o_budget", c.h2o_budget);
+  f("h2o_n_sink", c.h2o_n_sink);
+  f("h2o_grace", c.h2o_grace);
+  f("h2o_decay", c.h2o_decay);
+  f("pyramid_budget", c.pyramid_budget);
+  f("pyramid_n_sink", c.pyramid_n_sink);
+  f("pyramid_beta", c.pyramid_beta);
+  f("pyramid_resolved_budget", c.pyramid_resolved_budget);
+  f("pyramid_recent_ratio", c.pyramid_recent_ratio);
+  f("pyramid_decay", c.pyramid_decay);
+  f("tova_budget", c.tova_budget);
+  f("tova_n_sink", c.tova_n_sink);
+  f("stream_n_sink", c.stream_n_sink);
+  f("stream_window_size", c.stream_window_size);
+  f("snap_budget", c.snap_budget);
+  f("snap_obs_window", c.snap_obs_window);
+  f("snap_n_sink", c.snap_n_sink);
+  f("key_bits", c.key_bits);
+  f("value_bits", c.value_bits);
+  f("quant_group", c.quant_group);
+}
+
+/// `config` with `method` in place of its own.
+inline KVCacheConfig with_method(KVCacheConfig config, const char* method) {
+  config.method = method;
+  return config;
+}
+
 /// Validates `config` as if `method` were in use (a cache class knows its own method).
 inline void validate_as(const KVCacheConfig& config, const char* method) {
-  KVCacheConfig c = config;
-  c.method = method;
-  c.validate();
+  with_method(config, method).validate();
 }
 
 }  // namespace detail

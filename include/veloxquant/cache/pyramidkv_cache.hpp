@@ -4,9 +4,8 @@
 // call brings them (docs/design.md 4.6), else with the key-as-query proxy (docs/design.md 3).
 #pragma once
 
-#include <vector>
-
 #include <Eigen/Core>
+#include <vector>
 
 #include "detail/budgets.hpp"
 #include "detail/policy.hpp"
@@ -18,7 +17,8 @@ namespace veloxquant::cache {
 /// Per-layer pyramid budgets (docs/design.md 6): linear taper from avg + span to avg - span with
 /// span = (avg - n_sink - 1)(beta - 1), water-filled so every budget is >= n_sink + 1 and the mean
 /// stays at avg. Throws std::invalid_argument for beta outside [1, 1e6].
-inline std::vector<int> pyramid_budgets(int n_layers, int avg_budget, int n_sink, double beta = 2.0) {
+inline std::vector<int> pyramid_budgets(int n_layers, int avg_budget, int n_sink,
+                                        double beta = 2.0) {
   return detail::pyramid_budgets(n_layers, avg_budget, n_sink, beta);
 }
 
@@ -28,7 +28,8 @@ template <class T = Eigen::half>
 class PyramidKVCache : public KVCache<T> {
  public:
   /// Validates `config` as method "pyramidkv"; throws std::invalid_argument.
-  explicit PyramidKVCache(const KVCacheConfig& config) : KVCache<T>(rule_of(config), config) {}
+  explicit PyramidKVCache(const KVCacheConfig& config)
+      : KVCache<T>(rule_of(config), config, "pyramidkv") {}
 
   using KVCache<T>::budget;
   using KVCache<T>::n_sink;

@@ -18,7 +18,8 @@ template <class T = Eigen::half>
 class SnapKVCache : public KVCache<T> {
  public:
   /// Validates `config` as method "snapkv"; throws std::invalid_argument.
-  explicit SnapKVCache(const KVCacheConfig& config) : KVCache<T>(rule_of(config), config) {}
+  explicit SnapKVCache(const KVCacheConfig& config)
+      : KVCache<T>(rule_of(config), config, "snapkv") {}
 
   using KVCache<T>::n_sink;
   /// Query tokens that rank the prompt.

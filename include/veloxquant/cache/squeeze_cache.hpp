@@ -15,6 +15,7 @@
 // Deliberate differences from the Python reference are listed in docs/design.md 9.
 #pragma once
 
+#include <Eigen/Core>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -22,8 +23,6 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-#include <Eigen/Core>
 
 #include "detail/concentration.hpp"
 #include "detail/input.hpp"
@@ -55,8 +54,7 @@ class SqueezeAttentionCache : public KVCache<T> {
   explicit SqueezeAttentionCache(const KVCacheConfig& config,
                                  std::optional<int> layer_id = std::nullopt,
                                  std::shared_ptr<SqueezeCoordinator> coordinator = nullptr)
-      : KVCache<T>(rule_of(config, layer_id, coordinator), config),
-        config_(config),
+      : KVCache<T>(rule_of(config, layer_id, coordinator), config, "squeeze"),
         layer_id_(layer_id),
         coordinator_(std::move(coordinator)) {}
 
@@ -98,7 +96,7 @@ class SqueezeAttentionCache : public KVCache<T> {
     reported_now_ = false;
     adopted_ = false;
     report_generation_ = 0;
-    if (coordinated() && config_.squeeze_defer) {
+    if (coordinated() && this->config().squeeze_defer) {
       this->set_budget(std::nullopt);
     } else {
       this->set_budget(fallback_budget());
@@ -112,27 +110,30 @@ class SqueezeAttentionCache : public KVCache<T> {
     // concentration is their mean over heads (the reference sampled head (0,0) of the first call).
     // Computed aside: start_call commits them once nothing can fail any more.
     const Index n_heads = keys.batch * keys.heads;
-    pending_sums_ = sums_.empty() ? std::vector<detail::ConcentrationSums>(
-                                        static_cast<std::size_t>(n_heads))
-                                  : sums_;
+    pending_sums_ = sums_.empty()
+                        ? std::vector<detail::ConcentrationSums>(static_cast<std::size_t>(n_heads))
+                        : sums_;
     std::vector<T> row(static_cast<std::size_t>(keys.dim));
     double sum = 0.0;
     for (Index b = 0; b < keys.batch; ++b) {
       for (Index h = 0; h < keys.heads; ++h) {
-        detail::ConcentrationSums& sums = pending_sums_[static_cast<std::size_t>(b * keys.heads + h)];
+        detail::ConcentrationSums& sums =
+            pending_sums_[static_cast<std::size_t>(b * keys.heads + h)];
         for (Index s = 0; s < keys.seq; ++s) {
           detail::read_row(keys, b, h, s, row.data());
-          sums.add(keys.dim, [&](Index j) { return static_cast<double>(row[static_cast<std::size_t>(j)]); });
+          sums.add(keys.dim,
+                   [&](Index j) { return static_cast<double>(row[static_cast<std::size_t>(j)]); });
         }
         sum += sums.score();
       }
     }
     pending_concentration_ = sum / static_cast<double>(n_heads);
     if (!std::isfinite(pending_concentration_)) {
-      throw std::invalid_argument("SqueezeAttentionCache: the concentration of the keys is not "
-                                  "finite");
+      throw std::invalid_argument(
+          "SqueezeAttentionCache: the concentration of the keys is not "
+          "finite");
     }
-    pending_calibrated_ = this->offset() + keys.seq >= config_.squeeze_calibration_tokens;
+    pending_calibrated_ = this->offset() + keys.seq >= this->config().squeeze_calibration_tokens;
   }
 
   void start_call() override {
@@ -152,7 +153,8 @@ class SqueezeAttentionCache : public KVCache<T> {
       if (calibrated_) sums_ = {};  // the running sums are done with
     }
     if (coordinated() && !adopted_ && reported_) {
-      if (const std::optional<int> b = coordinator_->resolved_budget(*layer_id_, report_generation_)) {
+      if (const std::optional<int> b =
+              coordinator_->resolved_budget(*layer_id_, report_generation_)) {
         this->set_budget(*b);
         adopted_ = true;
       }
@@ -182,10 +184,11 @@ class SqueezeAttentionCache : public KVCache<T> {
   }
   bool coordinated() const { return coordinator_ && layer_id_; }
   int fallback_budget() const {
-    return config_.squeeze_resolved_budget.value_or(config_.squeeze_budget);
+    return this->config().squeeze_resolved_budget.value_or(this->config().squeeze_budget);
   }
 
-  KVCacheConfig config_;
+  friend class detail::PromptCacheIO<T>;
+
   std::optional<int> layer_id_;
   std::shared_ptr<SqueezeCoordinator> coordinator_;
   double concentration_ = 0.0;

@@ -16,6 +16,11 @@
 
 namespace veloxquant::cache {
 
+namespace detail {
+template <class T>
+class PromptCacheIO;  // prompt_cache.hpp
+}  // namespace detail
+
 /// Per-layer budgets from concentrations (docs/design.md 5.3): broad (low-concentration) layers get
 /// more, the mean stays at `avg_budget` (each budget at least n_sink + 1). Throws for strength
 /// outside [0, 1] or NaN.
@@ -126,6 +131,9 @@ class SqueezeCoordinator {
   }
 
  private:
+  template <class T>
+  friend class detail::PromptCacheIO;
+
   std::optional<int> lookup(int layer_id) const {
     if (!finalized_) return std::nullopt;
     const auto it = budgets_.find(layer_id);

@@ -16,7 +16,8 @@ template <class T = Eigen::half>
 class StreamingLLMCache : public KVCache<T> {
  public:
   /// Validates `config` as method "streaming_llm"; throws std::invalid_argument.
-  explicit StreamingLLMCache(const KVCacheConfig& config) : KVCache<T>(rule_of(config), config) {}
+  explicit StreamingLLMCache(const KVCacheConfig& config)
+      : KVCache<T>(rule_of(config), config, "streaming_llm") {}
 
   using KVCache<T>::n_sink;
   /// Rows kept besides the sinks.

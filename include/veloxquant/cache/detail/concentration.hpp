@@ -2,10 +2,10 @@
 // O(n D), from running sums, so rows can be added a call at a time.
 #pragma once
 
-#include <cmath>
-#include <vector>
-
 #include <Eigen/Core>
+#include <cmath>
+#include <utility>
+#include <vector>
 
 #include "fp.hpp"
 
@@ -35,6 +35,19 @@ class ConcentrationSums {
     return (total - diag_) / (nd * (nd - 1.0));
   }
   Eigen::Index rows() const { return n_; }
+
+  /// The sums themselves (a saved layer that has not calibrated yet, docs/design.md G): sum_i u_i
+  /// ([D], empty before the first row), sum_i |u_i|^2, and n.
+  const std::vector<double>& direction_sum() const { return sum_; }
+  double diagonal() const { return diag_; }
+  /// Sums as saved (direction_sum(), diagonal(), rows()).
+  static ConcentrationSums restored(std::vector<double> sum, double diag, Eigen::Index n) {
+    ConcentrationSums s;
+    s.sum_ = std::move(sum);
+    s.diag_ = diag;
+    s.n_ = n;
+    return s;
+  }
 
  private:
   std::vector<double> sum_;

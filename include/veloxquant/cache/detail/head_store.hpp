@@ -37,11 +37,7 @@ class HeadStore {
   HeadStore(Index dk, Index dv) : HeadStore(RowFormat{16, dk, 0}, RowFormat{16, dv, 0}) {}
   /// Rows of keys and values in the formats given (fmt.dim: the head dims).
   HeadStore(const RowFormat& kf, const RowFormat& vf)
-      : dk_(kf.dim), dv_(vf.dim), kf_(kf), vf_(vf), ks_(stride_of(kf)), vs_(stride_of(vf)) {
-    if (kf.quantized() || vf.quantized()) {
-      row_buf_.resize(static_cast<std::size_t>(padded_dim(std::max(dk_, dv_))));
-    }
-  }
+      : dk_(kf.dim), dv_(vf.dim), kf_(kf), vf_(vf), ks_(stride_of(kf)), vs_(stride_of(vf)) {}
 
   Index key_dim() const { return dk_; }
   Index value_dim() const { return dv_; }
@@ -70,19 +66,14 @@ class HeadStore {
   void compact() noexcept {
     const Index n_live = live();
     if (n_phys_ != n_live) {
-      // Every hole below n_live takes the highest live slot; holes above it just disappear.
-      Index tail = n_phys_ - 1;
       Index moved = 0;
-      for (const Slot h : holes_) {
-        if (h >= n_live) continue;
-        while (alive_[at(tail)] != kAlive) --tail;
-        move_slot(tail, h);
+      for_each_compaction_move([&](Index from, Index to) {
+        move_slot(from, to);
         // A forwarding address in the vacated slot for the pass over `order` below.
-        pos_[at(tail)] = h;
-        alive_[at(tail)] = kMoved;
-        --tail;
+        pos_[at(from)] = to;
+        alive_[at(from)] = kMoved;
         ++moved;
-      }
+      });
       // The moved rows were in the highest slots, the most recently appended: near the end of
       // `order` (ascending position), so the search runs from the back and stops when all are
       // found (one step in a decode loop).
@@ -97,6 +88,73 @@ class HeadStore {
     holes_.clear();
     call_begin_ = n_phys_;
   }
+
+  /// The moves compact() makes, in its order: move(from, to) for every hole below live(), which
+  /// takes the highest live slot not moved yet (holes above live() just disappear). Reads only
+  /// slots at or below the current `from`, so compact() may mark each source as it goes.
+  template <class Move>
+  void for_each_compaction_move(Move move) const {
+    const Index n_live = live();
+    Index tail = n_phys_ - 1;
+    for (const Slot h : holes_) {
+      if (h >= n_live) continue;
+      while (alive_[at(tail)] != kAlive) --tail;
+      move(tail, static_cast<Index>(h));
+      --tail;
+    }
+  }
+
+  /// The rows of the head as compact() would leave them, without moving any: src[i] is the slot
+  /// whose row compaction puts in slot i, i < live() (a saved head is its compacted form,
+  /// docs/design.md G).
+  void compacted_slots(std::vector<Slot>& src) const {
+    src.resize(static_cast<std::size_t>(live()));
+    for (Index i = 0; i < live(); ++i) src[at(i)] = static_cast<Slot>(i);
+    for_each_compaction_move([&](Index from, Index to) { src[at(to)] = static_cast<Slot>(from); });
+  }
+
+  /// Restoring a saved head, step 1 (on a head with no slot in use): room for `rows` slots,
+  /// keeping the rows of the first `keep` slots already written through key_ptr / value_ptr.
+  /// Strong exception guarantee.
+  void grow_for_restore(Index rows, Index keep) {
+    VELOXQUANT_ASSERT(n_phys_ == 0 && order_.empty(), "restore into a head in use");
+    if (rows > cap_) reallocate(rows, keep);
+  }
+  /// Restoring a saved head, step 2: slots [0, n) (capacity reserved, rows written) become the
+  /// live rows, with positions pos[0..n) and scores score[0..n) (null: 0); the live order is
+  /// rebuilt by position. Returns false when two rows share a position (the head then holds no
+  /// live row).
+  bool restore(Index n, const std::int64_t* pos, const float* score) {
+    VELOXQUANT_ASSERT(n_phys_ == 0 && order_.empty() && n <= cap_, "restore beyond capacity");
+    for (Index s = 0; s < n; ++s) {
+      pos_[at(s)] = pos[s];
+      score_[at(s)] = score ? score[s] : 0.0f;
+      alive_[at(s)] = kAlive;
+    }
+    order_.resize(static_cast<std::size_t>(n));
+    for (Index s = 0; s < n; ++s) order_[at(s)] = static_cast<Slot>(s);
+    // Saved heads are mostly in position order already (a decode loop moves one row per step).
+    if (!std::is_sorted(order_.begin(), order_.end(),
+                        [&](Slot a, Slot b) { return pos[a] < pos[b]; })) {
+      std::sort(order_.begin(), order_.end(), [&](Slot a, Slot b) { return pos[a] < pos[b]; });
+    }
+    for (Index i = 1; i < n; ++i) {
+      if (pos[order_[at(i - 1)]] == pos[order_[at(i)]]) {
+        order_.clear();
+        std::fill(alive_.begin(), alive_.begin() + n, kDead);
+        return false;
+      }
+    }
+    n_phys_ = n;
+    call_begin_ = n;
+    holes_.clear();
+    return true;
+  }
+  /// Elements of T one stored key (value) row takes.
+  Index key_stride() const { return ks_; }
+  Index value_stride() const { return vs_; }
+  const RowFormat& key_format() const { return kf_; }
+  const RowFormat& value_format() const { return vf_; }
 
   /// Starts the window of a call at the rows retained now; `keep_order` records their ascending
   /// order too (window(), for a copy of the window: the view needs none).
@@ -203,9 +261,8 @@ class HeadStore {
   /// Heap bytes held by this head (all buffers, by capacity).
   std::size_t heap_bytes() const {
     return k_.capacity() * sizeof(T) + v_.capacity() * sizeof(T) +
-           row_buf_.capacity() * sizeof(float) +
-           pos_.capacity() * sizeof(std::int64_t) + score_.capacity() * sizeof(float) +
-           alive_.capacity() +
+           row_buf_.capacity() * sizeof(float) + pos_.capacity() * sizeof(std::int64_t) +
+           score_.capacity() * sizeof(float) + alive_.capacity() +
            (order_.capacity() + window_.capacity() + holes_.capacity()) * sizeof(Slot);
   }
 
@@ -257,10 +314,12 @@ class HeadStore {
     alive_[at(to)] = kAlive;
   }
 
-  // Allocates every buffer at exactly `rows` slots, copies the slots in use, then swaps.
-  void reallocate(Index rows) {
+  // Allocates every buffer at exactly `rows` slots, copies the first `keep` slots (those in use),
+  // then swaps.
+  void reallocate(Index rows) { reallocate(rows, n_phys_); }
+  void reallocate(Index rows, Index keep) {
     const auto r = static_cast<std::size_t>(rows);
-    const auto used = static_cast<std::size_t>(n_phys_);
+    const auto used = static_cast<std::size_t>(keep);
     std::vector<T> k(r * static_cast<std::size_t>(ks_));
     std::vector<T> v(r * static_cast<std::size_t>(vs_));
     std::vector<std::int64_t> pos(r);
@@ -272,6 +331,12 @@ class HeadStore {
     window.reserve(r);
     std::vector<Slot> holes;
     holes.reserve(r);
+    // The buffer a quantized row is stored through, with the first rows (a head that never holds
+    // a row allocates nothing: a loaded head of 0 rows, docs/design.md G).
+    std::vector<float> row_buf;
+    if (quantized() && row_buf_.empty()) {
+      row_buf.resize(static_cast<std::size_t>(padded_dim(std::max(dk_, dv_))));
+    }
     // No-throw from here on.
     std::copy_n(k_.begin(), used * static_cast<std::size_t>(ks_), k.begin());
     std::copy_n(v_.begin(), used * static_cast<std::size_t>(vs_), v.begin());
@@ -290,6 +355,7 @@ class HeadStore {
     order_.swap(order);
     window_.swap(window);
     holes_.swap(holes);
+    if (!row_buf.empty()) row_buf_.swap(row_buf);
     cap_ = rows;
   }
 

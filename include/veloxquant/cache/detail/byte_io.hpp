@@ -1,0 +1,240 @@
+// veloxquant — the byte layer of the prompt-cache format (docs/design.md G): little-endian fields
+// and raw blocks to and from a standard stream, a CRC-32C per section, and reads that never
+// allocate ahead of the data by more than a fixed grant plus what has already been read, so a count
+// field of 2^62 in a crafted file costs nothing before the file runs out.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <istream>
+#include <limits>
+#include <ostream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "crc32c.hpp"
+
+namespace veloxquant::cache::detail {
+
+/// True on a little-endian host: the format's byte order, in which blocks of rows, positions and
+/// scores are written exactly as they lie in memory.
+inline bool little_endian_host() {
+  const std::uint16_t one = 1;
+  unsigned char first = 0;
+  std::memcpy(&first, &one, 1);
+  return first == 1;
+}
+
+/// Bytes read or written per step of a large block: the CRC reads each chunk while it is still
+/// in cache from the copy.
+inline constexpr std::size_t kIoChunk = std::size_t{1} << 16;
+
+/// Little-endian fields and raw blocks to a stream; the CRC-32C of the section in progress.
+/// Throws std::runtime_error(`api`: ...) when the stream fails.
+class ByteWriter {
+ public:
+  ByteWriter(std::ostream& out, const char* api) : out_(out), api_(api) {}
+
+  void u8(std::uint8_t v) { put(&v, 1); }
+  void u32(std::uint32_t v) { le(v); }
+  void i32(std::int32_t v) { le(static_cast<std::uint32_t>(v)); }
+  void u64(std::uint64_t v) { le(v); }
+  void i64(std::int64_t v) { le(static_cast<std::uint64_t>(v)); }
+  void f32(float v) {
+    std::uint32_t b;
+    std::memcpy(&b, &v, 4);
+    le(b);
+  }
+  void f64(double v) {
+    std::uint64_t b;
+    std::memcpy(&b, &v, 8);
+    le(b);
+  }
+  /// A u32 length, then the bytes. Throws std::invalid_argument beyond 2^32 - 1 bytes.
+  void string(const std::string& s, const char* what) {
+    if (s.size() > std::numeric_limits<std::uint32_t>::max()) {
+      throw std::invalid_argument(std::string(api_) + ": " + what +
+                                  " is longer than 2^32 - 1 bytes");
+    }
+    u32(static_cast<std::uint32_t>(s.size()));
+    bytes(s.data(), s.size());
+  }
+  /// Raw bytes (blocks already in the format's byte order).
+  void bytes(const void* p, std::size_t n) {
+    const auto* c = static_cast<const char*>(p);
+    while (n > 0) {
+      const std::size_t k = std::min(n, kIoChunk);
+      put(c, k);
+      c += k;
+      n -= k;
+    }
+  }
+
+  /// Starts a section: its CRC covers every byte written until end_section().
+  void begin_section() { crc_ = 0; }
+  /// Writes the section's CRC-32C (u32, not itself part of any section).
+  void end_section() {
+    const std::uint32_t c = crc_;
+    le(c);
+  }
+  std::uint64_t written() const { return written_; }
+
+ private:
+  template <class U>
+  void le(U v) {
+    unsigned char b[sizeof(U)];
+    for (std::size_t i = 0; i < sizeof(U); ++i) b[i] = static_cast<unsigned char>(v >> (8 * i));
+    put(b, sizeof(U));
+  }
+  void put(const void* p, std::size_t n) {
+    crc_ = crc32c(crc_, p, n);
+    out_.write(static_cast<const char*>(p), static_cast<std::streamsize>(n));
+    if (!out_) {
+      throw std::runtime_error(std::string(api_) + ": writing failed after " +
+                               std::to_string(written_) + " bytes");
+    }
+    written_ += n;
+  }
+
+  std::ostream& out_;
+  const char* api_;
+  std::uint32_t crc_ = 0;
+  std::uint64_t written_ = 0;
+};
+
+/// Little-endian fields and raw blocks from a stream, with the CRC-32C of the section in progress
+/// and a running count of the bytes read. Every failure is a std::runtime_error naming the part of
+/// the file being read (where()).
+class ByteReader {
+ public:
+  /// Bytes any read may allocate ahead of the data beyond what has been read (docs/design.md G).
+  static constexpr std::uint64_t kGrant = std::uint64_t{1} << 20;
+
+  /// `verify`: compare each section's CRC (false only in the fuzzer, to reach the structure
+  /// behind the checksums).
+  /// `source` names the input in messages (a path, or empty for a stream).
+  ByteReader(std::istream& in, bool verify, std::string source = "")
+      : in_(in), verify_(verify), source_(std::move(source)) {}
+
+  /// The part of the file being read, for messages ("cache 3, head (0, 5)").
+  void set_where(std::string where) { where_ = std::move(where); }
+  const std::string& where() const { return where_; }
+  [[noreturn]] void fail(const std::string& problem) const {
+    throw std::runtime_error("load_prompt_cache: " + (source_.empty() ? "" : source_ + ": ") +
+                             where_ + ": " + problem);
+  }
+
+  std::uint8_t u8() {
+    std::uint8_t v;
+    get(&v, 1);
+    return v;
+  }
+  std::uint32_t u32() { return le<std::uint32_t>(); }
+  std::int32_t i32() { return static_cast<std::int32_t>(le<std::uint32_t>()); }
+  std::uint64_t u64() { return le<std::uint64_t>(); }
+  std::int64_t i64() { return static_cast<std::int64_t>(le<std::uint64_t>()); }
+  float f32() {
+    const std::uint32_t b = le<std::uint32_t>();
+    float v;
+    std::memcpy(&v, &b, 4);
+    return v;
+  }
+  double f64() {
+    const std::uint64_t b = le<std::uint64_t>();
+    double v;
+    std::memcpy(&v, &b, 8);
+    return v;
+  }
+  /// A u32 length, then that many bytes, allocated as they arrive.
+  std::string string() {
+    const std::uint32_t n = u32();
+    std::string s;
+    while (s.size() < n) {
+      const std::size_t at = s.size();
+      const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(n - at, allowance()));
+      s.resize(at + k);
+      get(&s[at], k);
+    }
+    return s;
+  }
+  /// `count` elements of X (raw, the format's byte order) into v, allocated as they arrive.
+  template <class X>
+  void array(std::vector<X>& v, std::uint64_t count) {
+    static_assert(std::is_trivially_copyable_v<X>, "raw elements");
+    v.clear();
+    while (v.size() < count) {
+      const std::size_t at = v.size();
+      const std::uint64_t room = std::max<std::uint64_t>(1, allowance() / sizeof(X));
+      const auto k = static_cast<std::size_t>(std::min<std::uint64_t>(count - at, room));
+      v.resize(at + k);
+      get(v.data() + at, k * sizeof(X));
+    }
+  }
+  /// Exactly n raw bytes into p.
+  void bytes(void* p, std::size_t n) {
+    auto* c = static_cast<char*>(p);
+    while (n > 0) {
+      const std::size_t k = std::min(n, kIoChunk);
+      get(c, k);
+      c += k;
+      n -= k;
+    }
+  }
+
+  /// Bytes a read may allocate now ahead of its data: kGrant plus the bytes read so far.
+  std::uint64_t allowance() const { return kGrant + consumed_; }
+  std::uint64_t consumed() const { return consumed_; }
+
+  /// Starts a section (its CRC covers every byte read until end_section()).
+  void begin_section() { crc_ = 0; }
+  /// Reads the section's stored CRC-32C and compares it with the bytes read.
+  void end_section() {
+    const std::uint32_t computed = crc_;
+    const std::uint32_t stored = u32();
+    if (verify_ && stored != computed) {
+      fail("checksum mismatch (the file is corrupt: CRC-32C " + hex(computed) + ", stored " +
+           hex(stored) + ")");
+    }
+  }
+
+ private:
+  static std::string hex(std::uint32_t v) {
+    static const char* digits = "0123456789abcdef";
+    std::string s = "0x";
+    for (int i = 7; i >= 0; --i) s += digits[(v >> (4 * i)) & 0xFu];
+    return s;
+  }
+  template <class U>
+  U le() {
+    unsigned char b[sizeof(U)];
+    get(b, sizeof(U));
+    U v = 0;
+    for (std::size_t i = 0; i < sizeof(U); ++i) v |= static_cast<U>(b[i]) << (8 * i);
+    return v;
+  }
+  void get(void* p, std::size_t n) {
+    if (n == 0) return;
+    in_.read(static_cast<char*>(p), static_cast<std::streamsize>(n));
+    const auto got = static_cast<std::size_t>(in_.gcount());
+    if (got != n) {
+      fail("the file ends early (after " + std::to_string(consumed_ + got) + " bytes, " +
+           std::to_string(n - got) + " more expected here)");
+    }
+    crc_ = crc32c(crc_, p, n);
+    consumed_ += n;
+  }
+
+  std::istream& in_;
+  bool verify_;
+  std::string source_;
+  std::string where_ = "header";
+  std::uint32_t crc_ = 0;
+  std::uint64_t consumed_ = 0;
+};
+
+}  // namespace veloxquant::cache::detail
