@@ -15,6 +15,8 @@
 //  * parallel heads give bitwise the serial result;
 //  * the heap stays bounded over a long decode;
 //  * reset() starts a fresh sequence (bitwise a new cache's), trim() only on the standard cache;
+//  * a cache saved and loaded after any call (save_prompt_cache / load_prompt_cache) continues
+//    bitwise as if it had never been saved, and saves again to the same bytes;
 //  * every bad call throws std::invalid_argument naming the problem and changes nothing
 //    (docs/design.md 8): one snapshot, one list of bad calls, the next call as on a twin.
 // What is particular to a policy (its semantics against its oracle, hand-computed cases) stays in
@@ -30,6 +32,7 @@
 #include <optional>
 #include <random>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -370,6 +373,75 @@ TYPED_TEST(ContractTest, ResetStartsASequenceLikeANewCache) {
           u.generation = f.generation;
         }
         EXPECT_TRUE(u == f) << ctx << " (S = " << S << ")";
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prompt caches on disk
+// ---------------------------------------------------------------------------------------------
+
+/// Saves `s` (docs/design.md G) and puts the loaded cache in its place, with the loaded
+/// coordinator; the loaded set must save to the very bytes it was loaded from.
+template <class T>
+void save_and_load(Subject<T>& s, const std::string& ctx) {
+  std::vector<std::unique_ptr<vc::KVCache<T>>> set;
+  set.push_back(std::move(s.cache));
+  std::stringstream file;
+  vc::save_prompt_cache(file, set, {{"context", ctx}});
+  const std::string bytes = file.str();
+  vc::PromptCache<T> loaded = vc::load_prompt_cache<T>(file);
+  ASSERT_EQ(loaded.caches.size(), 1u) << ctx;
+  EXPECT_EQ(loaded.metadata.at("context"), ctx);
+  std::stringstream again;
+  vc::save_prompt_cache(again, loaded.caches, loaded.metadata);
+  EXPECT_TRUE(again.str() == bytes) << ctx << ": the loaded set saves to other bytes";
+  s.cache = std::move(loaded.caches.front());
+  s.cache->set_parallel_heads(false);
+  const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(s.cache.get());
+  ASSERT_EQ(s.coordinator != nullptr, sq != nullptr && sq->coordinator() != nullptr) << ctx;
+  if (s.coordinator) {
+    EXPECT_NE(sq->coordinator(), s.coordinator) << ctx << ": the loaded coordinator is a new object";
+    s.coordinator = sq->coordinator();
+  }
+}
+
+/// A cache saved after any call of the sequence and loaded (docs/design.md G) continues bitwise
+/// as its twin that was never saved: the same returns and attention outputs, and everything
+/// observable equal after every call, through every API.
+TYPED_TEST(ContractTest, SavedAndLoadedAfterAnyCallContinuesBitIdentically) {
+  using T = TypeParam;
+  const Api apis[] = {Api::kFetch, Api::kViewQ, Api::kFetchInto, Api::kView, Api::kFetchQ,
+                      Api::kFetchIntoDoubleQ, Api::kViewDouble};
+  const std::vector<Index>& sizes = sequence_sizes();
+  for (const Kind kind : kKinds) {
+    for (std::size_t at = 0; at <= sizes.size(); ++at) {
+      const std::string ctx = std::string(kind_name(kind)) + ", saved before call " + std::to_string(at);
+      std::mt19937 rng(900u + static_cast<unsigned>(kind));
+      Subject<T> twin = make_subject<T>(kind);
+      Subject<T> subject = make_subject<T>(kind);
+      for (std::size_t i = 0; i <= sizes.size(); ++i) {
+        if (i == at) {
+          save_and_load(subject, ctx);
+          EXPECT_TRUE(logical_state(subject) == logical_state(twin)) << ctx << ": state after loading";
+        }
+        if (i == sizes.size()) break;
+        const Call call = random_call(rng, with_s(kKeys, sizes[i]), with_s(kValues, sizes[i]));
+        const std::string where = ctx + ", call " + std::to_string(i);
+        if (i % 4 == 2) {
+          // attend: the fused attention output too (docs/design.md 2.8).
+          const vc::Tensor4<T> k = call.keys.template cast<T>(), v = call.values.template cast<T>();
+          const vc::Tensor4<float> q = call.queries.template cast<float>();
+          EXPECT_EQ(bytes_of(subject.cache->attend(q, k, v)), bytes_of(twin.cache->attend(q, k, v)))
+              << where << ": attend";
+        } else {
+          const Api api = apis[i % (sizeof(apis) / sizeof(apis[0]))];
+          vc::KVPair<T> a, b;
+          EXPECT_TRUE(invoke(*subject.cache, api, call, a) == invoke(*twin.cache, api, call, b))
+              << where << ": " << api_name(api) << " returned other rows";
+        }
+        EXPECT_TRUE(logical_state(subject) == logical_state(twin)) << where << ": state differs";
       }
     }
   }

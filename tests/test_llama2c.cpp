@@ -399,6 +399,41 @@ TEST_F(Llama2c, TokenAtATimePromptGetsThePrefillBudgets) {
   EXPECT_GT(budgets.size(), 1u) << "every layer got the same budget";
 }
 
+/// A prompt cache on the real model (docs/design.md G): the caches saved right after the prompt
+/// and loaded into a fresh engine go on with bitwise the logits of the engine never saved, step
+/// after step (quantized rows, real queries, fused attention), so greedy decoding tells the same
+/// story.
+TEST_F(Llama2c, APromptCacheContinuesWithBitIdenticalLogits) {
+  const std::vector<int> prompt = sample_ids(40);
+  for (const char* method : {"squeeze", "h2o", "snapkv", "streaming_llm"}) {
+    vc::KVCacheConfig cfg;
+    cfg.method = method;
+    cfg.set_budget(24);
+    cfg.key_bits = 8;
+    cfg.value_bits = 4;
+    cfg.quant_group = 8;
+    const int n_layers = model().config().n_layers;
+    ll::Engine<Eigen::half> kept(model(), vc::KVCacheBuilder::for_model<Eigen::half>(n_layers, cfg), true);
+    ll::Engine<Eigen::half> saved(model(), vc::KVCacheBuilder::for_model<Eigen::half>(n_layers, cfg), true);
+    const Eigen::MatrixXf first = kept.forward(prompt);
+    (void)saved.forward(prompt);
+    std::ostringstream out;
+    vc::save_prompt_cache(out, saved.caches(), {{"method", method}});
+    std::istringstream in(out.str());
+    vc::PromptCache<Eigen::half> loaded = vc::load_prompt_cache<Eigen::half>(in);
+    ll::Engine<Eigen::half> resumed(model(), std::move(loaded.caches), true);
+    int next = ll::predicted_token(first);
+    for (int step = 0; step < 40; ++step) {
+      const Eigen::MatrixXf a = kept.forward({next}), b = resumed.forward({next});
+      ASSERT_EQ(a.size(), b.size());
+      ASSERT_EQ(std::memcmp(a.data(), b.data(), sizeof(float) * static_cast<std::size_t>(a.size())), 0)
+          << method << ": logits differ at step " << step;
+      next = ll::predicted_token(a);
+    }
+    EXPECT_EQ(resumed.position(), kept.position());
+  }
+}
+
 // --- 4. Tokenizer -----------------------------------------------------------------------------
 
 TEST_F(Llama2c, TokenizerEncodesLikeLlama2c) {

@@ -1,0 +1,876 @@
+// clang-format off
+#include "support/checked_asserts.hpp"  // must precede every veloxquant header
+// clang-format on
+
+// Prompt caches on disk (docs/design.md G): save_prompt_cache / load_prompt_cache beyond the
+// contract suite's per-policy round trip (test_contract.cpp):
+//  * a whole model (the builder's: squeeze layers sharing one coordinator, standard caches for
+//    layers without attention) saved at any step, mid-calibration and deferring included, and
+//    loaded continues bitwise as the model never saved; reset() after a load starts afresh;
+//  * every storage width, every config field, any metadata bytes round-trip; saving leaves the
+//    cache and a view of it untouched;
+//  * files: atomic replacement, names in messages, trailing data, failing streams;
+//  * every truncation and every corrupted byte of a file is refused; newer versions and other
+//    storage types are named; crafted files (fields changed and the checksums sealed again by an
+//    independent reader of the documented format, support/prompt_cache_format.hpp) are refused
+//    with the problem named; huge counts allocate nothing the file does not hold;
+//  * the CRC-32C kernel alone (its check value; both paths, every length and alignment).
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <memory>
+#include <new>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+#include <veloxquant/cache.hpp>
+
+#include "support/contract.hpp"
+#include "support/prompt_cache_format.hpp"
+#include "support/simd_levels.hpp"
+#include "support/test_support.hpp"
+
+// The largest single allocation while a load runs (HugeCountsAllocateNothingTheFileDoesNotHold):
+// every operator new of this test program goes through here.
+namespace {
+std::atomic<bool> g_track{false};
+std::atomic<std::size_t> g_largest{0};
+void* counted_new(std::size_t n) {
+  if (g_track.load(std::memory_order_relaxed)) {
+    std::size_t cur = g_largest.load(std::memory_order_relaxed);
+    while (n > cur && !g_largest.compare_exchange_weak(cur, n)) {
+    }
+  }
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+}  // namespace
+void* operator new(std::size_t n) { return counted_new(n); }
+void* operator new[](std::size_t n) { return counted_new(n); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+
+namespace {
+
+namespace vc = veloxquant::cache;
+namespace fmt = veloxquant::test::format;
+using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
+
+template <class T>
+using Caches = std::vector<std::unique_ptr<vc::KVCache<T>>>;
+
+template <class T>
+std::string save_to_string(const Caches<T>& caches,
+                           const std::map<std::string, std::string>& meta = {}) {
+  std::ostringstream out;
+  vc::save_prompt_cache(out, caches, meta);
+  return out.str();
+}
+template <class T>
+vc::PromptCache<T> load_from_string(const std::string& bytes) {
+  std::istringstream in(bytes);
+  return vc::load_prompt_cache<T>(in);
+}
+/// The message of the std::runtime_error loading `bytes` raises ("" and a failure if none).
+template <class T>
+std::string load_error(const std::string& bytes) {
+  try {
+    (void)load_from_string<T>(bytes);
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "threw something other than std::runtime_error: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "the file was accepted";
+  return "";
+}
+
+// ---------------------------------------------------------------------------------------------
+// A model: the builder's caches, driven like an engine (each layer one call per step)
+// ---------------------------------------------------------------------------------------------
+
+/// Head dims of the test model: three attention layers around one without attention.
+const std::vector<std::optional<int>>& model_dims() {
+  static const std::vector<std::optional<int>> dims = {16, std::nullopt, 16, 16};
+  return dims;
+}
+
+vc::KVCacheConfig model_config(bool defer) {
+  vc::KVCacheConfig c;
+  c.set_budget(10);
+  c.squeeze_n_sink = 2;
+  c.squeeze_calibration_tokens = 12;
+  c.squeeze_defer = defer;
+  return c;
+}
+
+/// One engine step's calls: per layer, S tokens (keys [2, 2, S, 16], values [2, 2, S, 8]) with
+/// queries (G = 2) on even steps, through a rotating API.
+struct Step {
+  std::vector<Call> calls;
+  int api = 0;
+};
+Step random_step(std::mt19937& rng, Index S, int api) {
+  Step st;
+  st.api = api;
+  for (std::size_t l = 0; l < model_dims().size(); ++l) {
+    st.calls.push_back(random_call(rng, {2, 2, S, 16}, {2, 2, S, 8}));
+  }
+  return st;
+}
+
+/// The step on every layer of `caches`; returns what each call gave back.
+template <class T>
+std::vector<std::vector<unsigned char>> run_step(Caches<T>& caches, const Step& st) {
+  std::vector<std::vector<unsigned char>> out;
+  for (std::size_t l = 0; l < caches.size(); ++l) {
+    const Call& c = st.calls[l];
+    vc::KVCache<T>& cache = *caches[l];
+    const vc::Tensor4<float> q = c.queries.template cast<float>();
+    switch (st.api % 4) {
+      case 0:
+        out.push_back(bytes_of(cache.attend(q, c.keys, c.values)));
+        break;
+      case 1: {
+        const vc::KVPair<T> r = cache.update_and_fetch(c.keys, c.values);
+        out.push_back(bytes_of(r.first));
+        break;
+      }
+      case 2: {
+        const vc::KVPair<T> r = cache.update_and_fetch(c.keys, c.values, q);
+        out.push_back(bytes_of(r.second));
+        break;
+      }
+      default: {
+        vc::KVPair<T> r;
+        cache.update_and_fetch_into(c.keys, c.values, r);
+        out.push_back(bytes_of(r.first));
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+/// Everything observable of a model: per cache the snapshot (heap left out: capacities depend on
+/// the history) with its coordinator's state, and which caches share a coordinator.
+template <class T>
+std::vector<Snapshot> model_state(const Caches<T>& caches) {
+  std::vector<Snapshot> out;
+  for (const auto& c : caches) {
+    const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(c.get());
+    Snapshot s = snapshot(*c, sq ? sq->coordinator().get() : nullptr);
+    s.heap = 0;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+template <class T>
+class PromptCacheTest : public ::testing::Test {};
+using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
+TYPED_TEST_SUITE(PromptCacheTest, StorageTypes);
+
+/// The builder's model saved after any step (before its first call, mid-calibration with the
+/// concentration sums in flight, at the step that completes the coordinator's reports, in the
+/// decode) and loaded continues bitwise as the model never saved; the loaded set is one
+/// coordinator shared by the squeeze layers and a standard cache for the layer without attention.
+TYPED_TEST(PromptCacheTest, AModelSavedAtAnyStepContinuesBitIdentically) {
+  using T = TypeParam;
+  // Steps: a 5-token prompt chunk, then one token per step (calibration needs 12 tokens).
+  std::vector<Index> sizes = {5, 1, 1, 1, 1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  for (const bool defer : {false, true}) {
+    for (const std::size_t at : {std::size_t{0}, std::size_t{1}, std::size_t{4}, std::size_t{7},
+                                 std::size_t{8}, std::size_t{9}, std::size_t{15}, sizes.size()}) {
+      const std::string ctx = std::string(defer ? "deferring" : "squeeze") +
+                              ", saved before step " + std::to_string(at);
+      Caches<T> twin = vc::KVCacheBuilder::for_model<T>(model_dims(), model_config(defer));
+      Caches<T> model = vc::KVCacheBuilder::for_model<T>(model_dims(), model_config(defer));
+      std::mt19937 rng(41u);
+      for (std::size_t i = 0; i <= sizes.size(); ++i) {
+        if (i == at) {
+          const std::string bytes = save_to_string(model, {{"step", std::to_string(i)}});
+          vc::PromptCache<T> loaded = load_from_string<T>(bytes);
+          ASSERT_EQ(loaded.caches.size(), model.size()) << ctx;
+          EXPECT_EQ(loaded.metadata,
+                    (std::map<std::string, std::string>{{"step", std::to_string(i)}}));
+          EXPECT_EQ(save_to_string(loaded.caches, loaded.metadata), bytes) << ctx;
+          // The structure: a standard cache (exactly KVCache<T>) for layer 1, squeeze layers 0,
+          // 2 and 3 on one new coordinator of 3 layers.
+          EXPECT_TRUE(typeid(*loaded.caches[1]) == typeid(vc::KVCache<T>)) << ctx;
+          EXPECT_EQ(loaded.caches[1]->config().method, "standard");
+          std::shared_ptr<vc::SqueezeCoordinator> shared;
+          for (const int l : {0, 2, 3}) {
+            const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(
+                loaded.caches[static_cast<std::size_t>(l)].get());
+            ASSERT_NE(sq, nullptr) << ctx;
+            EXPECT_EQ(sq->layer_id(), std::optional<int>(l));
+            if (!shared) shared = sq->coordinator();
+            EXPECT_EQ(sq->coordinator(), shared) << ctx << ": layer " << l;
+          }
+          ASSERT_NE(shared, nullptr);
+          EXPECT_EQ(shared->n_layers(), 3);
+          EXPECT_NE(shared,
+                    dynamic_cast<const vc::SqueezeAttentionCache<T>&>(*model[0]).coordinator());
+          model = std::move(loaded.caches);
+          EXPECT_TRUE(model_state(model) == model_state(twin)) << ctx << ": state after loading";
+        }
+        if (i == sizes.size()) break;
+        const Step st = random_step(rng, sizes[i], static_cast<int>(i));
+        EXPECT_EQ(run_step(model, st), run_step(twin, st)) << ctx << ", step " << i;
+        EXPECT_TRUE(model_state(model) == model_state(twin)) << ctx << ", step " << i;
+      }
+      // The coordinator published (every layer calibrated) and every layer adopted, in both.
+      const auto& sq = dynamic_cast<const vc::SqueezeAttentionCache<T>&>(*model[0]);
+      EXPECT_TRUE(sq.coordinator()->is_finalized()) << ctx;
+      EXPECT_TRUE(sq.budget_adopted()) << ctx;
+    }
+  }
+}
+
+/// KVCacheBuilder::reset on a loaded model starts a fresh sequence: the same calls then give what
+/// a new model gives (the coordinator is one generation ahead, nothing else differs).
+TYPED_TEST(PromptCacheTest, ResetAfterALoadStartsAFreshSequence) {
+  using T = TypeParam;
+  Caches<T> model = vc::KVCacheBuilder::for_model<T>(model_dims(), model_config(false));
+  std::mt19937 rng(5u);
+  for (const Index S : {Index{14}, Index{1}, Index{1}})
+    (void)run_step(model, random_step(rng, S, 1));
+  vc::PromptCache<T> loaded = load_from_string<T>(save_to_string(model));
+  vc::KVCacheBuilder::reset(loaded.caches);
+  Caches<T> fresh = vc::KVCacheBuilder::for_model<T>(model_dims(), model_config(false));
+  const std::uint64_t generation_before =
+      dynamic_cast<const vc::SqueezeAttentionCache<T>&>(*model[0]).coordinator()->generation();
+  for (const Index S : {Index{13}, Index{1}, Index{2}, Index{1}}) {
+    const Step st = random_step(rng, S, 0);
+    EXPECT_EQ(run_step(loaded.caches, st), run_step(fresh, st));
+    std::vector<Snapshot> a = model_state(loaded.caches);
+    const std::vector<Snapshot> b = model_state(fresh);
+    for (std::size_t l = 0; l < a.size(); ++l) {
+      if (a[l].generation != 0) {
+        EXPECT_EQ(a[l].generation, generation_before + 1);
+        a[l].generation = b[l].generation;
+      }
+    }
+    EXPECT_TRUE(a == b) << "S = " << S;
+  }
+}
+
+/// Every storage width (keys and values apart) and every policy: saved after a prefill and a few
+/// decode steps (holes left by evictions included), loaded, continued bitwise.
+TYPED_TEST(PromptCacheTest, EveryWidthAndPolicyContinuesBitIdentically) {
+  using T = TypeParam;
+  for (const auto& [kb, vb] :
+       {std::pair{8, 8}, std::pair{4, 4}, std::pair{16, 4}, std::pair{4, 16}}) {
+    vc::KVCacheConfig storage = small_config();
+    storage.key_bits = kb;
+    storage.value_bits = vb;
+    for (const Kind kind : kKinds) {
+      const std::string ctx =
+          std::string(kind_name(kind)) + " " + std::to_string(kb) + "/" + std::to_string(vb);
+      Subject<T> twin = make_subject<T>(kind, storage), subject = make_subject<T>(kind, storage);
+      std::mt19937 rng(77u);
+      const Shape k{2, 2, 0, 16}, v{2, 2, 0, 24};
+      for (int i = 0; i < 12; ++i) {
+        if (i == 6) {
+          Caches<T> set;
+          set.push_back(std::move(subject.cache));
+          const std::string bytes = save_to_string(set);
+          vc::PromptCache<T> loaded = load_from_string<T>(bytes);
+          EXPECT_EQ(save_to_string(loaded.caches), bytes) << ctx;
+          subject.cache = std::move(loaded.caches.front());
+          if (auto* sq = dynamic_cast<vc::SqueezeAttentionCache<T>*>(subject.cache.get())) {
+            subject.coordinator = sq->coordinator();
+          }
+        }
+        const Call call = random_call(rng, with_s(k, i == 0 ? 9 : 1), with_s(v, i == 0 ? 9 : 1));
+        const Api api = i % 2 ? Api::kFetchQ : Api::kView;
+        vc::KVPair<T> a, b;
+        EXPECT_TRUE(invoke(*subject.cache, api, call, a) == invoke(*twin.cache, api, call, b))
+            << ctx << ", call " << i;
+        EXPECT_TRUE(logical_state(subject) == logical_state(twin)) << ctx << ", call " << i;
+      }
+    }
+  }
+}
+
+/// Saving reads the cache and nothing else: a view taken before (whose window still has the
+/// holes of the call's evictions) shows the same rows after, and the cache goes on as its twin.
+TYPED_TEST(PromptCacheTest, SavingLeavesTheCacheAndItsViewUntouched) {
+  using T = TypeParam;
+  for (const Kind kind : {Kind::kH2O, Kind::kSqueezeCoordinated, Kind::kTova, Kind::kStreaming}) {
+    Subject<T> twin = make_subject<T>(kind), subject = make_subject<T>(kind);
+    std::mt19937 rng(3u);
+    vc::KVPair<T> into;
+    for (const Index S : {Index{9}, Index{1}, Index{1}}) {
+      const Call c = random_call(rng, with_s(kKeys, S), with_s(kValues, S));
+      (void)invoke(*twin.cache, Api::kFetch, c, into);
+      (void)invoke(*subject.cache, Api::kFetch, c, into);
+    }
+    const Call c = random_call(rng, with_s(kKeys, 1), with_s(kValues, 1));
+    (void)invoke(*twin.cache, Api::kView, c, into);
+    const vc::KVView<T> view =
+        subject.cache->update_and_view(c.keys.template cast<T>(), c.values.template cast<T>());
+    const Returned before = from_view(view);
+    Caches<T> set;
+    set.push_back(std::move(subject.cache));
+    const std::string bytes = save_to_string(set);
+    subject.cache = std::move(set.front());
+    EXPECT_TRUE(from_view(view) == before) << kind_name(kind);
+    EXPECT_FALSE(bytes.empty());
+    const Call next = random_call(rng, with_s(kKeys, 1), with_s(kValues, 1));
+    vc::KVPair<T> a, b;
+    EXPECT_TRUE(invoke(*subject.cache, Api::kFetch, next, a) ==
+                invoke(*twin.cache, Api::kFetch, next, b));
+    EXPECT_TRUE(logical_state(subject) == logical_state(twin)) << kind_name(kind);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Configs, metadata, files, streams
+// ---------------------------------------------------------------------------------------------
+
+/// Every field of KVCacheConfig survives the round trip (each set away from its default).
+TEST(PromptCacheConfig, EveryFieldRoundTrips) {
+  vc::KVCacheConfig c;
+  c.method = "h2o";
+  c.squeeze_budget = 77;
+  c.squeeze_n_sink = 3;
+  c.squeeze_strength = 0.25;
+  c.squeeze_resolved_budget = 55;
+  c.squeeze_recent_ratio = 0.125;
+  c.squeeze_decay = 0.9;
+  c.squeeze_defer = true;
+  c.squeeze_calibration_tokens = 9;
+  c.h2o_budget = 33;
+  c.h2o_n_sink = 2;
+  c.h2o_grace = 5;
+  c.h2o_decay = 0.75;
+  c.pyramid_budget = 44;
+  c.pyramid_n_sink = 6;
+  c.pyramid_beta = 3.5;
+  c.pyramid_resolved_budget = 41;
+  c.pyramid_recent_ratio = 0.375;
+  c.pyramid_decay = 0.625;
+  c.tova_budget = 21;
+  c.tova_n_sink = 7;
+  c.stream_n_sink = 8;
+  c.stream_window_size = 99;
+  c.snap_budget = 88;
+  c.snap_obs_window = 11;
+  c.snap_n_sink = 1;
+  c.key_bits = 8;
+  c.value_bits = 4;
+  c.quant_group = 16;
+  Caches<float> set;
+  set.push_back(vc::KVCacheFactory::create<float>(c));
+  const vc::PromptCache<float> loaded = load_from_string<float>(save_to_string(set));
+  const vc::KVCacheConfig& l = loaded.caches.front()->config();
+  EXPECT_EQ(l.method, "h2o");
+  EXPECT_EQ(l.squeeze_budget, 77);
+  EXPECT_EQ(l.squeeze_n_sink, 3);
+  EXPECT_EQ(l.squeeze_strength, 0.25);
+  EXPECT_EQ(l.squeeze_resolved_budget, std::optional<int>(55));
+  EXPECT_EQ(l.squeeze_recent_ratio, 0.125);
+  EXPECT_EQ(l.squeeze_decay, 0.9);
+  EXPECT_TRUE(l.squeeze_defer);
+  EXPECT_EQ(l.squeeze_calibration_tokens, 9);
+  EXPECT_EQ(l.h2o_budget, 33);
+  EXPECT_EQ(l.h2o_n_sink, 2);
+  EXPECT_EQ(l.h2o_grace, 5);
+  EXPECT_EQ(l.h2o_decay, 0.75);
+  EXPECT_EQ(l.pyramid_budget, 44);
+  EXPECT_EQ(l.pyramid_n_sink, 6);
+  EXPECT_EQ(l.pyramid_beta, 3.5);
+  EXPECT_EQ(l.pyramid_resolved_budget, std::optional<int>(41));
+  EXPECT_EQ(l.pyramid_recent_ratio, 0.375);
+  EXPECT_EQ(l.pyramid_decay, 0.625);
+  EXPECT_EQ(l.tova_budget, 21);
+  EXPECT_EQ(l.tova_n_sink, 7);
+  EXPECT_EQ(l.stream_n_sink, 8);
+  EXPECT_EQ(l.stream_window_size, 99);
+  EXPECT_EQ(l.snap_budget, 88);
+  EXPECT_EQ(l.snap_obs_window, 11);
+  EXPECT_EQ(l.snap_n_sink, 1);
+  EXPECT_EQ(l.key_bits, 8);
+  EXPECT_EQ(l.value_bits, 4);
+  EXPECT_EQ(l.quant_group, 16);
+}
+
+/// Metadata is any bytes (NUL, high bytes, empty keys and values), many entries, in key order;
+/// a set of no caches is a valid file too.
+TEST(PromptCacheMetadata, AnyBytesRoundTrip) {
+  std::map<std::string, std::string> meta = {
+      {"", "empty key"},
+      {"model", "stories260K"},
+      {std::string("a\0b", 3), std::string("\xff\x00\x01", 3)},
+      {"empty value", ""},
+      {"\xc3\xa9t\xc3\xa9", "\xe2\x80\x9cquoted\xe2\x80\x9d"}};
+  for (int i = 0; i < 300; ++i)
+    meta["k" + std::to_string(i)] = std::string(static_cast<std::size_t>(i), 'x');
+  const Caches<Eigen::half> none;
+  const std::string bytes = save_to_string(none, meta);
+  const vc::PromptCache<Eigen::half> loaded = load_from_string<Eigen::half>(bytes);
+  EXPECT_EQ(loaded.metadata, meta);
+  EXPECT_TRUE(loaded.caches.empty());
+}
+
+/// The path forms: a round trip; a file saved over is replaced only once the new one is whole (a
+/// save that fails leaves the old file and no temporary behind); errors name the path; a file
+/// must end with its prompt cache.
+TEST(PromptCacheFile, SavedOverAtomicallyAndNamedInErrors) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("vq_prompt_cache_" + std::to_string(std::random_device{}()));
+  fs::create_directories(dir);
+  const std::string path = (dir / "chat.vqkv").string();
+  std::mt19937 rng(9u);
+  Subject<Eigen::half> s = make_subject<Eigen::half>(Kind::kH2O);
+  vc::KVPair<Eigen::half> into;
+  (void)invoke(*s.cache, Api::kFetch, random_call(rng, with_s(kKeys, 9), with_s(kValues, 9)), into);
+  Caches<Eigen::half> set;
+  set.push_back(std::move(s.cache));
+  vc::save_prompt_cache(path, set, {{"turn", "1"}});
+  const std::string first = save_to_string(set, {{"turn", "1"}});
+  const auto read_file = [](const std::string& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  EXPECT_EQ(read_file(path), first);
+  const vc::PromptCache<Eigen::half> loaded = vc::load_prompt_cache<Eigen::half>(path);
+  EXPECT_EQ(save_to_string(loaded.caches, loaded.metadata), first);
+
+  // A failing save (a null cache) leaves the file as it was and nothing beside it.
+  Caches<Eigen::half> bad;
+  bad.push_back(nullptr);
+  EXPECT_THROW(vc::save_prompt_cache(path, bad), std::invalid_argument);
+  EXPECT_EQ(read_file(path), first);
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 1);
+
+  // Errors name the path.
+  const std::string missing = (dir / "missing.vqkv").string();
+  try {
+    (void)vc::load_prompt_cache<Eigen::half>(missing);
+    ADD_FAILURE() << "a missing file loaded";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(missing), std::string::npos) << e.what();
+  }
+  const std::string nowhere = (dir / "no_such_dir" / "x.vqkv").string();
+  try {
+    vc::save_prompt_cache(nowhere, set);
+    ADD_FAILURE() << "saved into a missing directory";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("no_such_dir"), std::string::npos) << e.what();
+  }
+  // Two files joined: the path form refuses the second one's bytes after the first.
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::app);
+    out << "x";
+  }
+  try {
+    (void)vc::load_prompt_cache<Eigen::half>(path);
+    ADD_FAILURE() << "trailing data accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("data follows"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+  }
+  // The stream form reads one prompt cache and leaves the stream after it.
+  std::stringstream two(first + first);
+  (void)vc::load_prompt_cache<Eigen::half>(two);
+  const vc::PromptCache<Eigen::half> second = vc::load_prompt_cache<Eigen::half>(two);
+  EXPECT_EQ(second.metadata.at("turn"), "1");
+  EXPECT_EQ(two.peek(), std::char_traits<char>::eof());
+  fs::remove_all(dir);
+}
+
+/// A streambuf that takes `room` bytes and then fails.
+class FullDisk : public std::streambuf {
+ public:
+  explicit FullDisk(std::size_t room) : room_(room) {}
+
+ protected:
+  int_type overflow(int_type c) override {
+    if (room_ == 0) return traits_type::eof();
+    --room_;
+    return traits_type::not_eof(c);
+  }
+  std::streamsize xsputn(const char*, std::streamsize n) override {
+    const auto k = std::min<std::streamsize>(n, static_cast<std::streamsize>(room_));
+    room_ -= static_cast<std::size_t>(k);
+    return k;
+  }
+
+ private:
+  std::size_t room_;
+};
+
+/// A stream that fails raises std::runtime_error; a null cache or a class derived from the
+/// library's is refused before a byte is written.
+TEST(PromptCacheSave, FailingStreamsAndUnknownCachesAreRefused) {
+  Caches<float> set;
+  set.push_back(vc::KVCacheFactory::create<float>(small_config()));
+  std::mt19937 rng(2u);
+  (void)set.front()->update_and_fetch(random_doubles(rng, with_s(kKeys, 4)),
+                                      random_doubles(rng, with_s(kValues, 4)));
+  for (const std::size_t room :
+       {std::size_t{0}, std::size_t{10}, std::size_t{100}, std::size_t{1000}}) {
+    FullDisk disk(room);
+    std::ostream out(&disk);
+    try {
+      vc::save_prompt_cache(out, set);
+      ADD_FAILURE() << "a full disk took the file (room " << room << ")";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("writing failed"), std::string::npos) << e.what();
+    }
+  }
+  struct Derived : vc::H2OCache<float> {
+    using vc::H2OCache<float>::H2OCache;
+  };
+  for (int which = 0; which < 2; ++which) {
+    Caches<float> bad;
+    bad.push_back(vc::KVCacheFactory::create<float>(small_config()));
+    bad.push_back(which == 0 ? nullptr : std::make_unique<Derived>(small_config()));
+    std::ostringstream out;
+    try {
+      vc::save_prompt_cache(out, bad);
+      ADD_FAILURE() << "saved";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("cache 1"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(out.str().empty());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Files the loader refuses
+// ---------------------------------------------------------------------------------------------
+
+/// A small file with every kind of section: metadata, a coordinator with reports, squeeze layers
+/// (one mid-calibration with sums), a standard layer, quantized rows, a compressed SnapKV cache.
+template <class T>
+Caches<T> rich_set() {
+  vc::KVCacheConfig c = small_config();
+  c.squeeze_calibration_tokens = 6;
+  Caches<T> set =
+      vc::KVCacheBuilder::for_model<T>(std::vector<std::optional<int>>{8, std::nullopt, 8}, c);
+  vc::KVCacheConfig q = small_config();
+  q.method = "snapkv";
+  q.key_bits = 8;
+  q.value_bits = 4;
+  set.push_back(vc::KVCacheFactory::create<T>(q));
+  std::mt19937 rng(12u);
+  const auto call = [&](vc::KVCache<T>& cache, Index S) {
+    (void)cache.update_and_fetch(random_doubles(rng, 1, 2, S, 8), random_doubles(rng, 1, 2, S, 8));
+  };
+  call(*set[0], 7);
+  call(*set[0], 1);
+  call(*set[1], 3);
+  call(*set[2], 4);  // still calibrating: sums in the file
+  call(*set[3], 9);
+  return set;
+}
+
+TEST(PromptCacheLoad, EveryTruncationIsRefused) {
+  const std::string bytes = save_to_string(rich_set<Eigen::half>(), {{"k", "v"}});
+  for (std::size_t n = 0; n < bytes.size(); ++n) {
+    const std::string msg = load_error<Eigen::half>(bytes.substr(0, n));
+    ASSERT_NE(msg.find("ends early"), std::string::npos) << "prefix of " << n << " bytes: " << msg;
+  }
+  EXPECT_NO_THROW((void)load_from_string<Eigen::half>(bytes));
+}
+
+TEST(PromptCacheLoad, EveryCorruptedByteIsRefused) {
+  const std::string bytes = save_to_string(rich_set<float>(), {{"k", "v"}});
+  const fmt::FileMap map = fmt::walk<float>(bytes);
+  int checksums = 0;
+  for (std::size_t i = 0; i < bytes.size(); ++i) {
+    for (const int flip : {0x01, 0x80}) {
+      std::string bad = bytes;
+      bad[i] = static_cast<char>(bad[i] ^ flip);
+      const std::string msg = load_error<float>(bad);
+      ASSERT_FALSE(msg.empty()) << "byte " << i;
+      checksums += msg.find("checksum mismatch") != std::string::npos;
+    }
+  }
+  // Most flips land in data behind a checksum; the rest hit the magic, the version, or a length
+  // that runs past the end.
+  EXPECT_GT(checksums, static_cast<int>(bytes.size()));
+  // A flip in a head's keys names the head.
+  std::string bad = bytes;
+  bad[map.at("cache3.head1.keys").offset] =
+      static_cast<char>(bad[map.at("cache3.head1.keys").offset] ^ 0x10);
+  const std::string msg = load_error<float>(bad);
+  EXPECT_NE(msg.find("cache 3 (snapkv), head (0, 1): checksum mismatch"), std::string::npos) << msg;
+}
+
+TEST(PromptCacheLoad, NewerVersionsAndOtherStorageTypesAreNamed) {
+  const std::string half = save_to_string(rich_set<Eigen::half>());
+  std::string newer = half;
+  const fmt::FileMap map = fmt::walk<Eigen::half>(half);
+  fmt::patch(newer, map.at("header.version"), std::uint32_t{2});
+  fmt::reseal(newer, map);
+  EXPECT_NE(load_error<Eigen::half>(newer).find("format version 2 is newer"), std::string::npos);
+  const std::string as_float = load_error<float>(half);
+  EXPECT_NE(as_float.find("holds Eigen::half rows"), std::string::npos) << as_float;
+  EXPECT_NE(as_float.find("load_prompt_cache<Eigen::half>"), std::string::npos) << as_float;
+  EXPECT_NE(load_error<Eigen::bfloat16>(half).find("holds Eigen::half rows"), std::string::npos);
+  std::string other = half;
+  fmt::patch(other, map.at("header.magic"), std::uint64_t{0x4b4e554a4b4e554aull});
+  EXPECT_NE(load_error<Eigen::half>(other).find("not a veloxquant prompt cache"),
+            std::string::npos);
+}
+
+/// One crafted change: a field set to a value, the checksums sealed again.
+struct Craft {
+  std::string field;
+  std::int64_t value;
+  std::string message;  // a part of what the loader must say
+};
+
+template <class U>
+std::string crafted(const std::string& bytes, const fmt::FileMap& map, const std::string& field,
+                    U value) {
+  std::string out = bytes;
+  fmt::patch(out, map.at(field), value);
+  fmt::reseal(out, map);
+  return out;
+}
+
+/// Files whose checksums are right but whose content no cache can hold: each is refused, naming
+/// the problem. (The independent format reader of support/prompt_cache_format.hpp places the
+/// changes and seals the checksums again.)
+TEST(PromptCacheLoad, CraftedFilesAreRefusedNamingTheProblem) {
+  using T = Eigen::half;
+  const std::string bytes = save_to_string(rich_set<T>(), {{"a", "1"}, {"b", "2"}});
+  const fmt::FileMap map = fmt::walk<T>(bytes);
+  EXPECT_NO_THROW((void)load_from_string<T>(bytes));
+  const std::vector<Craft> crafts = {
+      {"header.reserved", 1, "reserved header bytes"},
+      {"header.storage", 9, "unknown storage type code 9"},
+      {"meta1.key", 'a', "out of order or repeated"},
+      {"coord0.n_layers", 0, "n_layers (0) must be >= 1"},
+      {"coord0.avg_budget", 1, "avg_budget (1) must be >= n_sink + 1"},
+      {"coord0.report0.layer", -1, "negative, out of order or repeated"},
+      {"cache0.config.squeeze_budget", 0,
+       "its configuration is invalid: KVCacheConfig: squeeze_budget (0)"},
+      {"cache0.config.key_bits", 5, "key_bits (5) must be 16, 8 or 4"},
+      {"cache0.config.squeeze_defer", 2, "config field 'squeeze_defer' is 2"},
+      {"cache0.config.method.type", 1, "config field 'method' has type code 1"},
+      {"cache0.config_fields", 28, "holds 28 fields"},
+      {"cache0.flags", 8, "unknown state flags"},
+      {"cache0.budget", 1000, "budget 1000 before adoption"},
+      {"cache0.rows", 9, "9 rows per head at offset 8"},
+      {"cache0.offset", 9, "tokens_seen 16 does not fit 2 heads at offset 9"},
+      {"cache0.batch", 0, "not in [1, 2^31 - 1]"},
+      {"cache0.coordinator", 5, "coordinator index 5 is not in the table"},
+      {"cache0.squeeze_flags", 2 | 4 | 8 | 32, "unknown squeeze flags"},
+      {"cache0.report_generation", 3, "reported in generation 3"},
+      {"cache2.squeeze_flags", 1,
+       "the concentration sums are there exactly while a layer calibrates"},
+      {"cache2.tokens_seen", 10, "tokens_seen 10 does not fit"},
+      {"cache3.flags", 1 | 2, "a SnapKV cache that has not compressed holds every row"},
+      {"cache3.budget", 5, "its budget is not the one its configuration gives"},
+  };
+  for (const Craft& c : crafts) {
+    fmt::Field f = map.at(c.field);
+    if (f.size == 3) f.size = 1;  // the reserved bytes: the first one
+    std::string bad;
+    switch (f.size) {
+      case 1:
+        bad = bytes;
+        fmt::patch(bad, f, static_cast<std::uint8_t>(c.value));
+        fmt::reseal(bad, map);
+        break;
+      case 4:
+        bad = crafted(bytes, map, c.field, static_cast<std::int32_t>(c.value));
+        break;
+      case 8:
+        bad = crafted(bytes, map, c.field, static_cast<std::int64_t>(c.value));
+        break;
+      default:
+        ADD_FAILURE() << c.field << " has " << f.size << " bytes";
+        continue;
+    }
+    const std::string msg = load_error<T>(bad);
+    EXPECT_NE(msg.find(c.message), std::string::npos) << c.field << " = " << c.value << ": " << msg;
+  }
+}
+
+/// Crafted head contents: positions, sinks, scores, keys, quantized scales, concentration sums.
+TEST(PromptCacheLoad, CraftedHeadsAreRefusedNamingTheProblem) {
+  using T = float;
+  const std::string bytes = save_to_string(rich_set<T>());
+  const fmt::FileMap map = fmt::walk<T>(bytes);
+  const auto at = [&](const std::string& field, std::size_t i, std::size_t size) {
+    const fmt::Field& f = map.at(field);
+    return fmt::Field{f.offset + i * size, size};
+  };
+  const auto expect_refused = [&](std::string bad, const std::string& what) {
+    fmt::reseal(bad, map);
+    const std::string msg = load_error<T>(bad);
+    EXPECT_NE(msg.find(what), std::string::npos) << msg;
+  };
+  std::string bad = bytes;
+  // Cache 0 (squeeze, 6 rows of positions {0, ...}): a repeated position, one past the offset,
+  // the sink missing.
+  fmt::patch(bad, at("cache0.head0.positions", 2, 8), std::int64_t{1});
+  fmt::patch(bad, at("cache0.head0.positions", 1, 8), std::int64_t{1});
+  expect_refused(bad, "cache 0 (squeeze), head (0, 0): two rows share a position");
+  bad = bytes;
+  fmt::patch(bad, at("cache0.head1.positions", 5, 8), std::int64_t{8});
+  expect_refused(bad, "are not in [0, offset 8)");
+  bad = bytes;
+  fmt::patch(bad, at("cache0.head1.positions", 0, 8), std::int64_t{6});
+  fmt::patch(bad, at("cache0.head1.positions", 1, 8), std::int64_t{7});
+  expect_refused(bad, "share a position");
+  bad = bytes;
+  {
+    // Cache 3 (SnapKV: 6 of the prompt's 9 rows, one sink): position 0 replaced by one it
+    // evicted.
+    std::vector<std::int64_t> p(6);
+    std::memcpy(p.data(), bytes.data() + map.at("cache3.head0.positions").offset, 48);
+    std::int64_t missing = 1;
+    while (std::find(p.begin(), p.end(), missing) != p.end()) ++missing;
+    ASSERT_LT(missing, 9);
+    const auto zero = static_cast<std::size_t>(std::find(p.begin(), p.end(), 0) - p.begin());
+    ASSERT_LT(zero, p.size());
+    fmt::patch(bad, at("cache3.head0.positions", zero, 8), missing);
+    expect_refused(
+        bad, "cache 3 (snapkv), head (0, 0): a sink (one of the first 1 positions) is missing");
+  }
+  bad = bytes;
+  fmt::patch(bad, at("cache0.head0.scores", 3, 4), -1.0f);
+  expect_refused(bad, "a score (-1.000000) is negative or infinite");
+  bad = bytes;
+  fmt::patch(bad, at("cache0.head0.scores", 3, 4), std::numeric_limits<float>::infinity());
+  expect_refused(bad, "negative or infinite");
+  bad = bytes;
+  fmt::patch(bad, at("cache0.head1.keys", 5, 4), std::numeric_limits<float>::quiet_NaN());
+  expect_refused(bad, "a key is not finite");
+  bad = bytes;
+  // Cache 3 (SnapKV, 8-bit keys in one group of 8: 8 code bytes, then the half scale and offset).
+  fmt::patch(bad, fmt::Field{map.at("cache3.head0.keys").offset + 8, 2}, std::uint16_t{0x7C00});
+  expect_refused(bad, "a quantized key row's scale or offset is not finite");
+  bad = bytes;
+  fmt::patch(bad, map.at("cache2.head0.sum_rows"), std::int64_t{3});
+  expect_refused(bad, "the concentration sums count 3 rows");
+  bad = bytes;
+  fmt::patch(bad, map.at("cache2.head0.diagonal"), std::numeric_limits<double>::infinity());
+  expect_refused(bad, "the concentration sums are not finite");
+}
+
+/// Counts of 2^62 and more in a crafted (resealed) file: the loader reads until the file runs
+/// out and never allocates more than its grant (1 MiB) plus the bytes it has read.
+TEST(PromptCacheLoad, HugeCountsAllocateNothingTheFileDoesNotHold) {
+  using T = Eigen::half;
+  Caches<T> set;
+  set.push_back(vc::KVCacheFactory::create<T>(vc::KVCacheConfig{}));  // a standard cache
+  std::mt19937 rng(1u);
+  (void)set.front()->update_and_fetch(random_doubles(rng, 1, 2, 3, 8),
+                                      random_doubles(rng, 1, 2, 3, 8));
+  const std::string bytes = save_to_string(set, {{"m", "v"}});
+  const fmt::FileMap map = fmt::walk<T>(bytes);
+  const std::int64_t huge = std::int64_t{1} << 62;
+  std::vector<std::string> files;
+  files.push_back(crafted(bytes, map, "header.metadata", std::uint32_t{0xFFFFFFFFu}));
+  files.push_back(crafted(bytes, map, "header.caches", std::uint32_t{0xFFFFFFFFu}));
+  files.push_back(crafted(bytes, map, "header.coordinators", std::uint32_t{0xFFFFFFFFu}));
+  files.push_back(crafted(bytes, map, "meta0.key_length", std::uint32_t{0xFFFFFFF0u}));
+  files.push_back(crafted(bytes, map, "cache0.config.method.length", std::uint32_t{0x7FFFFFF0u}));
+  files.push_back(crafted(bytes, map, "cache0.config_fields", std::uint32_t{0xFFFFFFFFu}));
+  {
+    // A standard cache claiming 2^30 rows per head over 2^10 x 2^10 heads (consistent counts).
+    std::string f = bytes;
+    fmt::patch(f, map.at("cache0.rows"), std::int64_t{1} << 30);
+    fmt::patch(f, map.at("cache0.offset"), std::int64_t{1} << 30);
+    fmt::patch(f, map.at("cache0.batch"), std::int64_t{1} << 10);
+    fmt::patch(f, map.at("cache0.heads"), std::int64_t{1} << 10);
+    fmt::patch(f, map.at("cache0.tokens_seen"), std::int64_t{1} << 50);
+    fmt::reseal(f, map);
+    files.push_back(f);
+  }
+  {
+    std::string f = bytes;
+    fmt::patch(f, map.at("cache0.rows"), huge);
+    fmt::patch(f, map.at("cache0.offset"), huge);
+    fmt::patch(f, map.at("cache0.tokens_seen"), huge);  // B = 1, H = 2: 2^63 overflows, refused
+    fmt::reseal(f, map);
+    files.push_back(f);
+  }
+  {
+    std::string f = bytes;
+    fmt::patch(f, map.at("cache0.key_dim"), std::int64_t{0x7FFFFFFF});
+    fmt::reseal(f, map);
+    files.push_back(f);
+  }
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    g_largest = 0;
+    g_track = true;
+    std::string msg;
+    try {
+      (void)load_from_string<T>(files[i]);
+    } catch (const std::runtime_error& e) {
+      msg = e.what();
+    }
+    g_track = false;
+    EXPECT_FALSE(msg.empty()) << "file " << i << " loaded";
+    EXPECT_LE(g_largest.load(), (std::size_t{1} << 20) + 4 * files[i].size() + 65536)
+        << "file " << i << ": " << msg;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The CRC-32C kernel alone (on purpose)
+// ---------------------------------------------------------------------------------------------
+
+TEST(Crc32cKernel, CheckValueAndEveryPathEveryLengthAndAlignment) {
+  EXPECT_EQ(vc::detail::crc32c(0, "123456789", 9), 0xE3069283u);
+  EXPECT_EQ(vc::detail::crc32c(0, "", 0), 0u);
+  std::mt19937 rng(8u);
+  std::vector<unsigned char> data(3 * 4096 * 3 + 64);
+  for (auto& b : data) b = static_cast<unsigned char>(rng());
+  const std::size_t lengths[] = {0,
+                                 1,
+                                 7,
+                                 8,
+                                 9,
+                                 63,
+                                 4095,
+                                 4096,
+                                 4097,
+                                 3 * 4096 - 1,
+                                 3 * 4096,
+                                 3 * 4096 + 1,
+                                 3 * 4096 + 8,
+                                 6 * 4096 + 5,
+                                 9 * 4096 + 17};
+  for_each_level([&](vc::SimdLevel level) {
+    for (const std::size_t n : lengths) {
+      for (std::size_t off = 0; off < 8; ++off) {
+        const std::uint32_t want = fmt::crc32c_bitwise(data.data() + off, n);
+        ASSERT_EQ(vc::detail::crc32c(0, data.data() + off, n), want)
+            << vc::simd_level_name(level) << " n=" << n << " off=" << off;
+        const std::size_t cut = n / 3;
+        ASSERT_EQ(vc::detail::crc32c(vc::detail::crc32c(0, data.data() + off, cut),
+                                     data.data() + off + cut, n - cut),
+                  want);
+      }
+    }
+  });
+}
+
+}  // namespace
