@@ -23,7 +23,8 @@
 //   * then up to kMaxOps operations: calls with S in 0..40 through update_and_fetch,
 //     update_and_view or update_and_fetch_into, with storage-typed or double inputs, with or
 //     without queries (G 1..3; float, double or half), reset() (of the cache alone or of the whole
-//     builder model and its coordinator), trim(n), set_parallel_heads, a reused output tensor of
+//     builder model and its coordinator), trim(n), save_prompt_cache + load_prompt_cache of every
+//     cache of the run (carrying on with the loaded set), set_parallel_heads, a reused output tensor of
 //     the wrong shape, reports of other layers to the coordinator, and bad inputs: NaN/Inf keys at
 //     a chosen index, a double key overflowing the storage type, keys/values that disagree in B, H
 //     or S, zero B/H/D, B/H/D changed after the first call, and bad queries (Hq not a positive
@@ -133,6 +134,7 @@ inline constexpr int kMaxS = 40;
 struct Stats {
   std::uint64_t runs = 0, invalid_configs = 0, calls = 0, rejected = 0, resets = 0, trims = 0;
   std::uint64_t tokens = 0, decisions = 0, ambiguous = 0, excused = 0, query_calls = 0;
+  std::uint64_t reloads = 0;
   std::uint64_t policy_runs[9] = {};
 };
 
@@ -1152,6 +1154,9 @@ class Harness {
         log(std::string("parallel_heads ") + (on ? "on" : "off"));
         break;
       }
+      case 15:
+        do_reload();
+        break;
       case 11: {
         // (One read per statement: argument evaluation order is unspecified.)
         const Index n = in_.range(0, 5);
@@ -1166,6 +1171,40 @@ class Harness {
         do_call(static_cast<Index>(in_.range(1, kMaxS)), Bad::None);
         break;
     }
+  }
+
+  /// Saves every cache of the run (the whole builder model, its coordinator included) and carries
+  /// on with the loaded set (docs/design.md G): everything observable must be as before (the heap
+  /// aside: capacities are not saved), the loaded set must save to the same bytes, and the run's
+  /// later checks against the oracles then hold for the loaded caches.
+  void do_reload() {
+    Snapshot before = snapshot();
+    const bool parallel = layer_cache_->parallel_heads();
+    std::ostringstream out;
+    vc::save_prompt_cache(out, owned_, {{"op", std::to_string(op_)}});
+    const std::string bytes = out.str();
+    std::istringstream in(bytes);
+    vc::PromptCache<T> loaded;
+    try {
+      loaded = vc::load_prompt_cache<T>(in);
+    } catch (const std::exception& e) {
+      fail(std::string("a saved set did not load: ") + e.what());
+    }
+    expect(loaded.caches.size() == owned_.size(), "the loaded set has another number of caches");
+    std::ostringstream again;
+    vc::save_prompt_cache(again, loaded.caches, loaded.metadata);
+    expect(again.str() == bytes, "the loaded set saves to other bytes");
+    std::size_t index = 0;
+    while (owned_[index].get() != layer_cache_) ++index;
+    owned_ = std::move(loaded.caches);
+    layer_cache_ = owned_[index].get();
+    layer_cache_->set_parallel_heads(parallel);
+    bind_cache();
+    Snapshot after = snapshot();
+    before.heap = after.heap = 0;
+    expect(after == before, "the loaded cache differs from the saved one");
+    if (opt_.stats) ++opt_.stats->reloads;
+    log("save and reload (" + std::to_string(bytes.size()) + " bytes)");
   }
 
   void do_reset() {

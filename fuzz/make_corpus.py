@@ -126,6 +126,11 @@ class Seed:
         self.b += [10, 1 if on else 0]
         return self
 
+    def reload(self):
+        """save_prompt_cache + load_prompt_cache of every cache of the run (op 15)."""
+        self.b.append(15)
+        return self
+
     def scramble_out(self):
         self.b += [11, 3, 1, 2, 5, 0, 1, 3]
         return self
@@ -225,6 +230,39 @@ def seeds():
     s["onehot-tova-snapkv"] = (Seed("float", "snapkv", budget=5, n_sink=1, obs=3)
                                .sequence(H=3, Dk=2, one_hot=True).call(11).call(1)
                                .reset(H=2, Dk=1, one_hot=True).call(7).call(1))
+    # Saved and loaded mid-run (prompt caches on disk): every policy, calibration in flight, a
+    # deferring builder model, quantities the oracles then keep checking.
+    s["reload-squeeze-builder-defer"] = (Seed("float", "squeeze_builder", budget=8, n_sink=1,
+                                              defer=True, layers=3, layer=1)
+                                         .sequence(H=2, Dk=4).reload().call(14).reload()
+                                         .report(0, 3).call(1).reload().report(2, 2).call(1)
+                                         .reload().call(3, api="view").reset(whole=True).reload()
+                                         .call(12).report(0, 1).report(2, 4).reload().call(2))
+    s["reload-squeeze-queries"] = (Seed("half", "squeeze", budget=9, n_sink=3, resolved=7)
+                                   .sequence(B=2, H=1, Dk=5, queries="always").call(25, G=2)
+                                   .reload().call(1, G=3, qtype=1).reload()
+                                   .call(1, api="view", G=1, qtype=2).reload())
+    s["reload-h2o-decode"] = (Seed("bf16", "h2o", budget=6, n_sink=2, grace=2, decay=0.9)
+                              .sequence(B=2, H=2, Dk=6, Dv=2).call(9).call(1).reload().call(1)
+                              .call(1, api="view").reload().call(1).reload().call(2))
+    s["reload-pyramid-builder"] = (Seed("half", "pyramid_builder", budget=10, n_sink=2, beta=3.0,
+                                        layers=3, layer=2).sequence(B=1, H=2, Dk=3)
+                                   .call(20).reload().call(1).reload().call(1, api="into"))
+    s["reload-tova-snapkv"] = (Seed("float", "tova", budget=5, n_sink=1).sequence(H=2, Dk=3)
+                               .call(12, kmode="palette").reload().call(1).reload()
+                               .call(4, api="into").reload())
+    s["reload-snapkv"] = (Seed("bf16", "snapkv", budget=6, n_sink=2, obs=3)
+                          .sequence(B=2, H=1, Dk=4).call(3).reload().call(14).reload().call(1))
+    s["reload-streaming-standard"] = (Seed("half", "streaming", n_sink=3, window=4)
+                                      .sequence(H=3, Dk=5, Dv=1).call(9).reload().call(1)
+                                      .reload().call(0).call(6, api="into"))
+    s["reload-standard-trim"] = (Seed("float", "standard").sequence(B=2, H=2, Dk=3, Dv=5)
+                                 .call(7).trim(3).reload().call(2, api="into").trim(50)
+                                 .reload().call(4))
+    s["reload-onehot-squeeze"] = (Seed("half", "squeeze_builder", budget=5, n_sink=1, defer=True,
+                                       layers=2, layer=0, ratio=0.25)
+                                  .sequence(B=2, H=1, Dk=2, one_hot=True).call(12).reload()
+                                  .call(1).reload().report(1, 2).call(1).reload().call(3))
     s["invalid-config-field"] = Seed("float", "h2o", invalid=[8, 1])         # h2o_grace < 0
     s["invalid-config-sink"] = Seed("half", "snapkv", budget=3, n_sink=2, invalid=[23, 1])
     s["invalid-config-method"] = Seed("float", "tova", invalid=[24, 0])      # factory, "SQUEEZE"

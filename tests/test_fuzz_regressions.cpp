@@ -20,10 +20,12 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "../fuzz/fuzz_load.hpp"
 #include "../fuzz/fuzz_ops.hpp"
 
 namespace {
@@ -86,6 +88,42 @@ TEST(FuzzRegressions, SeedCorpusReplaysCleanAndReachesEveryPolicy) {
   EXPECT_GT(stats.trims, 0u);
   EXPECT_GT(stats.decisions, 100u);
   EXPECT_GT(stats.tokens, 300u);
+  EXPECT_GT(stats.reloads, 0u);
+}
+
+// The loader's fuzz corpus (fuzz/corpus_load/): real files of format version 1 saved from every
+// policy, storage type and width (fuzz/fuzz_load.hpp). Each one loads (with its checksums
+// verified), saves back to its own bytes and goes on with valid calls; and this build still writes
+// exactly these bytes, so the format cannot drift without a new version (docs/design.md G).
+TEST(FuzzRegressions, LoadCorpusLoadsGoesOnAndIsWhatThisBuildWrites) {
+  const fs::path dir = fuzz_dir() / "corpus_load";
+  const std::vector<fs::path> files = inputs_in(dir);
+  ASSERT_GE(files.size(), 10u) << "the loader's corpus at " << dir.string() << " looks incomplete";
+  const std::map<std::string, std::string> seeds = veloxquant::fuzz::make_seeds();
+  std::size_t compared = 0;
+  for (const fs::path& p : files) {
+    const std::vector<std::uint8_t> data = read_bytes(p);
+    ASSERT_FALSE(data.empty()) << p.string();
+    EXPECT_EQ(veloxquant::fuzz::run_load(data.data(), data.size()), "") << p.string();
+    const std::string name = p.stem().string();
+    if (name.rfind("seed-", 0) != 0) continue;
+    ASSERT_EQ(data[0] / 3 % 2, 0) << "a seed is loaded with its checksums verified";
+    const auto it = seeds.find(name);
+    ASSERT_NE(it, seeds.end()) << "no generator for " << name;
+    EXPECT_TRUE(std::string(data.begin(), data.end()) == it->second)
+        << name << ": this build writes other bytes (format drift, docs/design.md G)";
+    ++compared;
+  }
+  EXPECT_EQ(compared, seeds.size());
+}
+
+TEST(FuzzRegressions, LoadHarnessRefusesGarbageAndShortInputs) {
+  const std::uint8_t none[1] = {0};
+  EXPECT_EQ(veloxquant::fuzz::run_load(none, 0), "");
+  for (int b = 0; b < 256; b += 17) {
+    const std::uint8_t one[2] = {static_cast<std::uint8_t>(b), static_cast<std::uint8_t>(b * 7)};
+    EXPECT_EQ(veloxquant::fuzz::run_load(one, 2), "");
+  }
 }
 
 TEST(FuzzRegressions, SavedRegressionsReplayClean) {
