@@ -500,31 +500,43 @@ class Engine {
   AttentionPath path_;
 };
 
+/// The token the last row of `logits` predicts: its first maximum, like llama2.c. logits: [n, vocab]
+inline int predicted_token(const Eigen::MatrixXf& logits) {
+  Eigen::Index next = 0;
+  logits.row(logits.rows() - 1).maxCoeff(&next);
+  return static_cast<int>(next);
+}
+
+/// Greedy decoding from `next`, the token the engine's last call predicted: `next`, then one
+/// decode step per generated token, until `max_new` tokens, a BOS (not returned) or the end of
+/// the context. Returns the new ids. (An engine whose caches were loaded from a prompt cache
+/// continues here from the token saved with them.)
+template <class T>
+std::vector<int> generate_from(Engine<T>& engine, int next, int max_new) {
+  std::vector<int> out;
+  const int seq_len = engine.model().config().seq_len;
+  while (max_new > 0 && next != kBos) {
+    out.push_back(next);
+    if (static_cast<int>(out.size()) == max_new || engine.position() >= seq_len) break;
+    next = predicted_token(engine.forward({next}));
+  }
+  return out;
+}
+
 /// Greedy decoding: `prompt` as one prefill (or, with `token_at_a_time`, one call per prompt
-/// token, as llama2.c's run.c feeds it), then one decode step per generated token, until
-/// `max_new` tokens, a BOS (not returned) or the end of the context. Returns the new ids.
+/// token, as llama2.c's run.c feeds it), then generate_from the token it predicts.
 template <class T>
 std::vector<int> generate_greedy(Engine<T>& engine, const std::vector<int>& prompt, int max_new,
                                  bool token_at_a_time = false) {
   if (prompt.empty()) throw std::invalid_argument("llama2c::generate_greedy: empty prompt");
-  std::vector<int> out;
-  if (max_new <= 0) return out;
-  const int seq_len = engine.model().config().seq_len;
+  if (max_new <= 0) return {};
   Eigen::MatrixXf logits;
   if (token_at_a_time) {
     for (const int id : prompt) logits = engine.forward({id});
   } else {
     logits = engine.forward(prompt);
   }
-  for (;;) {
-    Eigen::Index next = 0;
-    logits.row(logits.rows() - 1).maxCoeff(&next);  // the first maximum, like llama2.c
-    if (next == kBos) break;
-    out.push_back(static_cast<int>(next));
-    if (static_cast<int>(out.size()) == max_new || engine.position() >= seq_len) break;
-    logits = engine.forward({static_cast<int>(next)});
-  }
-  return out;
+  return generate_from(engine, predicted_token(logits), max_new);
 }
 
 /// The fixture directory: $VELOXQUANT_FIXTURES when set and non-empty, else `fallback`.
