@@ -8,6 +8,9 @@
 #   bash scripts/bench.sh --suite [ARGS]  the policy / memory / query suite (bench_update.cpp,
 #                                         -O3 -march=native), ARGS passed to the binary
 #   bash scripts/bench.sh --compile       consumer compile times (section 4)
+#   bash scripts/bench.sh --prompt-cache  prompt caches saved and loaded (section 9):
+#                                         bench/bench_prompt_cache.cpp at each flag set, JSON in
+#                                         build-bench/prompt-<flags>.json
 #
 # Environment: FLAG_SETS (names from the list below, space-separated), REPS (default 5),
 # FILTER (a --benchmark_filter regex for the matrix).
@@ -41,6 +44,16 @@ case "${1:-}" in
     ;;
   --compile)
     exec bash scripts/compile_time.sh
+    ;;
+  --prompt-cache)
+    for name in ${FLAG_SETS:-${ORDER[@]}}; do
+      echo "[bench] building bench_prompt_cache with ${FLAGS[$name]}" >&2
+      build "$name" "${FLAGS[$name]}" bench_prompt_cache
+      "$ROOT/$name/bench/bench_prompt_cache" --benchmark_repetitions="${REPS:-5}" \
+        --benchmark_report_aggregates_only=true --benchmark_out="$ROOT/prompt-$name.json" \
+        --benchmark_out_format=json | sed "s/^/[$name] /"
+    done
+    exit 0
     ;;
 esac
 

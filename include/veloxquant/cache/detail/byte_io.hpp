@@ -30,9 +30,10 @@ inline bool little_endian_host() {
   return first == 1;
 }
 
-/// Bytes read or written per step of a large block: the CRC reads each chunk while it is still
-/// in cache from the copy.
-inline constexpr std::size_t kIoChunk = std::size_t{1} << 16;
+/// Bytes read or written per step of a large block: the stream copies a piece, then the CRC reads
+/// it while it is still in cache (L2), at its own speed instead of memory's (measured on 1 GB: 256
+/// KiB pieces 145 ms, 64 KiB 151 ms, 16 KiB 167 ms, CRC before the copy 182 ms; memcpy 83 ms).
+inline constexpr std::size_t kIoChunk = std::size_t{1} << 18;
 
 /// Little-endian fields and raw blocks to a stream; the CRC-32C of the section in progress.
 /// Throws std::runtime_error(`api`: ...) when the stream fails.
@@ -92,12 +93,13 @@ class ByteWriter {
     put(b, sizeof(U));
   }
   void put(const void* p, std::size_t n) {
-    crc_ = crc32c(crc_, p, n);
     out_.write(static_cast<const char*>(p), static_cast<std::streamsize>(n));
     if (!out_) {
       throw std::runtime_error(std::string(api_) + ": writing failed after " +
                                std::to_string(written_) + " bytes");
     }
+    // After the copy: the piece is in cache now, where the CRC runs at its own speed.
+    crc_ = crc32c(crc_, p, n);
     written_ += n;
   }
 
