@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer target fuzz/fuzz_cache.cpp (clang, AddressSanitizer + UndefinedBehaviorSanitizer)
-# into build-fuzz/ and runs it for SECONDS (default 60), starting from the checked-in seed corpus
-# fuzz/corpus/ and the saved regressions fuzz/regressions/. The checked-in corpus is never written:
-# the fuzzer works on a copy in a temporary directory, and its artifacts go to another one.
+# Builds the libFuzzer binary fuzz/fuzz_cache.cpp (clang, AddressSanitizer + UndefinedBehaviorSanitizer)
+# into build-fuzz/ and runs its two targets side by side for SECONDS each (default 60):
+#   ops   operation sequences on every policy against the oracles (save-and-reload included),
+#         from the seed corpus fuzz/corpus/ and the saved regressions fuzz/regressions/;
+#   load  prompt-cache files through the loader, from fuzz/corpus_load/ (real saved files) and
+#         fuzz/regressions_load/.
+# The checked-in corpora are never written: each target works on a copy in a temporary
+# directory, and its artifacts go to another one.
 #
-#   bash scripts/fuzz.sh [SECONDS]     (or --setup: install what it needs; --build: and build it)
+#   bash scripts/fuzz.sh [SECONDS] [ops|load]   (default: both; or --setup: install what it needs;
+#                                                --build: and build it)
 #
 # Exits nonzero on any crash, sanitizer report, oracle/invariant violation, timeout or OOM, and
 # prints the path of the crashing input, its base64 (so a CI log is enough to reproduce it) and the
-# replay command. Environment: FUZZ_KEEP=1 keeps the temporary directories; FUZZ_MAX_LEN (default
-# 1024) is libFuzzer's -max_len.
+# replay command. Environment: FUZZ_KEEP=1 keeps the temporary directories; FUZZ_MAX_LEN overrides
+# libFuzzer's -max_len (default 1024 for ops, 16384 for load).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,8 +28,9 @@ elif [ "${1:-}" = "--build" ]; then  # install and build, and stop
   set -- 0
 fi
 SECS=${1:-60}
-if ! [[ "$SECS" =~ ^[0-9]+$ ]]; then
-  echo "usage: bash scripts/fuzz.sh [SECONDS]" >&2
+TARGETS=${2:-"ops load"}
+if ! [[ "$SECS" =~ ^[0-9]+$ ]] || ! [[ "$TARGETS" =~ ^(ops|load|ops\ load)$ ]]; then
+  echo "usage: bash scripts/fuzz.sh [SECONDS] [ops|load]" >&2
   exit 2
 fi
 
@@ -68,46 +74,84 @@ if [ "$BUILD_ONLY" = 1 ]; then
   exit 0
 fi
 
-# --- run ------------------------------------------------------------------------------------------
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/veloxquant-fuzz-corpus.XXXXXX")
-ART=$(mktemp -d "${TMPDIR:-/tmp}/veloxquant-fuzz-artifacts.XXXXXX")
-cleanup() {
-  if [ "${FUZZ_KEEP:-0}" = "1" ]; then
-    echo "[fuzz] kept working corpus $WORK and artifacts $ART"
-  else
-    rm -rf "$WORK"
-    # Artifacts of a failing run are kept: their paths were printed.
-    [ -z "$(ls -A "$ART" 2>/dev/null)" ] && rm -rf "$ART"
-  fi
-}
-trap cleanup EXIT
-cp fuzz/corpus/* "$WORK"/ 2>/dev/null || true
-cp fuzz/regressions/* "$WORK"/ 2>/dev/null || true
-rm -f "$WORK"/README*
-
-echo "[fuzz] running $BIN for ${SECS}s on a copy of fuzz/corpus + fuzz/regressions ($(ls "$WORK" | wc -l) inputs)"
+# --- run: each target on a copy of its corpus, the two side by side ------------------------------
 export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
-set +e
-# A fixed seed (FUZZ_SEED, default 1) makes the run reproducible: the same inputs in the same order,
-# so a CI run explores a prefix of what a longer local run with the same seed explored.
-"$BIN" -seed="${FUZZ_SEED:-1}" -max_total_time="$SECS" -rss_limit_mb=2048 -timeout=60 -max_len="${FUZZ_MAX_LEN:-1024}" \
-  -print_final_stats=1 -artifact_prefix="$ART/" "$WORK" 2>&1 | tee "$ART/fuzz.log.txt" | \
-  grep -v -E '^#[0-9]+\s+(NEW|REDUCE|pulse)|^"|^###### (Recommended|End of recommended)'
-rc=${PIPESTATUS[0]}
-set -e
-
-crashes=$(find "$ART" -type f \( -name 'crash-*' -o -name 'leak-*' -o -name 'timeout-*' \
-                              -o -name 'oom-*' \) | sort)
-if [ "$rc" -ne 0 ] || [ -n "$crashes" ]; then
-  echo "[fuzz] FAILED (libFuzzer exit code $rc); log: $ART/fuzz.log.txt" >&2
-  for f in $crashes; do
-    echo "[fuzz] crashing input: $f" >&2
-    echo "[fuzz]   base64: $(base64 -w0 "$f")" >&2
-    echo "[fuzz]   replay: VELOXQUANT_FUZZ_TRACE=1 $BIN $f" >&2
+KEEP=()
+cleanup() {
+  for d in "${KEEP[@]}"; do
+    if [ "${FUZZ_KEEP:-0}" = "1" ]; then
+      echo "[fuzz] kept $d"
+    elif [[ "$d" == *corpus* || "$d" == *state* ]] || [ -z "$(ls -A "$d" 2>/dev/null)" ]; then
+      rm -rf "$d"  # artifacts of a failing run are kept: their paths were printed
+    fi
   done
-  echo "[fuzz] to keep it as a regression: cp <input> fuzz/regressions/ (replayed by test_fuzz_regressions)" >&2
-  exit 1
-fi
-rm -f "$ART/fuzz.log.txt"
-echo "[fuzz] OK: no crash in ${SECS}s"
+}
+trap cleanup EXIT
+
+STATE=$(mktemp -d "${TMPDIR:-/tmp}/veloxquant-fuzz-state.XXXXXX")
+KEEP+=("$STATE")
+# prepare NAME CORPUS REGRESSIONS: a working copy of the corpus and an artifact directory (in this
+# shell, so the clean-up knows them), paths in $STATE/NAME.work and $STATE/NAME.art.
+prepare() {
+  local name=$1 corpus=$2 regressions=$3 work art
+  work=$(mktemp -d "${TMPDIR:-/tmp}/veloxquant-fuzz-$name-corpus.XXXXXX")
+  art=$(mktemp -d "${TMPDIR:-/tmp}/veloxquant-fuzz-$name-artifacts.XXXXXX")
+  KEEP+=("$work" "$art")
+  cp "$corpus"/* "$work"/ 2>/dev/null || true
+  cp "$regressions"/* "$work"/ 2>/dev/null || true
+  rm -f "$work"/README*
+  echo "$work" >"$STATE/$name.work"
+  echo "$art" >"$STATE/$name.art"
+  echo "[fuzz] $name: running $BIN for ${SECS}s on a copy of $corpus + $regressions ($(ls "$work" | wc -l) inputs)"
+}
+# run NAME MAX_LEN: libFuzzer on the prepared copy; its exit code in $STATE/NAME.rc.
+run() {
+  local name=$1 max_len=$2 work art
+  work=$(cat "$STATE/$name.work")
+  art=$(cat "$STATE/$name.art")
+  set +e
+  # A fixed seed (FUZZ_SEED, default 1) makes the run reproducible: the same inputs in the same
+  # order, so a CI run explores a prefix of what a longer local run with the same seed explored.
+  VELOXQUANT_FUZZ_TARGET=$name "$BIN" -seed="${FUZZ_SEED:-1}" -max_total_time="$SECS" \
+    -rss_limit_mb=2048 -timeout=60 -max_len="${FUZZ_MAX_LEN:-$max_len}" -print_final_stats=1 \
+    -artifact_prefix="$art/" "$work" >"$art/fuzz.log.txt" 2>&1
+  echo $? >"$STATE/$name.rc"
+}
+
+pids=()
+for t in $TARGETS; do
+  if [ "$t" = ops ]; then
+    prepare ops fuzz/corpus fuzz/regressions
+    run ops 1024 &
+  else
+    prepare load fuzz/corpus_load fuzz/regressions_load
+    run load 16384 &
+  fi
+  pids+=($!)
+done
+wait "${pids[@]}"
+
+status=0
+for t in $TARGETS; do
+  art=$(cat "$STATE/$t.art")
+  rc=$(cat "$STATE/$t.rc" 2>/dev/null || echo 1)
+  grep -v -E '^#[0-9]+\s+(NEW|REDUCE|pulse)|^"|^###### (Recommended|End of recommended)|NEW_FUNC' \
+    "$art/fuzz.log.txt" | sed "s/^/[fuzz $t] /" | tail -n 25
+  crashes=$(find "$art" -type f \( -name 'crash-*' -o -name 'leak-*' -o -name 'timeout-*' \
+                                -o -name 'oom-*' \) | sort)
+  if [ "$rc" -ne 0 ] || [ -n "$crashes" ]; then
+    echo "[fuzz] $t FAILED (libFuzzer exit code $rc); log: $art/fuzz.log.txt" >&2
+    for f in $crashes; do
+      echo "[fuzz]   crashing input: $f" >&2
+      echo "[fuzz]   base64: $(base64 -w0 "$f")" >&2
+      echo "[fuzz]   replay: VELOXQUANT_FUZZ_TARGET=$t VELOXQUANT_FUZZ_TRACE=1 $BIN $f" >&2
+    done
+    echo "[fuzz]   to keep it as a regression: cp <input> fuzz/regressions$([ "$t" = load ] && echo _load)/ (replayed by test_fuzz_regressions)" >&2
+    status=1
+  else
+    rm -f "$art/fuzz.log.txt"
+    echo "[fuzz] $t OK: no crash in ${SECS}s"
+  fi
+done
+exit "$status"

@@ -132,6 +132,13 @@ TEST(FuzzRegressions, SavedRegressionsReplayClean) {
   fz::Stats stats;
   const std::size_t n = replay(dir, stats);
   EXPECT_EQ(stats.runs, n);
+  // The load target's (fuzz/fuzz_load.hpp).
+  const fs::path load_dir = fuzz_dir() / "regressions_load";
+  ASSERT_TRUE(fs::is_directory(load_dir)) << "no regressions directory at " << load_dir.string();
+  for (const fs::path& p : inputs_in(load_dir)) {
+    const std::vector<std::uint8_t> data = read_bytes(p);
+    EXPECT_EQ(veloxquant::fuzz::run_load(data.data(), data.size()), "") << p.string();
+  }
 }
 
 TEST(FuzzRegressions, RunsAreDeterministic) {
