@@ -1,6 +1,6 @@
 # Packaging tests, included from tests/CMakeLists.txt when VELOXQUANT_PACKAGING_TESTS is ON.
 # Each test runs run_consumer.cmake, which builds a tiny consumer (tests/cmake/<mode>/ + main.cpp)
-# in Release in its own tree under <build>/tests/packaging/:
+# unoptimised (-O0; run_consumer.cmake says why) in its own tree under <build>/tests/packaging/:
 #
 #   consumer.install           `cmake --install` of this build tree into a scratch prefix (fixture)
 #   consumer.find_package      find_package(veloxquant CONFIG) against that prefix

@@ -11,7 +11,10 @@
 #                          library's build (Eigen through its CMake package, Eigen3_DIR)
 #   EXPECTED_VERSION       the project version the package must report
 #
-# Consumers are built in Release in their own tree: a few seconds of configure plus one compile.
+# Consumers are built unoptimised (-O0) in their own tree: a few seconds of configure plus one
+# compile. What these tests check is that each way of consuming the package finds it and builds
+# and runs against it; the library at -O3 -DNDEBUG under -Werror is tests/headers' job (an -O3
+# consumer took 60-90 s of CI per test, four tests, for nothing the -O0 build does not check).
 
 cmake_minimum_required(VERSION 3.20)
 
@@ -46,7 +49,8 @@ endfunction()
 # Configures, builds and runs the CMake consumer project in ${consumers_dir}/<project>.
 function(build_and_run_cmake_consumer project)
   set(build "${WORK_DIR}/build")
-  set(args -S "${consumers_dir}/${project}" -B "${build}" -DCMAKE_BUILD_TYPE=Release
+  set(args -S "${consumers_dir}/${project}" -B "${build}" -DCMAKE_BUILD_TYPE=Debug
+           -DCMAKE_CXX_FLAGS_DEBUG=-O0
            -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF)
   if(GENERATOR)
     list(APPEND args -G "${GENERATOR}")
@@ -65,9 +69,9 @@ function(build_and_run_cmake_consumer project)
   endif()
   list(APPEND args ${ARGN})
   run_step("${CMAKE_COMMAND}" ${args})
-  run_step("${CMAKE_COMMAND}" --build "${build}" --config Release)
+  run_step("${CMAKE_COMMAND}" --build "${build}" --config Debug)
 
-  find_program(consumer_exe consumer PATHS "${build}" "${build}/Release" NO_DEFAULT_PATH
+  find_program(consumer_exe consumer PATHS "${build}" "${build}/Debug" NO_DEFAULT_PATH
                NO_CACHE)
   if(NOT consumer_exe)
     message(FATAL_ERROR "the consumer executable was not built under ${build}")
@@ -163,7 +167,7 @@ elseif(MODE STREQUAL "pkg-config")
   endif()
 
   set(exe "${WORK_DIR}/consumer")
-  run_step("${CXX_COMPILER}" -std=c++17 -O2 -DNDEBUG ${cflags} "${consumers_dir}/main.cpp"
+  run_step("${CXX_COMPILER}" -std=c++17 -O0 ${cflags} "${consumers_dir}/main.cpp"
            -o "${exe}" ${libs})
   run_step("${exe}")
 
