@@ -64,8 +64,9 @@ std::string continue_from(std::vector<std::unique_ptr<vc::KVCache<T>>>& caches) 
       vc::KVCache<T>& c = *caches[i];
       // A cache that has seen no call takes the shape of the first (and so does one after reset).
       const Eigen::Index B = c.batch() ? c.batch() : 1, H = c.heads() ? c.heads() : 2;
-      const Eigen::Index Dk = c.key_dim() ? c.key_dim() : 8 * c.config().quant_group;
-      const Eigen::Index Dv = c.value_dim() ? c.value_dim() : 8 * c.config().quant_group;
+      const Eigen::Index Dk = c.key_dim() ? c.key_dim() : 8 * Eigen::Index{c.config().quant_group};
+      const Eigen::Index Dv =
+          c.value_dim() ? c.value_dim() : 8 * Eigen::Index{c.config().quant_group};
       if (static_cast<long long>(B) * H * (Dk + Dv) > kMaxContinueWidth) continue;
       for (const Eigen::Index S :
            {Eigen::Index{1}, Eigen::Index{3}, Eigen::Index{0}, Eigen::Index{1}}) {
@@ -233,6 +234,39 @@ inline std::map<std::string, std::string> make_seeds() {
     std::vector<std::unique_ptr<vc::KVCache<Eigen::half>>> one;
     one.push_back(vc::KVCacheFactory::create<Eigen::half>(vc::KVCacheConfig{}));
     out["seed-standard-unused-half"] = seed_of(one, {});
+  }
+  {
+    // A standard cache trimmed to no rows: dims known, no head sections.
+    vc::KVCacheConfig standard = seed_config();
+    standard.method = "standard";
+    std::vector<std::unique_ptr<vc::KVCache<Eigen::bfloat16>>> one;
+    one.push_back(vc::KVCacheFactory::create<Eigen::bfloat16>(standard));
+    feed(one, rng, 4, false);
+    (void)one.front()->trim(4);
+    out["seed-standard-trimmed-empty-bf16"] = seed_of(one, {});
+  }
+  {
+    // A coordinator with fewer sinks than its layers: layer 0 (parallel keys) adopts a budget
+    // below its sinks and holds them.
+    vc::KVCacheConfig sinks = seed_config();
+    sinks.squeeze_budget = 8;
+    sinks.squeeze_n_sink = 3;
+    sinks.squeeze_calibration_tokens = 4;
+    auto co = std::make_shared<vc::SqueezeCoordinator>(2, 4, 0, 1.0);
+    std::vector<std::unique_ptr<vc::KVCache<float>>> two;
+    two.push_back(std::make_unique<vc::SqueezeAttentionCache<float>>(sinks, 0, co));
+    two.push_back(std::make_unique<vc::SqueezeAttentionCache<float>>(sinks, 1, co));
+    for (const Eigen::Index S : {Eigen::Index{6}, Eigen::Index{1}, Eigen::Index{1}}) {
+      // (One draw per statement: the order of a call's arguments is unspecified.)
+      vc::Tensor4<float> k0 = fill(rng, 1, 2, S, 8);
+      for (Eigen::Index i = 0; i < k0.size(); ++i) k0.data()[i] = 1.0f + static_cast<float>(i % 8);
+      const vc::Tensor4<float> v0 = fill(rng, 1, 2, S, 8);
+      const vc::Tensor4<float> k1 = fill(rng, 1, 2, S, 8);
+      const vc::Tensor4<float> v1 = fill(rng, 1, 2, S, 8);
+      (void)two[0]->update_and_fetch(k0, v0);
+      (void)two[1]->update_and_fetch(k1, v1);
+    }
+    out["seed-squeeze-budget-below-sinks-float"] = seed_of(two, {});
   }
   return out;
 }

@@ -17,6 +17,7 @@
 //  * the CRC-32C kernel alone (its check value; both paths, every length and alignment).
 
 #include <gtest/gtest.h>
+#include <malloc.h>
 
 #include <algorithm>
 #include <atomic>
@@ -41,27 +42,51 @@
 #include "support/simd_levels.hpp"
 #include "support/test_support.hpp"
 
-// The largest single allocation while a load runs (HugeCountsAllocateNothingTheFileDoesNotHold):
-// every operator new of this test program goes through here.
+// The heap a load holds at its peak, and its largest single allocation
+// (HugeCountsAllocateNothingTheFileDoesNotHold, ...): every operator new and delete of this test
+// program goes through here while g_track is set (one thread).
 namespace {
 std::atomic<bool> g_track{false};
-std::atomic<std::size_t> g_largest{0};
+std::size_t g_largest = 0;
+long long g_live = 0, g_peak = 0;
 void* counted_new(std::size_t n) {
+  void* p = std::malloc(n ? n : 1);
+  if (p == nullptr) throw std::bad_alloc();
   if (g_track.load(std::memory_order_relaxed)) {
-    std::size_t cur = g_largest.load(std::memory_order_relaxed);
-    while (n > cur && !g_largest.compare_exchange_weak(cur, n)) {
-    }
+    g_largest = std::max(g_largest, n);
+    g_live += static_cast<long long>(malloc_usable_size(p));
+    g_peak = std::max(g_peak, g_live);
   }
-  if (void* p = std::malloc(n ? n : 1)) return p;
-  throw std::bad_alloc();
+  return p;
+}
+void counted_delete(void* p) noexcept {
+  if (p != nullptr && g_track.load(std::memory_order_relaxed)) {
+    g_live -= static_cast<long long>(malloc_usable_size(p));
+  }
+  std::free(p);
+}
+/// Runs f with the counters on; returns the peak heap (bytes above what was live before).
+template <class F>
+long long peak_heap_of(F f) {
+  g_largest = 0;
+  g_live = g_peak = 0;
+  g_track = true;
+  try {
+    f();
+  } catch (...) {
+    g_track = false;
+    throw;
+  }
+  g_track = false;
+  return g_peak;
 }
 }  // namespace
 void* operator new(std::size_t n) { return counted_new(n); }
 void* operator new[](std::size_t n) { return counted_new(n); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p) noexcept { counted_delete(p); }
+void operator delete[](void* p) noexcept { counted_delete(p); }
+void operator delete(void* p, std::size_t) noexcept { counted_delete(p); }
+void operator delete[](void* p, std::size_t) noexcept { counted_delete(p); }
 
 namespace {
 
@@ -71,6 +96,12 @@ using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
 
 template <class T>
 using Caches = std::vector<std::unique_ptr<vc::KVCache<T>>>;
+
+vc::KVCacheConfig standard_config() {
+  vc::KVCacheConfig c;
+  c.method = "standard";
+  return c;
+}
 
 template <class T>
 std::string save_to_string(const Caches<T>& caches,
@@ -267,6 +298,90 @@ TYPED_TEST(PromptCacheTest, ResetAfterALoadStartsAFreshSequence) {
       }
     }
     EXPECT_TRUE(a == b) << "S = " << S;
+  }
+}
+
+/// SqueezeCoordinator is public: a coordinator with fewer sinks than its layers may publish a
+/// budget below a layer's sinks, which then holds its sinks (max(budget, sinks) rows). Such a set
+/// saves, loads and goes on bitwise.
+TYPED_TEST(PromptCacheTest, ABudgetBelowTheLayersSinksRoundTrips) {
+  using T = TypeParam;
+  vc::KVCacheConfig c;
+  c.squeeze_budget = 16;
+  c.squeeze_n_sink = 4;
+  c.squeeze_calibration_tokens = 4;
+  const auto make = [&] {
+    auto co = std::make_shared<vc::SqueezeCoordinator>(2, 6, 0, 1.0);
+    Caches<T> set;
+    set.push_back(std::make_unique<vc::SqueezeAttentionCache<T>>(c, 0, co));
+    set.push_back(std::make_unique<vc::SqueezeAttentionCache<T>>(c, 1, co));
+    return set;
+  };
+  Caches<T> twin = make(), model = make();
+  std::mt19937 rng(2u);
+  const auto step = [&](Index S) {
+    Call c0 = random_call(rng, {1, 2, S, 8}, {1, 2, S, 8});
+    for (Index i = 0; i < c0.keys.size(); ++i) c0.keys.data()[i] = 1.0 + static_cast<double>(i % 8);
+    const Call c1 = random_call(rng, {1, 2, S, 8}, {1, 2, S, 8});
+    for (Caches<T>* set : {&twin, &model}) {
+      (void)(*set)[0]->update_and_fetch(c0.keys, c0.values);  // parallel keys: concentration 1
+      (void)(*set)[1]->update_and_fetch(c1.keys, c1.values);
+    }
+  };
+  step(10);
+  step(1);
+  ASSERT_EQ(model[0]->layer_budget(), 1);
+  ASSERT_EQ(model[0]->tokens_kept(), 4);  // its four sinks
+  vc::PromptCache<T> loaded = load_from_string<T>(save_to_string(model));
+  model = std::move(loaded.caches);
+  for (int i = 0; i < 4; ++i) {
+    const Call c0 = random_call(rng, {1, 2, 1, 8}, {1, 2, 1, 8});
+    for (std::size_t l = 0; l < 2; ++l) {
+      EXPECT_EQ(bytes_of(model[l]->update_and_fetch(c0.keys, c0.values).first),
+                bytes_of(twin[l]->update_and_fetch(c0.keys, c0.values).first));
+    }
+    EXPECT_TRUE(model_state(model) == model_state(twin)) << "step " << i;
+  }
+}
+
+/// A standard cache trimmed to no rows keeps its dims: saved without head sections, loaded with
+/// no head objects (docs/design.md G), it answers as its twin (accessors, out-of-range heads, an
+/// empty call, a call of another shape refused) and goes on as it.
+TYPED_TEST(PromptCacheTest, ATrimmedEmptyStandardCacheRoundTrips) {
+  using T = TypeParam;
+  std::mt19937 rng(6u);
+  vc::KVCacheConfig standard = small_config();
+  standard.method = "standard";
+  Caches<T> twin, model;
+  for (Caches<T>* set : {&twin, &model}) set->push_back(vc::KVCacheFactory::create<T>(standard));
+  const Call first = random_call(rng, {2, 3, 5, 4}, {2, 3, 5, 6});
+  for (Caches<T>* set : {&twin, &model}) {
+    (void)set->front()->update_and_fetch(first.keys, first.values);
+    ASSERT_EQ(set->front()->trim(5), 5);
+  }
+  vc::PromptCache<T> loaded = load_from_string<T>(save_to_string(model));
+  model = std::move(loaded.caches);
+  vc::KVCache<T>& a = *model.front();
+  vc::KVCache<T>& b = *twin.front();
+  EXPECT_EQ(a.batch(), 2);
+  EXPECT_EQ(a.heads(), 3);
+  EXPECT_EQ(a.key_dim(), 4);
+  EXPECT_EQ(a.value_dim(), 6);
+  EXPECT_EQ(a.tokens_seen(), b.tokens_seen());
+  EXPECT_TRUE(a.positions(1, 2).empty());
+  EXPECT_THROW((void)a.positions(2, 0), std::out_of_range);
+  EXPECT_THROW((void)b.positions(2, 0), std::out_of_range);
+  EXPECT_THROW((void)a.scores(0, 3), std::out_of_range);
+  EXPECT_EQ(bytes_of(a.state().first), bytes_of(b.state().first));
+  const vc::Tensor4<T> k0(2, 3, 0, 4), v0(2, 3, 0, 6);
+  EXPECT_TRUE(from_view(a.update_and_view(k0, v0)) == from_view(b.update_and_view(k0, v0)));
+  const Call other = random_call(rng, {2, 2, 1, 4}, {2, 2, 1, 6});
+  EXPECT_THROW((void)a.update_and_fetch(other.keys, other.values), std::invalid_argument);
+  for (const Index S : {Index{4}, Index{1}}) {
+    const Call c = random_call(rng, {2, 3, S, 4}, {2, 3, S, 6});
+    vc::KVPair<T> ra, rb;
+    EXPECT_TRUE(invoke(a, Api::kFetchQ, c, ra) == invoke(b, Api::kFetchQ, c, rb));
+    EXPECT_TRUE(model_state(model) == model_state(twin));
   }
 }
 
@@ -537,6 +652,23 @@ TEST(PromptCacheSave, FailingStreamsAndUnknownCachesAreRefused) {
       EXPECT_NE(std::string(e.what()).find("writing failed"), std::string::npos) << e.what();
     }
   }
+  {
+    // A row (key and value) larger than the loader may allocate at its place in the file.
+    Caches<float> wide;
+    wide.push_back(vc::KVCacheFactory::create<float>(small_config()));
+    vc::Tensor4<float> k(1, 1, 1, 140000);
+    k.setConstant(0.25f);
+    (void)wide.front()->update_and_fetch(k, k);
+    std::ostringstream out;
+    try {
+      vc::save_prompt_cache(out, wide);
+      ADD_FAILURE() << "saved a row the loader refuses";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("a row of 1120000 bytes"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_TRUE(out.str().empty());
+  }
   struct Derived : vc::H2OCache<float> {
     using vc::H2OCache<float>::H2OCache;
   };
@@ -778,7 +910,7 @@ TEST(PromptCacheLoad, CraftedHeadsAreRefusedNamingTheProblem) {
 TEST(PromptCacheLoad, HugeCountsAllocateNothingTheFileDoesNotHold) {
   using T = Eigen::half;
   Caches<T> set;
-  set.push_back(vc::KVCacheFactory::create<T>(vc::KVCacheConfig{}));  // a standard cache
+  set.push_back(vc::KVCacheFactory::create<T>(standard_config()));  // a standard cache
   std::mt19937 rng(1u);
   (void)set.front()->update_and_fetch(random_doubles(rng, 1, 2, 3, 8),
                                       random_doubles(rng, 1, 2, 3, 8));
@@ -818,18 +950,94 @@ TEST(PromptCacheLoad, HugeCountsAllocateNothingTheFileDoesNotHold) {
     files.push_back(f);
   }
   for (std::size_t i = 0; i < files.size(); ++i) {
-    g_largest = 0;
-    g_track = true;
     std::string msg;
-    try {
-      (void)load_from_string<T>(files[i]);
-    } catch (const std::runtime_error& e) {
-      msg = e.what();
-    }
-    g_track = false;
+    const long long peak = peak_heap_of([&] {
+      try {
+        (void)load_from_string<T>(files[i]);
+      } catch (const std::runtime_error& e) {
+        msg = e.what();
+      }
+    });
     EXPECT_FALSE(msg.empty()) << "file " << i << " loaded";
-    EXPECT_LE(g_largest.load(), (std::size_t{1} << 20) + 4 * files[i].size() + 65536)
+    EXPECT_LE(g_largest, (std::size_t{1} << 20) + 4 * files[i].size() + 65536)
         << "file " << i << ": " << msg;
+    EXPECT_LE(peak, 4 << 20) << "file " << i << ": " << msg;
+  }
+}
+
+/// Heads that cost the file almost nothing: a standard cache trimmed to no rows is saved with no
+/// head sections and loaded with no head objects, so B = 2^22 costs nothing; many tiny heads are
+/// charged against the file's bytes (docs/design.md G, "Memory"), so a crafted file repeating a
+/// 16-byte head section is refused before its heads outgrow it, and the writer refuses the sets
+/// the loader would refuse.
+TEST(PromptCacheLoad, EmptyAndTinyHeadsCostNoMoreThanTheFileHolds) {
+  using T = Eigen::half;
+  std::mt19937 rng(4u);
+  {
+    Caches<T> set;
+    set.push_back(vc::KVCacheFactory::create<T>(standard_config()));
+    (void)set.front()->update_and_fetch(random_doubles(rng, 1, 2, 3, 8),
+                                        random_doubles(rng, 1, 2, 3, 8));
+    ASSERT_EQ(set.front()->trim(3), 3);
+    const std::string bytes = save_to_string(set);
+    const fmt::FileMap map = fmt::walk<T>(bytes);
+    EXPECT_FALSE(map.has("cache0.head0.positions"));
+    std::string big = bytes;
+    fmt::patch(big, map.at("cache0.batch"), std::int64_t{1} << 22);
+    fmt::patch(big, map.at("cache0.tokens_seen"), std::int64_t{3} << 23);
+    fmt::reseal(big, map);
+    vc::PromptCache<T> loaded;
+    const long long peak = peak_heap_of([&] { loaded = load_from_string<T>(big); });
+    EXPECT_LE(peak, 1 << 16);
+    EXPECT_EQ(loaded.caches.front()->batch(), Eigen::Index{1} << 22);
+    EXPECT_EQ(loaded.caches.front()->tokens_kept(), 0);
+  }
+  {
+    // 1000 heads of one 1-element row each: 16 bytes a head in the file (the writer accepts it,
+    // the grant covering the heads' bookkeeping).
+    Caches<T> set;
+    set.push_back(vc::KVCacheFactory::create<T>(standard_config()));
+    vc::Tensor4<T> one(1000, 1, 1, 1);
+    one.setConstant(T(0.5f));
+    (void)set.front()->update_and_fetch(one, one);
+    const std::string bytes = save_to_string(set);
+    const fmt::FileMap map = fmt::walk<T>(bytes);
+    // Repeat head 0's section (every head holds the same row) for 20,000 heads.
+    const fmt::Field h0 = map.sections[map.sections.size() - 1000];
+    const std::string head = bytes.substr(h0.offset, h0.size + 4);
+    std::string crafted = bytes.substr(0, h0.offset);
+    fmt::patch(crafted, map.at("cache0.batch"), std::int64_t{20000});
+    fmt::patch(crafted, map.at("cache0.tokens_seen"), std::int64_t{20000});
+    fmt::reseal(crafted,
+                fmt::FileMap{map.fields, {map.sections.begin(), map.sections.end() - 1000}});
+    for (int i = 0; i < 20000; ++i) crafted += head;
+    std::string msg;
+    const long long peak = peak_heap_of([&] {
+      try {
+        (void)load_from_string<T>(crafted);
+      } catch (const std::runtime_error& e) {
+        msg = e.what();
+      }
+    });
+    EXPECT_NE(msg.find("the heads would hold more memory than the file's data allows"),
+              std::string::npos)
+        << msg;
+    EXPECT_LE(peak, static_cast<long long>(4 * crafted.size()) + (4 << 20));
+    // The writer refuses what the loader would: 20,000 such heads.
+    Caches<T> many;
+    many.push_back(vc::KVCacheFactory::create<T>(standard_config()));
+    vc::Tensor4<T> wide(20000, 1, 1, 1);
+    wide.setConstant(T(0.5f));
+    (void)many.front()->update_and_fetch(wide, wide);
+    std::ostringstream out;
+    try {
+      vc::save_prompt_cache(out, many);
+      ADD_FAILURE() << "saved a set the loader refuses";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("cannot be saved: cache 0's heads"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_TRUE(out.str().empty());
   }
 }
 

@@ -142,7 +142,7 @@ class Walker {
       take(p + ".concentration", 8);
     }
     end();
-    if (!(flags & 1)) return;
+    if (!(flags & 1) || rows == 0) return;  // head sections only for a cache holding rows
     const bool scored = method == "squeeze" || method == "h2o" || method == "pyramidkv" ||
                         method == "tova" || method == "snapkv";
     const auto stride = [&](std::int64_t bits, std::int64_t dim) -> std::size_t {

@@ -264,7 +264,10 @@ class KVCache {
   /// Throws std::out_of_range for a head outside [0, B) x [0, H).
   std::vector<std::int64_t> positions(Index b, Index h) const {
     std::vector<std::int64_t> out;
-    if (heads_.empty()) return out;
+    if (heads_.empty()) {
+      if (dims_.known) (void)head_index(b, h);  // a loaded cache of no rows (see live_rows)
+      return out;
+    }
     const auto& head = head_at(b, h);
     for (const detail::Slot s : head.order()) out.push_back(head.position(s));
     return out;
@@ -273,7 +276,10 @@ class KVCache {
   /// score; empty before the first call). Throws std::out_of_range outside [0, B) x [0, H).
   std::vector<float> scores(Index b, Index h) const {
     std::vector<float> out;
-    if (heads_.empty()) return out;
+    if (heads_.empty()) {
+      if (dims_.known) (void)head_index(b, h);
+      return out;
+    }
     const auto& head = head_at(b, h);
     for (const detail::Slot s : head.order()) out.push_back(head.score(s));
     return out;
@@ -433,14 +439,16 @@ class KVCache {
     (void)run(keys, values, &queries, "attend", nullptr, &att);
   }
 
-  // Head (b, h); std::out_of_range outside [0, B) x [0, H).
-  const detail::HeadStore<T>& head_at(Index b, Index h) const {
+  // Index of head (b, h); std::out_of_range outside [0, B) x [0, H).
+  std::size_t head_index(Index b, Index h) const {
     if (b < 0 || b >= dims_.batch || h < 0 || h >= dims_.heads) {
       throw std::out_of_range("scores/positions: head (" + std::to_string(b) + ", " +
                               std::to_string(h) + ") out of range");
     }
-    return heads_[static_cast<std::size_t>(b * dims_.heads + h)];
+    return static_cast<std::size_t>(b * dims_.heads + h);
   }
+  // Head (b, h); std::out_of_range outside [0, B) x [0, H).
+  const detail::HeadStore<T>& head_at(Index b, Index h) const { return heads_[head_index(b, h)]; }
 
   // How rows are stored: widths of keys and values (16: as T) and the group of quantized rows.
   struct Storage {
@@ -464,8 +472,10 @@ class KVCache {
     return detail::RowFormat{storage_.value_bits, dv, storage_.group};
   }
 
-  // Rows each head holds (the same for all heads), 0 before the first call.
-  Index live_rows() const { return dims_.known ? heads_.front().live() : 0; }
+  // Rows each head holds (the same for all heads), 0 before the first call. A cache loaded from a
+  // prompt cache with no rows holds no head objects until its next call brings rows (their
+  // number is B·H, which only the call's own tensors make real; docs/design.md G).
+  Index live_rows() const { return heads_.empty() ? 0 : heads_.front().live(); }
 
   std::size_t row_bytes() const {
     return static_cast<std::size_t>(dims_.key_dim + dims_.value_dim) * sizeof(T);
@@ -523,7 +533,7 @@ class KVCache {
     // 5. No-throw from here on.
     view_buffers.swap_into(view_k_, view_v_);
     if (!row_buf.empty()) row_buf_.swap(row_buf);
-    if (!dims_.known) {
+    if (heads_.empty()) {
       heads_.swap(fresh);
       dims_ = detail::LayerDims{keys.batch, keys.heads, keys.dim, values.dim, true};
     }
@@ -545,7 +555,7 @@ class KVCache {
                                             const detail::CallPlan& plan) {
     const Index S = keys.seq;
     std::vector<detail::HeadStore<T>> fresh;
-    if (!dims_.known) {
+    if (heads_.empty()) {
       const Index n = keys.batch * keys.heads;
       fresh.reserve(static_cast<std::size_t>(n));
       for (Index i = 0; i < n; ++i) {
@@ -705,6 +715,7 @@ class KVCache {
     float* row = storage_.quantized() ? buf : nullptr;
     for (const auto& h : heads_) {
       each(h, [&](Index s) {
+        VELOXQUANT_ASSERT(row || !storage_.quantized(), "quantized rows copied without a buffer");
         if (row) {
           h.read_rows(s, kout, vout, row);
         } else {

@@ -90,6 +90,15 @@ inline const char* storage_code_name(std::uint8_t code) {
   }
 }
 
+/// What the loader charges for each object it creates (docs/design.md G, "Memory"), part of the
+/// format's rules so that a writer and a reader anywhere agree on which sets fit: a metadata entry,
+/// a coordinator, one of its reports, a cache, a head (its bookkeeping beyond the rows).
+inline constexpr std::uint64_t kChargeMetadataEntry = 128;
+inline constexpr std::uint64_t kChargeCoordinator = 512;
+inline constexpr std::uint64_t kChargeReport = 64;
+inline constexpr std::uint64_t kChargeCache = 4096;
+inline constexpr std::uint64_t kChargeHead = 1024;
+
 /// Type codes of the config fields.
 enum class FieldType : std::uint8_t { i32 = 1, f64 = 2, boolean = 3, string = 4, optional_i32 = 5 };
 
@@ -138,34 +147,12 @@ class PromptCacheIO {
       throw std::invalid_argument(std::string(api) +
                                   ": more than 2^32 - 1 caches or metadata entries");
     }
-
-    ByteWriter w(out, api);
-    w.begin_section();
-    w.bytes(kPromptCacheMagic, sizeof(kPromptCacheMagic));
-    w.u32(kPromptCacheVersion);
-    w.u8(storage_code<T>());
-    for (int i = 0; i < 3; ++i) w.u8(0);
-    w.u32(static_cast<std::uint32_t>(caches.size()));
-    w.u32(static_cast<std::uint32_t>(coordinators.size()));
-    w.u32(static_cast<std::uint32_t>(metadata.size()));
-    w.end_section();
-
-    w.begin_section();
-    for (const auto& [key, value] : metadata) {
-      w.string(key, "a metadata key");
-      w.string(value, "a metadata value");
-    }
-    w.end_section();
-
-    w.begin_section();
-    for (const SqueezeCoordinator* co : coordinators) write_coordinator(w, *co);
-    w.end_section();
-
-    std::vector<Slot> src;
-    std::vector<char> buf;
-    for (std::size_t i = 0; i < caches.size(); ++i) {
-      write_cache(w, *caches[i], coordinator_of[i], src, buf);
-    }
+    // A dry run first: it writes nothing and refuses (std::invalid_argument) a set the loader
+    // would refuse for memory (docs/design.md G); then the file.
+    ByteWriter dry(nullptr, api);
+    write_file(dry, caches, metadata, coordinators, coordinator_of);
+    ByteWriter w(&out, api);
+    write_file(w, caches, metadata, coordinators, coordinator_of);
   }
 
   /// Reads one prompt cache from `in`, leaving the stream after it. `source` names the input in
@@ -215,13 +202,17 @@ class PromptCacheIO {
         r.fail("key '" + printable(key) + "' is out of order or repeated");
       }
       out.metadata.emplace_hint(out.metadata.end(), std::move(key), std::move(value));
+      r.charge(kChargeMetadataEntry, "the metadata entries");
     }
     r.end_section();
 
     r.set_where("coordinator table");
     r.begin_section();
     std::vector<CoordinatorRecord> records;
-    for (std::uint32_t i = 0; i < n_coordinators; ++i) records.push_back(read_coordinator(r));
+    for (std::uint32_t i = 0; i < n_coordinators; ++i) {
+      r.charge(kChargeCoordinator, "the coordinators");
+      records.push_back(read_coordinator(r));
+    }
     r.end_section();
     std::vector<std::shared_ptr<SqueezeCoordinator>> coordinators;
     for (std::size_t i = 0; i < records.size(); ++i) {
@@ -253,6 +244,43 @@ class PromptCacheIO {
   }
 
  private:
+  static_assert(sizeof(HeadStore<float>) + 512 <= kChargeHead,
+                "a head's bookkeeping must stay within its charge (docs/design.md G)");
+  static_assert(sizeof(SqueezeAttentionCache<float>) + 2048 <= kChargeCache,
+                "a cache's bookkeeping must stay within its charge (docs/design.md G)");
+
+  static void write_file(ByteWriter& w, const Caches& caches, const Metadata& metadata,
+                         const std::vector<const SqueezeCoordinator*>& coordinators,
+                         const std::vector<std::int32_t>& coordinator_of) {
+    w.begin_section();
+    w.bytes(kPromptCacheMagic, sizeof(kPromptCacheMagic));
+    w.u32(kPromptCacheVersion);
+    w.u8(storage_code<T>());
+    for (int i = 0; i < 3; ++i) w.u8(0);
+    w.u32(static_cast<std::uint32_t>(caches.size()));
+    w.u32(static_cast<std::uint32_t>(coordinators.size()));
+    w.u32(static_cast<std::uint32_t>(metadata.size()));
+    w.end_section();
+
+    w.begin_section();
+    for (const auto& [key, value] : metadata) {
+      w.string(key, "a metadata key");
+      w.string(value, "a metadata value");
+      w.charge(kChargeMetadataEntry, "the metadata entries");
+    }
+    w.end_section();
+
+    w.begin_section();
+    for (const SqueezeCoordinator* co : coordinators) write_coordinator(w, *co);
+    w.end_section();
+
+    std::vector<Slot> src;
+    std::vector<char> buf;
+    for (std::size_t i = 0; i < caches.size(); ++i) {
+      write_cache(w, *caches[i], i, coordinator_of[i], src, buf);
+    }
+  }
+
   /// The method of the library class `c` is exactly (nullptr: a class derived from one).
   static const char* class_method(const KVCache<T>& c) {
     const std::type_info& t = typeid(c);
@@ -419,6 +447,7 @@ class PromptCacheIO {
       reports = co.reports_;
       generation = co.generation_;
     }
+    w.charge(kChargeCoordinator, "the coordinators");
     w.i32(co.n_layers_);
     w.i32(co.avg_budget_);
     w.i32(co.n_sink_);
@@ -428,6 +457,7 @@ class PromptCacheIO {
     for (const auto& [layer, c] : reports) {
       w.i32(layer);
       w.f64(c);
+      w.charge(kChargeReport, "the coordinators' reports");
     }
   }
 
@@ -442,6 +472,7 @@ class PromptCacheIO {
     for (std::uint32_t i = 0; i < n; ++i) {
       const std::int32_t layer = r.i32();
       const double conc = r.f64();
+      r.charge(kChargeReport, "the coordinators' reports");
       c.reports.emplace_back(layer, conc);
     }
     return c;
@@ -513,9 +544,11 @@ class PromptCacheIO {
     return d;
   }
 
-  static void write_cache(ByteWriter& w, const KVCache<T>& c, std::int32_t coordinator,
-                          std::vector<Slot>& src, std::vector<char>& buf) {
+  static void write_cache(ByteWriter& w, const KVCache<T>& c, std::size_t index,
+                          std::int32_t coordinator, std::vector<Slot>& src,
+                          std::vector<char>& buf) {
     const Descriptor d = describe(c, coordinator);
+    const std::string name = "cache " + std::to_string(index);
     w.begin_section();
     write_config(w, d.config);
     w.u8(static_cast<std::uint8_t>((d.dims_known ? kDimsKnown : 0) |
@@ -536,21 +569,26 @@ class PromptCacheIO {
       w.f64(d.concentration);
     }
     w.end_section();
-    if (!d.dims_known) return;
+    w.charge(kChargeCache, "the caches");
+    // Heads are written when they hold rows (a cache of no rows is loaded without head objects).
+    if (!d.dims_known || d.rows == 0) return;
     const auto* sq = dynamic_cast<const SqueezeAttentionCache<T>*>(&c);
     const bool with_scores = scored(c.rule_.kind);
+    const HeadStore<T>& first = c.heads_.front();
+    const auto slot_bytes =
+        static_cast<std::uint64_t>(first.key_stride() + first.value_stride()) * sizeof(T);
     for (std::size_t i = 0; i < c.heads_.size(); ++i) {
       const HeadStore<T>& h = c.heads_[i];
       const ConcentrationSums* sums = d.has_sums ? &sq->sums_[i] : nullptr;
-      write_head(w, h, with_scores, sums, src, buf);
+      write_head(w, h, with_scores, sums, slot_bytes, name, src, buf);
     }
   }
 
   /// One head block: positions, scores, the concentration sums, keys, values, CRC; the rows in
   /// the slot order compact() would leave (HeadStore::compacted_slots).
   static void write_head(ByteWriter& w, const HeadStore<T>& h, bool with_scores,
-                         const ConcentrationSums* sums, std::vector<Slot>& src,
-                         std::vector<char>& buf) {
+                         const ConcentrationSums* sums, std::uint64_t slot_bytes,
+                         const std::string& name, std::vector<Slot>& src, std::vector<char>& buf) {
     h.compacted_slots(src);
     const std::size_t n = src.size();
     w.begin_section();
@@ -572,9 +610,14 @@ class PromptCacheIO {
       w.f64(sums->diagonal());
       w.i64(sums->rows());
     }
+    if (slot_bytes > w.allowance()) {
+      w.refuse(name + ": a row of " + std::to_string(slot_bytes) + " bytes (key and value) is " +
+               "more than the loader may allocate at that point of the file (docs/design.md G)");
+    }
     write_rows(w, h, src, true);
     write_rows(w, h, src, false);
     w.end_section();
+    w.charge(kChargeHead, name + "'s heads");
   }
 
   /// The stored key (value) rows of slots src[0..n), a run of consecutive slots per write.
@@ -614,6 +657,7 @@ class PromptCacheIO {
       d.concentration = r.f64();
     }
     r.end_section();
+    r.charge(kChargeCache, "the caches");
     const std::string label = name + " (" + printable(d.config.method) + ")";
     r.set_where(label);
     if ((flags & ~(kDimsKnown | kHasBudget | kCompressed)) != 0) r.fail("unknown state flags");
@@ -658,7 +702,7 @@ class PromptCacheIO {
 
     std::vector<HeadStore<T>> heads;
     std::vector<ConcentrationSums> sums;
-    if (d.dims_known) read_heads(r, label, d, *cache, heads, sums);
+    if (d.dims_known && d.rows > 0) read_heads(r, label, d, *cache, heads, sums);
 
     // Install: the cache now stands where the saved one stood.
     KVCache<T>& c = *cache;
@@ -669,6 +713,11 @@ class PromptCacheIO {
     c.rule_.budget = d.has_budget ? std::optional<int>(d.budget) : std::nullopt;
     c.rule_.compressed = d.compressed;
     c.rebudget_ = false;
+    // The buffer quantized rows leave the cache through (a cache that has made a call with rows
+    // holds one; an empty call's view or fetch after the load needs it).
+    if (c.storage_.quantized() && d.rows > 0) {
+      c.row_buf_.assign(static_cast<std::size_t>(c.row_floats(d.key_dim, d.value_dim)), 0.0f);
+    }
     if (auto* sq = dynamic_cast<SqueezeAttentionCache<T>*>(&c)) {
       sq->concentration_ = d.concentration;
       sq->sums_ = std::move(sums);
@@ -732,6 +781,9 @@ class PromptCacheIO {
                      (d.has_budget && d.budget != rule.budget.value_or(0)))) {
       r.fail("its budget is not the one its configuration gives");
     }
+    if (d.dims_known && d.rows == 0 && method != "standard") {
+      r.fail("no rows after a call: only a trimmed standard cache can hold none");
+    }
     if (d.compressed && (method != "snapkv" || !d.dims_known)) {
       r.fail("compressed, but not a SnapKV cache that has seen a call");
     }
@@ -740,9 +792,12 @@ class PromptCacheIO {
              " at offset " + std::to_string(d.offset) + ")");
     }
     if (d.has_budget && d.budget < 1) r.fail("budget " + std::to_string(d.budget) + " is below 1");
+    // Evictions never take a sink, so a budget below the sinks (an adopted budget from a
+    // coordinator with fewer sinks than the layer) leaves the sinks: at most max(budget, sinks).
     const bool bounded = rule.kind == RuleKind::window || rule.kind == RuleKind::cumulative ||
                          rule.kind == RuleKind::last_attention;
-    if (bounded && d.has_budget && d.rows > d.budget) {
+    const std::int64_t sinks = std::min<std::int64_t>(rule.n_sink, d.offset);
+    if (bounded && d.has_budget && d.rows > std::max<std::int64_t>(d.budget, sinks)) {
       r.fail(std::to_string(d.rows) + " rows per head over its budget of " +
              std::to_string(d.budget));
     }
@@ -779,9 +834,6 @@ class PromptCacheIO {
     if (d.has_budget && !d.adopted && d.budget != fallback) {
       r.fail("budget " + std::to_string(d.budget) + " before adoption; the fallback is " +
              std::to_string(fallback));
-    }
-    if (d.adopted && d.budget < cfg.squeeze_n_sink + 1) {
-      r.fail("adopted budget " + std::to_string(d.budget) + " is below n_sink + 1");
     }
     if (d.reported && coordinator) {
       const std::uint64_t now = coordinator->generation_;
@@ -848,6 +900,7 @@ class PromptCacheIO {
                    " rows can add up to");
           sums.push_back(ConcentrationSums::restored(sum, diag, sum_rows));
         }
+        r.charge(kChargeHead, "the heads");
         heads.push_back(std::move(head));
       }
     }

@@ -35,11 +35,17 @@ inline bool little_endian_host() {
 /// KiB pieces 145 ms, 64 KiB 151 ms, 16 KiB 167 ms, CRC before the copy 182 ms; memcpy 83 ms).
 inline constexpr std::size_t kIoChunk = std::size_t{1} << 18;
 
+/// What the loader may allocate beyond what the file's bytes pay for (docs/design.md G, "Memory"):
+/// reads allocate at most this plus the bytes read so far ahead of their data, and the objects it
+/// creates (metadata entries, coordinators, caches, heads) are charged against the same amount.
+inline constexpr std::uint64_t kLoadGrant = std::uint64_t{1} << 20;
+
 /// Little-endian fields and raw blocks to a stream; the CRC-32C of the section in progress.
-/// Throws std::runtime_error(`api`: ...) when the stream fails.
+/// Throws std::runtime_error(`api`: ...) when the stream fails. Without a stream it only counts
+/// (a dry run: the save checks the loader's memory rules on it before writing a byte).
 class ByteWriter {
  public:
-  ByteWriter(std::ostream& out, const char* api) : out_(out), api_(api) {}
+  ByteWriter(std::ostream* out, const char* api) : out_(out), api_(api) {}
 
   void u8(std::uint8_t v) { put(&v, 1); }
   void u32(std::uint32_t v) { le(v); }
@@ -85,6 +91,22 @@ class ByteWriter {
   }
   std::uint64_t written() const { return written_; }
 
+  /// What the loader may allocate at this point of the file (ByteReader::allowance()).
+  std::uint64_t allowance() const { return kLoadGrant + written_; }
+  /// The loader's charge for an object it creates here (ByteReader::charge): a set it would
+  /// refuse cannot be saved (std::invalid_argument naming `what`).
+  void charge(std::uint64_t bytes, const std::string& what) {
+    charged_ += bytes;
+    if (charged_ > allowance()) {
+      refuse(what + " would hold more memory when loaded than the file's data allows (" +
+             std::to_string(charged_) + " bytes charged against " + std::to_string(allowance()) +
+             ", docs/design.md G)");
+    }
+  }
+  [[noreturn]] void refuse(const std::string& why) const {
+    throw std::invalid_argument(std::string(api_) + ": this set cannot be saved: " + why);
+  }
+
  private:
   template <class U>
   void le(U v) {
@@ -93,8 +115,12 @@ class ByteWriter {
     put(b, sizeof(U));
   }
   void put(const void* p, std::size_t n) {
-    out_.write(static_cast<const char*>(p), static_cast<std::streamsize>(n));
-    if (!out_) {
+    if (out_ == nullptr) {
+      written_ += n;
+      return;
+    }
+    out_->write(static_cast<const char*>(p), static_cast<std::streamsize>(n));
+    if (!*out_) {
       throw std::runtime_error(std::string(api_) + ": writing failed after " +
                                std::to_string(written_) + " bytes");
     }
@@ -103,10 +129,11 @@ class ByteWriter {
     written_ += n;
   }
 
-  std::ostream& out_;
+  std::ostream* out_;
   const char* api_;
   std::uint32_t crc_ = 0;
   std::uint64_t written_ = 0;
+  std::uint64_t charged_ = 0;
 };
 
 /// Little-endian fields and raw blocks from a stream, with the CRC-32C of the section in progress
@@ -114,9 +141,6 @@ class ByteWriter {
 /// the file being read (where()).
 class ByteReader {
  public:
-  /// Bytes any read may allocate ahead of the data beyond what has been read (docs/design.md G).
-  static constexpr std::uint64_t kGrant = std::uint64_t{1} << 20;
-
   /// `verify`: compare each section's CRC (false only in the fuzzer, to reach the structure
   /// behind the checksums).
   /// `source` names the input in messages (a path, or empty for a stream).
@@ -188,9 +212,20 @@ class ByteReader {
     }
   }
 
-  /// Bytes a read may allocate now ahead of its data: kGrant plus the bytes read so far.
-  std::uint64_t allowance() const { return kGrant + consumed_; }
+  /// Bytes a read may allocate now ahead of its data: kLoadGrant plus the bytes read so far.
+  std::uint64_t allowance() const { return kLoadGrant + consumed_; }
   std::uint64_t consumed() const { return consumed_; }
+  /// Charges `bytes` for an object the loader creates here (a metadata entry, a coordinator, a
+  /// cache, a head): all charges together may not exceed allowance(), so a file of many empty
+  /// objects cannot make the loader hold far more memory than the file's size.
+  void charge(std::uint64_t bytes, const std::string& what) {
+    charged_ += bytes;
+    if (charged_ > allowance()) {
+      fail(what + " would hold more memory than the file's data allows (" +
+           std::to_string(charged_) + " bytes charged against " + std::to_string(allowance()) +
+           ")");
+    }
+  }
 
   /// Starts a section (its CRC covers every byte read until end_section()).
   void begin_section() { crc_ = 0; }
@@ -237,6 +272,7 @@ class ByteReader {
   std::string where_ = "header";
   std::uint32_t crc_ = 0;
   std::uint64_t consumed_ = 0;
+  std::uint64_t charged_ = 0;
 };
 
 }  // namespace veloxquant::cache::detail

@@ -44,12 +44,14 @@ inline const char* simd_level_name(SimdLevel level) {
 struct X86Features {
   bool avx2_fma_f16c = false;
   bool avx512f = false;
+  bool sse42 = false;  ///< the crc32 instruction (the prompt-cache checksum, crc32c.hpp)
 };
 
 inline X86Features read_x86_features() {
   X86Features f;
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  f.sse42 = (c >> 20) & 1u;
   const bool fma = (c >> 12) & 1u, osxsave = (c >> 27) & 1u, avx = (c >> 28) & 1u;
   const bool f16c = (c >> 29) & 1u;
   if (!osxsave || !avx) return f;

@@ -4,7 +4,7 @@
 // the end: crc32c(0, "123456789", 9) == 0xE3069283. crc32c(crc32c(0, a), b) is the CRC of a then b.
 //
 // Two paths, the same value: the SSE4.2 `crc32` instruction where the kernels run AVX2 or AVX-512
-// (every such CPU has SSE4.2; set_simd_level(sse2 or scalar) selects the table path), and eight
+// and the CPU reports SSE4.2 (set_simd_level(sse2 or scalar) selects the table path), and eight
 // 256-entry tables (one table lookup per byte, eight bytes at a time) everywhere else. The
 // instruction has a latency of three cycles and a throughput of one, so long inputs run three
 // independent streams over consecutive blocks and join them: the register after a block B from
@@ -140,10 +140,11 @@ __attribute__((target("sse4.2"))) inline std::uint32_t crc32c_raw_hw3(std::uint3
 
 #endif  // VELOXQUANT_DETAIL_X86
 
-/// True when crc32c() uses the SSE4.2 instruction (the kernels run AVX2 or AVX-512).
+/// True when crc32c() uses the SSE4.2 instruction: the kernels run AVX2 or AVX-512 and the CPU
+/// reports SSE4.2 (every such CPU has it; a virtual machine might hide it).
 inline bool crc32c_hardware() {
 #if VELOXQUANT_DETAIL_X86
-  return active_simd_level() >= SimdLevel::avx2;
+  return active_simd_level() >= SimdLevel::avx2 && x86_features().sse42;
 #else
   return false;
 #endif
