@@ -11,11 +11,12 @@
 //                    [--length L] [--prompt P] [--budgets 32,64,128,256]
 //                    [--methods squeeze,squeeze_uniform,h2o,pyramidkv,tova,streaming_llm,snapkv]
 //                    [--scoring proxy,queries] [--widths 16/16,8/8,8/4,4/4] [--group G]
-//                    [--range FROM:TO] [--csv FILE] [--svg FILE]
+//                    [--range FROM:TO] [--set FIELD=VALUE,...] [--csv FILE] [--svg FILE]
 //
 // --widths gives key/value bits per row (quantized storage, docs/design.md 2.9), --group the
 // quantization group (default 8: the model's head dim), --range the bytes of the text windows may
-// come from (docs/fidelity.md: decisions use 0:400000 only).
+// come from (docs/fidelity.md: decisions use 0:400000 only), --set overrides any KVCacheConfig
+// field by name in every evicting run (e.g. --set squeeze_decay=0.95,squeeze_recent_ratio=0.75).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -29,6 +30,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <veloxquant/cache.hpp>
@@ -55,6 +57,7 @@ struct Options {
   std::size_t range_from = 0, range_to = std::string::npos;  // bytes of the text
   std::string csv = "fidelity.csv";
   std::string svg = "fidelity.svg";
+  std::vector<std::pair<std::string, std::string>> set;  // KVCacheConfig field = value, every run
 };
 
 std::vector<std::string> split(const std::string& s, char sep) {
@@ -120,6 +123,12 @@ Options parse(int argc, char** argv) {
       if (colon == std::string::npos) throw std::invalid_argument("--range: '" + r + "' is not FROM:TO");
       o.range_from = static_cast<std::size_t>(to_int(a, r.substr(0, colon)));
       if (colon + 1 < r.size()) o.range_to = static_cast<std::size_t>(to_int(a, r.substr(colon + 1)));
+    } else if (a == "--set") {
+      for (const auto& kv : split(value(), ',')) {
+        const std::size_t eq = kv.find('=');
+        if (eq == std::string::npos) throw std::invalid_argument("--set: '" + kv + "' is not FIELD=VALUE");
+        o.set.emplace_back(kv.substr(0, eq), kv.substr(eq + 1));
+      }
     } else if (a == "--csv") {
       o.csv = value();
     } else if (a == "--svg") {
@@ -129,7 +138,7 @@ Options parse(int argc, char** argv) {
                    "  [--windows N] [--length L] [--prompt P] [--budgets 32,64,128,256]\n"
                    "  [--methods squeeze,squeeze_uniform,h2o,pyramidkv,tova,streaming_llm,snapkv]\n"
                    "  [--scoring proxy,queries] [--widths 16/16,8/8,8/4,4/4] [--group G]\n"
-                   "  [--range FROM:TO] [--csv FILE] [--svg FILE]\n";
+                   "  [--range FROM:TO] [--set FIELD=VALUE,...] [--csv FILE] [--svg FILE]\n";
       std::exit(0);
     } else {
       throw std::invalid_argument("unknown argument '" + a + "' (see --help)");
@@ -212,10 +221,33 @@ std::vector<std::vector<int>> make_windows(const Options& o, const ll::Tokenizer
   return out;
 }
 
+// Sets KVCacheConfig field `name` of `c` from text (any field, through for_each_config_field).
+void set_field(vc::KVCacheConfig& c, const std::string& name, const std::string& text) {
+  bool found = false;
+  vc::detail::for_each_config_field(c, [&](const char* field, auto& v) {
+    using V = std::decay_t<decltype(v)>;
+    if (found || name != field) return;
+    found = true;
+    if constexpr (std::is_same_v<V, int>) {
+      v = to_int("--set " + name, text);
+    } else if constexpr (std::is_same_v<V, double>) {
+      v = std::stod(text);
+    } else if constexpr (std::is_same_v<V, bool>) {
+      v = text == "1" || text == "true";
+    } else if constexpr (std::is_same_v<V, std::string>) {
+      v = text;
+    } else {
+      v = text.empty() || text == "none" ? std::nullopt : std::optional<int>(to_int(name, text));
+    }
+  });
+  if (!found) throw std::invalid_argument("--set: no KVCacheConfig field '" + name + "'");
+}
+
 // "squeeze_uniform" is SqueezeAttention with strength 0: every layer gets the average budget, so
-// comparing it with "squeeze" isolates the data-driven per-layer budget.
+// comparing it with "squeeze" isolates the data-driven per-layer budget. `set`: field overrides.
 vc::KVCacheConfig config_for(const std::string& method, int budget, std::pair<int, int> widths,
-                             int group) {
+                             int group,
+                             const std::vector<std::pair<std::string, std::string>>& set = {}) {
   vc::KVCacheConfig c;
   c.key_bits = widths.first;
   c.value_bits = widths.second;
@@ -225,6 +257,7 @@ vc::KVCacheConfig config_for(const std::string& method, int budget, std::pair<in
   c.squeeze_budget = c.h2o_budget = c.pyramid_budget = c.tova_budget = c.snap_budget = budget;
   c.stream_window_size = budget - c.stream_n_sink;
   c.snap_obs_window = std::min(c.snap_obs_window, budget);
+  for (const auto& [name, value] : set) set_field(c, name, value);
   c.validate();
   return c;
 }
@@ -458,7 +491,7 @@ int main(int argc, char** argv) {
                          .count());
         const vc::KVCacheConfig cfg =
             run.budget == 0 ? config_for("standard", 512, {16, 16}, o.group)
-                            : config_for(run.method, run.budget, run.widths, o.group);
+                            : config_for(run.method, run.budget, run.widths, o.group, o.set);
         ll::Engine<float> engine(model, vc::KVCacheBuilder::for_model<float>(n_layers, cfg),
                                  run.scoring == "queries");
         double secs = 0;
