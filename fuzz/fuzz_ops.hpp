@@ -24,25 +24,25 @@
 //     update_and_view or update_and_fetch_into, with storage-typed or double inputs, with or
 //     without queries (G 1..3; float, double or half), reset() (of the cache alone or of the whole
 //     builder model and its coordinator), trim(n), save_prompt_cache + load_prompt_cache of every
-//     cache of the run (carrying on with the loaded set), set_parallel_heads, a reused output tensor of
-//     the wrong shape, reports of other layers to the coordinator, and bad inputs: NaN/Inf keys at
-//     a chosen index, a double key overflowing the storage type, keys/values that disagree in B, H
-//     or S, zero B/H/D, B/H/D changed after the first call, and bad queries (Hq not a positive
-//     multiple of H, wrong B/S/D, NaN/Inf query, double query overflowing float).
+//     cache of the run (carrying on with the loaded set), set_parallel_heads, a reused output
+//     tensor of the wrong shape, reports of other layers to the coordinator, and bad inputs:
+//     NaN/Inf keys at a chosen index, a double key overflowing the storage type, keys/values that
+//     disagree in B, H or S, zero B/H/D, B/H/D changed after the first call, and bad queries (Hq
+//     not a positive multiple of H, wrong B/S/D, NaN/Inf query, double query overflowing float).
 //   Data: every key, value and query entry is a multiple of 0.25 in [-2, 2] (some modes use
 //   {-1, 0, 1}, mostly-zero rows, or a small palette of repeated rows), so every storage type holds
 //   it exactly, dot products are exact in float32, and exact ties (identical keys, identical
 //   logits) are frequent. One sequence in four is "one-hot": keys and queries in {-64, 0, 64}, so
 //   logits that differ at all differ by more than 1448 and every softmax weight is exactly 0 or
-//   1/m, in the library (docs/design.md A(k)) and in the oracle alike: rows that receive no attention tie
-//   exactly, which exercises the tie rules of the H2O core (earliest evicted; in a re-budget the
-//   later position survives), where ordinary data almost never produces an exact tie.
+//   1/m, in the library (docs/design.md A(k)) and in the oracle alike: rows that receive no
+//   attention tie exactly, which exercises the tie rules of the H2O core (earliest evicted; in a
+//   re-budget the later position survives), where ordinary data almost never produces an exact tie.
 //
 // Checks after every accepted call:
 //   * the returned window is the rows retained before the call followed by every row of the call
-//     (docs/design.md 4.4): bitwise, in ascending position for update_and_fetch / update_and_fetch_into; for
-//     update_and_view the earlier rows may come in any order (positions() say which) and the call's
-//     rows come last in arrival order (docs/design.md 2.3);
+//     (docs/design.md 4.4): bitwise, in ascending position for update_and_fetch /
+//     update_and_fetch_into; for update_and_view the earlier rows may come in any order
+//     (positions() say which) and the call's rows come last in arrival order (docs/design.md 2.3);
 //   * offset(), tokens_seen(), tokens_kept(), kept_bytes(), full_seq_bytes(), compression_ratio(),
 //     heap_bytes() >= kept_bytes(), batch()/heads()/key_dim()/value_dim();
 //   * the retained row count per head equals a count model that does not depend on which rows were
@@ -60,34 +60,36 @@
 // offset(), the accounting, heap_bytes(), dims, scores, positions, budget(), protected_recent(),
 // layer_budget(), compressed(), concentration(), budget_adopted() and the coordinator (reports,
 // finalisation, generation) are exactly as before (strong guarantee, docs/design.md 8): the shared
-// Snapshot of tests/support/subjects.hpp. A call expected to be valid must not throw, and vice versa.
-// Policy state (scores, positions, budget, n_sink, protected window) is read through the public
-// policy classes (tests/support/test_support.hpp: visit_core / visit_scored and the policy_* /
-// core_* helpers), never through the library's detail layer.
+// Snapshot of tests/support/subjects.hpp. A call expected to be valid must not throw, and vice
+// versa. Policy state (scores, positions, budget, n_sink, protected window) is read through the
+// public policy classes (tests/support/test_support.hpp: visit_core / visit_scored and the policy_*
+// / core_* helpers), never through the library's detail layer.
 //
 // Tolerance for float32 scoring against the double oracle (the only excused difference):
 //   The library scores in float32, the oracle in double. When the oracle takes an eviction decision
 //   (one H2O token, one H2O once-per-call eviction, a re-budget trim, one TOVA token, the SnapKV
 //   compression), the harness records whether the decision was *ambiguous*: some evicted
 //   candidate and some kept candidate have oracle scores that differ, but by at most kTieRelTol
-//   (1e-4) of the larger one, or are equal by coincidence (below). A retained-set or score mismatch
-//   in a head is excused only if that head had an ambiguous decision in the same call; the head is
-//   then marked diverged and its positions and scores are no longer compared with the oracle until
-//   the next reset (the count, sink, recent-window and content checks above continue). A tie that
-//   is exact by construction is never ambiguous: both scores exactly 0 (rows that never received
-//   attention); for TOVA and SnapKV, bitwise-identical keys (identical columns of the same
-//   softmaxes); for TOVA scored by one softmax row (no queries, or G = 1), every exact tie (equal
-//   weights <=> equal logits, and the logits of this data are exact in float32). The library must
-//   break those exactly as docs/design.md says (earliest evicted; in a re-budget the later position
-//   survives). Other equal doubles are different computations that happen to round alike (sums such
-//   as 9/15 + 1/2 + 1/2 and 9/15 + 1/4 + 1/4 + 1/4 + 1/4), which float32 may split, so they count
-//   as near-ties. Scores that agree to 1e-4 are 100x wider than float32 accumulation error on this
-//   data (ordinary logits are bounded by 2*2*8/sqrt(8) < 12, so no weight underflows; one-hot
-//   weights are exact), so a real scoring or tie-breaking bug still shows, as does a mismatch in a
-//   call with no near-tie. (Measured on ~130k fuzzed decisions: 1.3% were near-ties, most of them
-//   differences of 1e-16..1e-8 between quantities that are equal in exact arithmetic.) With mixed
-//   query mode the H2O-core and TOVA oracles (one scoring rule per sequence) are not consulted;
-//   SnapKV keeps both oracles.
+//   (1e-4) of the larger one, or both lie below float32's smallest normal (1.2e-38: an H2O decay
+//   of 0.25 per token takes any score there within ~70 tokens, and float32 then rounds it to a
+//   subnormal or to 0 while double keeps it), or are equal by coincidence (below). A retained-set
+//   or score mismatch in a head is excused only if that head had an ambiguous decision in the same
+//   call; the head is then marked diverged and its positions and scores are no longer compared with
+//   the oracle until the next reset (the count, sink, recent-window and content checks above
+//   continue). A tie that is exact by construction is never ambiguous: both scores exactly 0 (rows
+//   that never received attention); for TOVA and SnapKV, bitwise-identical keys (identical columns
+//   of the same softmaxes); for TOVA scored by one softmax row (no queries, or G = 1), every exact
+//   tie (equal weights <=> equal logits, and the logits of this data are exact in float32). The
+//   library must break those exactly as docs/design.md says (earliest evicted; in a re-budget the
+//   later position survives). Other equal doubles are different computations that happen to round
+//   alike (sums such as 9/15 + 1/2 + 1/2 and 9/15 + 1/4 + 1/4 + 1/4 + 1/4), which float32 may
+//   split, so they count as near-ties. Scores that agree to 1e-4 are 100x wider than float32
+//   accumulation error on this data (ordinary logits are bounded by 2*2*8/sqrt(8) < 12, so no
+//   weight underflows; one-hot weights are exact), so a real scoring or tie-breaking bug still
+//   shows, as does a mismatch in a call with no near-tie. (Measured on ~130k fuzzed decisions: 1.3%
+//   were near-ties, most of them differences of 1e-16..1e-8 between quantities that are equal in
+//   exact arithmetic.) With mixed query mode the H2O-core and TOVA oracles (one scoring rule per
+//   sequence) are not consulted; SnapKV keeps both oracles.
 #pragma once
 
 // clang-format off
@@ -121,6 +123,8 @@ namespace veloxquant::fuzz {
 
 /// Relative gap below which two different oracle scores at an eviction boundary are a near-tie.
 inline constexpr double kTieRelTol = 1e-4;
+/// Oracle scores below this (float32's smallest normal) are not ordered reliably in float32.
+inline constexpr double kFloatNormalMin = static_cast<double>(std::numeric_limits<float>::min());
 /// Library score vs oracle score: absolute or relative tolerance.
 inline constexpr double kScoreAbsTol = 1e-6;
 inline constexpr double kScoreRelTol = 1e-4;
@@ -279,7 +283,8 @@ struct Candidate {
 using SameKey = std::function<bool(std::int64_t, std::int64_t)>;
 
 /// True when the decision could legitimately go the other way in float32: some evicted candidate
-/// and some kept candidate have oracle scores within kTieRelTol of each other. Ties that are exact
+/// and some kept candidate have oracle scores within kTieRelTol of each other, or both below
+/// float32's normal range (decayed scores that underflow in float32). Ties that are exact
 /// by construction are not ambiguous (the tie rules decide them, in the library too): both scores
 /// exactly 0 (rows that never received attention); when `same_key` is given (candidates scored
 /// by columns of the same softmaxes: TOVA, SnapKV), bitwise-identical keys; with
@@ -300,6 +305,10 @@ inline bool near_tie(const std::vector<Candidate>& cands, const std::set<std::in
       }
       const double scale = std::max(std::fabs(c.score), std::fabs(e.score));
       if (std::fabs(c.score - e.score) <= kTieRelTol * scale) return true;
+      // Below float32's normal range the library's scores lose their relative precision and
+      // underflow to 0 (a decay of 0.25 per token takes a score from 0.4 to 2e-47 in 75 tokens):
+      // two such scores may compare either way, or tie at 0, in float32.
+      if (scale < kFloatNormalMin) return true;
     }
   }
   return false;
@@ -641,9 +650,13 @@ class Harness {
   /// the chosen breakage does not apply.
   /// The method whose fields `field` belongs to, by its prefix ("" for a common field).
   static std::string method_of_field(const std::string& field) {
-    for (const auto& [prefix, method] : std::initializer_list<std::pair<const char*, const char*>>{
-             {"squeeze_", "squeeze"}, {"h2o_", "h2o"}, {"pyramid_", "pyramidkv"}, {"tova_", "tova"},
-             {"stream_", "streaming_llm"}, {"snap_", "snapkv"}}) {
+    for (const auto& [prefix, method] :
+         std::initializer_list<std::pair<const char*, const char*>>{{"squeeze_", "squeeze"},
+                                                                    {"h2o_", "h2o"},
+                                                                    {"pyramid_", "pyramidkv"},
+                                                                    {"tova_", "tova"},
+                                                                    {"stream_", "streaming_llm"},
+                                                                    {"snap_", "snapkv"}}) {
       if (field.rfind(prefix, 0) == 0) return method;
     }
     return "";
@@ -1870,7 +1883,8 @@ class Harness {
             std::min<std::size_t>(static_cast<std::size_t>(cfg_.snap_obs_window), S);
         std::vector<const std::vector<double>*> ptrs;
         for (const auto& k : keys) ptrs.push_back(&k);
-        // The oracles' scorer; without real queries each token's query heads are {its key} (the proxy).
+        // The oracles' scorer; without real queries each token's query heads are {its key} (the
+        // proxy).
         std::vector<double> score(S, 0.0);
         std::size_t n_soft = 0;
         for (std::size_t j = S - w; j < S; ++j) {

@@ -188,6 +188,11 @@ TEST(FuzzRegressions, NearTieRuleExcusesOnlyCloseScoresAndCoincidentalTies) {
   EXPECT_TRUE(near_tie({{0.5, 3}, {0.5 * (1 + 1e-6), 4}, {0.9, 5}}, evict_3));
   // Different by 1e-3 relative: a real decision.
   EXPECT_FALSE(near_tie({{0.5, 3}, {0.5 * (1 + 1e-3), 4}, {0.9, 5}}, evict_3));
+  // Below float32's normal range (decayed scores): float32 holds 0 or a subnormal, so even a
+  // score against an exact 0 is ambiguous; the same gap above the range is a real decision.
+  EXPECT_TRUE(near_tie({{0.0, 3}, {2e-47, 4}, {0.9, 5}}, evict_3));
+  EXPECT_TRUE(near_tie({{1e-40, 3}, {3e-39, 4}, {0.9, 5}}, evict_3));
+  EXPECT_FALSE(near_tie({{0.0, 3}, {2e-37, 4}, {0.9, 5}}, evict_3));
   // Only evicted-vs-kept pairs count.
   EXPECT_FALSE(near_tie({{0.5, 3}, {0.5 * (1 + 1e-6), 4}}, {3, 4}));
   EXPECT_FALSE(near_tie({{0.5, 3}, {0.7, 4}}, {}));
