@@ -1,7 +1,7 @@
 // veloxquant — eviction-fidelity harness on a real model (stories260K, llama2.c format).
 //
-// For windows of real text, teacher-forced: the first P tokens go through every layer's cache as one
-// prefill call, the rest one token per call. Each method x budget x scoring (key proxy or the
+// For windows of real text, teacher-forced: the first P tokens go through every layer's cache as
+// one prefill call, the rest one token per call. Each method x budget x scoring (key proxy or the
 // model's real queries) is compared with the full cache on the same window: per-token NLL and
 // perplexity of the real next token, KL(full || evicted) of the next-token distribution, top-1
 // agreement, kept bytes, compression ratio and decode speed. Writes a table (stdout), a CSV and an
@@ -25,14 +25,13 @@
 #include <fstream>
 #include <iostream>
 #include <map>
-#include <utility>
 #include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
-
 #include <veloxquant/cache.hpp>
 
 #include "llama2c.hpp"
@@ -49,8 +48,8 @@ struct Options {
   int length = 384;
   int prompt = 64;
   std::vector<int> budgets{32, 64, 128, 256};
-  std::vector<std::string> methods{"squeeze", "squeeze_uniform", "h2o", "pyramidkv", "tova",
-                                   "streaming_llm", "snapkv"};
+  std::vector<std::string> methods{"squeeze", "squeeze_uniform", "h2o",   "pyramidkv",
+                                   "tova",    "streaming_llm",   "snapkv"};
   std::vector<std::string> scorings{"proxy", "queries"};
   std::vector<std::pair<int, int>> widths{{16, 16}};  // key bits, value bits
   int group = 8;
@@ -120,13 +119,16 @@ Options parse(int argc, char** argv) {
     } else if (a == "--range") {
       const std::string r = value();
       const std::size_t colon = r.find(':');
-      if (colon == std::string::npos) throw std::invalid_argument("--range: '" + r + "' is not FROM:TO");
+      if (colon == std::string::npos)
+        throw std::invalid_argument("--range: '" + r + "' is not FROM:TO");
       o.range_from = static_cast<std::size_t>(to_int(a, r.substr(0, colon)));
-      if (colon + 1 < r.size()) o.range_to = static_cast<std::size_t>(to_int(a, r.substr(colon + 1)));
+      if (colon + 1 < r.size())
+        o.range_to = static_cast<std::size_t>(to_int(a, r.substr(colon + 1)));
     } else if (a == "--set") {
       for (const auto& kv : split(value(), ',')) {
         const std::size_t eq = kv.find('=');
-        if (eq == std::string::npos) throw std::invalid_argument("--set: '" + kv + "' is not FIELD=VALUE");
+        if (eq == std::string::npos)
+          throw std::invalid_argument("--set: '" + kv + "' is not FIELD=VALUE");
         o.set.emplace_back(kv.substr(0, eq), kv.substr(eq + 1));
       }
     } else if (a == "--csv") {
@@ -209,7 +211,8 @@ std::vector<std::vector<int>> make_windows(const Options& o, const ll::Tokenizer
       out.emplace_back(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(L));
     }
   }
-  if (out.empty()) throw std::runtime_error(path + " holds no window of " + std::to_string(L) + " tokens");
+  if (out.empty())
+    throw std::runtime_error(path + " holds no window of " + std::to_string(L) + " tokens");
   std::ostringstream d;
   d << out.size() << " window(s) of " << L << " tokens of "
     << std::filesystem::path(path).filename().string();
@@ -266,7 +269,8 @@ vc::KVCacheConfig config_for(const std::string& method, int budget, std::pair<in
 std::vector<double> log_softmax(const Eigen::Ref<const Eigen::RowVectorXf>& logits) {
   const double m = static_cast<double>(logits.maxCoeff());
   double sum = 0.0;
-  for (Eigen::Index j = 0; j < logits.size(); ++j) sum += std::exp(static_cast<double>(logits[j]) - m);
+  for (Eigen::Index j = 0; j < logits.size(); ++j)
+    sum += std::exp(static_cast<double>(logits[j]) - m);
   const double lse = m + std::log(sum);
   std::vector<double> out(static_cast<std::size_t>(logits.size()));
   for (Eigen::Index j = 0; j < logits.size(); ++j) {
@@ -320,15 +324,16 @@ struct Run {
     for (const auto& w : windows) s += (w.*f - m) * (w.*f - m);
     return windows.size() > 1 ? std::sqrt(s / static_cast<double>(windows.size() - 1)) : 0.0;
   }
-  double min(double WindowResult::*f) const {
-    double m = windows.front().*f;
-    for (const auto& w : windows) m = std::min(m, w.*f);
-    return m;
-  }
-  double max(double WindowResult::*f) const {
-    double m = windows.front().*f;
-    for (const auto& w : windows) m = std::max(m, w.*f);
-    return m;
+  /// The q-quantile over windows (0 <= q <= 1), interpolated linearly between order statistics.
+  double quantile(double WindowResult::*f, double q) const {
+    std::vector<double> v;
+    v.reserve(windows.size());
+    for (const auto& w : windows) v.push_back(w.*f);
+    std::sort(v.begin(), v.end());
+    const double at = q * static_cast<double>(v.size() - 1);
+    const auto lo = static_cast<std::size_t>(at);
+    const std::size_t hi = std::min(lo + 1, v.size() - 1);
+    return v[lo] + (at - static_cast<double>(lo)) * (v[hi] - v[lo]);
   }
 };
 
@@ -403,7 +408,9 @@ std::string svg_plot(const std::vector<Run>& runs, const std::string& subtitle) 
     const double x = X(std::pow(2.0, e));
     s << "<line x1=\"" << x << "\" x2=\"" << x << "\" y1=\"" << top << "\" y2=\"" << top + ph
       << "\" stroke=\"#eee\"/><text x=\"" << x << "\" y=\"" << top + ph + 18
-      << "\" text-anchor=\"middle\">" << (e == 0 ? std::string("1") : "1/" + std::to_string(static_cast<int>(std::pow(2.0, -e)))) << "</text>\n";
+      << "\" text-anchor=\"middle\">"
+      << (e == 0 ? std::string("1") : "1/" + std::to_string(static_cast<int>(std::pow(2.0, -e))))
+      << "</text>\n";
   }
   s << "<rect x=\"" << left << "\" y=\"" << top << "\" width=\"" << pw << "\" height=\"" << ph
     << "\" fill=\"none\" stroke=\"black\"/>\n"
@@ -411,15 +418,15 @@ std::string svg_plot(const std::vector<Run>& runs, const std::string& subtitle) 
     << "\" text-anchor=\"middle\">KV memory kept (share of the full cache, end of window)</text>\n"
     << "<text transform=\"translate(18," << top + ph / 2
     << ") rotate(-90)\" text-anchor=\"middle\">mean KL(full || evicted), nats</text>\n";
-  const char* colors[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
-                          "#e377c2", "#17becf"};
+  const char* colors[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd",
+                          "#ff7f0e", "#8c564b", "#e377c2", "#17becf"};
   std::map<std::string, std::vector<const Run*>> lines;  // "method (scoring)" -> runs by budget
   std::vector<std::string> order;
   for (const auto& r : runs) {
     if (r.budget == 0) continue;
-    const std::string key = r.method + " (" + r.scoring +
-                            (r.widths == std::make_pair(16, 16) ? std::string() : ", " + r.width_name()) +
-                            ")";
+    const std::string key =
+        r.method + " (" + r.scoring +
+        (r.widths == std::make_pair(16, 16) ? std::string() : ", " + r.width_name()) + ")";
     if (!lines.count(key)) order.push_back(key);
     lines[key].push_back(&r);
   }
@@ -432,7 +439,8 @@ std::string svg_plot(const std::vector<Run>& runs, const std::string& subtitle) 
     const char* color = colors[color_of[method]];
     s << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"2\""
       << (dashed ? " stroke-dasharray=\"6,4\"" : "") << " points=\"";
-    for (const Run* r : lines[key]) s << X(kept_share(*r)) << ',' << Y(r->mean(&WindowResult::kl)) << ' ';
+    for (const Run* r : lines[key])
+      s << X(kept_share(*r)) << ',' << Y(r->mean(&WindowResult::kl)) << ' ';
     s << "\"/>\n";
     for (const Run* r : lines[key]) {
       s << "<circle cx=\"" << X(kept_share(*r)) << "\" cy=\"" << Y(r->mean(&WindowResult::kl))
@@ -483,12 +491,11 @@ int main(int argc, char** argv) {
       Eigen::MatrixXf full;
       for (std::size_t ri = 0; ri < runs.size(); ++ri) {
         Run& run = runs[ri];
-        std::fprintf(stderr, "\r[window %zu/%zu] %-14s %-8s %-5s budget %-4d (%zu/%zu) %6.1f s",
-                     wi + 1, windows.size(), run.method.c_str(), run.scoring.c_str(),
-                     run.width_name().c_str(), run.budget,
-                     ri + 1, runs.size(),
-                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start)
-                         .count());
+        std::fprintf(
+            stderr, "\r[window %zu/%zu] %-14s %-8s %-5s budget %-4d (%zu/%zu) %6.1f s", wi + 1,
+            windows.size(), run.method.c_str(), run.scoring.c_str(), run.width_name().c_str(),
+            run.budget, ri + 1, runs.size(),
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count());
         const vc::KVCacheConfig cfg =
             run.budget == 0 ? config_for("standard", 512, {16, 16}, o.group)
                             : config_for(run.method, run.budget, run.widths, o.group, o.set);
@@ -507,17 +514,19 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "\n");
 
     // Table.
-    std::printf("Eviction fidelity on stories260K: %s; prompt %d tokens as one call, then %d "
-                "one-token calls; means over windows (KL spread: std and min..max).\n\n",
-                text_desc.c_str(), o.prompt, o.length - o.prompt);
-    std::printf("%-14s %-8s %5s %6s %7s %6s %9s %9s %21s %7s %9s %6s %9s\n", "method", "scoring",
-                "bits", "budget", "NLL", "PPL", "KL", "KL std", "KL min..max", "top-1", "kept KiB",
-                "ratio", "tok/s");
+    std::printf(
+        "Eviction fidelity on stories260K: %s; prompt %d tokens as one call, then %d "
+        "one-token calls; means over windows (KL spread over windows: std, and the\n"
+        "10th, 50th and 90th percentiles).\n\n",
+        text_desc.c_str(), o.prompt, o.length - o.prompt);
+    std::printf("%-14s %-8s %5s %6s %7s %6s %9s %9s %22s %7s %9s %6s %9s\n", "method", "scoring",
+                "bits", "budget", "NLL", "PPL", "KL", "KL std", "KL p10/p50/p90", "top-1",
+                "kept KiB", "ratio", "tok/s");
     for (const auto& r : runs) {
       char range[64];
-      std::snprintf(range, sizeof range, "%.4f..%.4f", r.min(&WindowResult::kl),
-                    r.max(&WindowResult::kl));
-      std::printf("%-14s %-8s %5s %6s %7.4f %6.3f %9.5f %9.5f %21s %6.1f%% %9.1f %6.2f %9.0f\n",
+      std::snprintf(range, sizeof range, "%.4f/%.4f/%.4f", r.quantile(&WindowResult::kl, 0.1),
+                    r.quantile(&WindowResult::kl, 0.5), r.quantile(&WindowResult::kl, 0.9));
+      std::printf("%-14s %-8s %5s %6s %7.4f %6.3f %9.5f %9.5f %22s %6.1f%% %9.1f %6.2f %9.0f\n",
                   r.method.c_str(), r.scoring.c_str(), r.width_name().c_str(),
                   r.budget ? std::to_string(r.budget).c_str() : "full", r.mean(&WindowResult::nll),
                   std::exp(r.mean(&WindowResult::nll)), r.mean(&WindowResult::kl),
@@ -535,10 +544,9 @@ int main(int argc, char** argv) {
     for (const auto& r : runs) {
       const auto row = [&](const std::string& win, const WindowResult& x) {
         csv << r.method << ',' << r.scoring << ',' << r.widths.first << ',' << r.widths.second
-            << ',' << (r.budget ? std::to_string(r.budget) : "full")
-            << ',' << win << ',' << x.nll << ',' << std::exp(x.nll) << ',' << x.kl << ','
-            << x.top1 << ',' << x.kept << ',' << x.full << ',' << x.full / std::max(x.kept, 1.0)
-            << ',' << x.tok_s << '\n';
+            << ',' << (r.budget ? std::to_string(r.budget) : "full") << ',' << win << ',' << x.nll
+            << ',' << std::exp(x.nll) << ',' << x.kl << ',' << x.top1 << ',' << x.kept << ','
+            << x.full << ',' << x.full / std::max(x.kept, 1.0) << ',' << x.tok_s << '\n';
       };
       for (std::size_t i = 0; i < r.windows.size(); ++i) row(std::to_string(i), r.windows[i]);
       WindowResult m;
