@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The held-out fidelity measurement of docs/fidelity.md ("Held-out windows"): stories260K, 64
+# windows of 512 tokens from each half of tinystories_validation_head.txt (dev: bytes 0..400000,
+# where decisions are made; report: bytes 400000.., only reported), a 128-token prompt as one call
+# and 384 teacher-forced one-token calls, budgets of 32 / 64 / 128 rows per KV head (6.25 / 12.5 /
+# 25% of the context). Runs every method with the defaults, then SqueezeAttention with the option
+# settings of the table, writes one CSV and one plot per run into docs/fidelity_heldout/ and
+# prints the tables (scripts/fidelity_tables.py). About 12 minutes on 2 cores (two runs at a time).
+#
+#   bash scripts/fidelity_heldout.sh [--fixtures DIR] [other harness options, e.g. --windows 4]
+# Environment: OUT_DIR (default docs/fidelity_heldout), BUILD_DIR (default build-fidelity).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/deps.sh --demo-only
+BUILD=${BUILD_DIR:-build-fidelity}
+cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DVELOXQUANT_BUILD_TESTS=OFF >/dev/null
+cmake --build "$BUILD" -j"$(nproc)" --target llama2c_fidelity
+OUT=${OUT_DIR:-docs/fidelity_heldout}
+mkdir -p "$OUT"
+COMMON=(--text validation --windows 64 --length 512 --prompt 128 --budgets 32,64,128
+        --scoring proxy,queries "$@")
+# name|harness arguments (every --set applies to each evicting run of that invocation)
+RUNS=(
+  "all|"
+  "squeeze_ratio0.75|--methods squeeze --set squeeze_recent_ratio=0.75"
+  "squeeze_ratio0.9|--methods squeeze --set squeeze_recent_ratio=0.9"
+  "squeeze_ratio1|--methods squeeze --set squeeze_recent_ratio=1"
+  "squeeze_decay0.95|--methods squeeze --set squeeze_decay=0.95"
+  "squeeze_decay0.9|--methods squeeze --set squeeze_decay=0.9"
+  "squeeze_decay0.95_ratio0.9|--methods squeeze --set squeeze_decay=0.95 --set squeeze_recent_ratio=0.9"
+)
+run_half() {  # half range
+  local half=$1 range=$2 entry name args
+  for entry in "${RUNS[@]}"; do
+    name=${entry%%|*}
+    read -r -a args <<<"${entry#*|}"
+    "$BUILD"/examples/llama2c_fidelity "${COMMON[@]}" --range "$range" ${args[@]+"${args[@]}"} \
+      --csv "$OUT/${half}_${name}.csv" --svg "$OUT/${half}_${name}.svg" \
+      >"$OUT/${half}_${name}.txt" 2>/dev/null
+    echo "[fidelity] $half $name done"
+  done
+}
+run_half dev 0:400000 &
+dev=$!
+run_half report 400000: &
+report=$!
+wait "$dev"
+wait "$report"
+python3 scripts/fidelity_tables.py "$OUT"

@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Tables of docs/fidelity.md ("Held-out windows") from the CSVs of scripts/fidelity_heldout.sh.
+
+For every run (method x scoring x budget) of both halves: mean KL over windows, its 10th..90th
+percentile and the mean top-1 agreement; then, window by window, how often each query-free
+configuration has a lower KL than the recency window (streaming_llm) and the medians of both.
+
+    python3 scripts/fidelity_tables.py docs/fidelity_heldout
+"""
+import csv
+import os
+import sys
+
+BUDGETS = (128, 64, 32)
+CONTEXT = 512
+
+
+def quantile(values, q):
+    """Linear interpolation between order statistics (as the harness prints them)."""
+    v = sorted(values)
+    at = q * (len(v) - 1)
+    lo = int(at)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (at - lo) * (v[hi] - v[lo])
+
+
+def load(path):
+    """{(method, scoring, budget): {window: (kl, top1)}} of one CSV, without the mean rows."""
+    runs = {}
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            if r["window"] == "mean" or r["budget"] == "full":
+                continue
+            key = (r["method"], r["scoring"], int(r["budget"]))
+            runs.setdefault(key, {})[int(r["window"])] = (float(r["kl"]), float(r["top1"]))
+    return runs
+
+
+def fmt(x, mean):
+    return f"{x:.3f}" if mean >= 0.01 else f"{x:.4f}"
+
+
+def cell(windows):
+    kl = [k for k, _ in windows.values()]
+    top1 = [t for _, t in windows.values()]
+    m = sum(kl) / len(kl)
+    return (f"{fmt(m, m)} ({fmt(quantile(kl, 0.1), m)}..{fmt(quantile(kl, 0.9), m)}), "
+            f"{100 * sum(top1) / len(top1):.1f}%")
+
+
+def main(out):
+    names = sorted({f.split("_", 1)[1][:-4] for f in os.listdir(out)
+                    if f.endswith(".csv") and f.startswith("dev_")},
+                   key=lambda n: (n != "all", n))
+    head = " | ".join(f"{b} rows ({100 * b / CONTEXT:g}%)" for b in BUDGETS)
+    print(f"| run | method | scoring | half | {head} |")
+    print("|---|---|---|---|" + "---:|" * len(BUDGETS))
+    data = {}
+    for name in names:
+        for half in ("dev", "report"):
+            data[(name, half)] = load(os.path.join(out, f"{half}_{name}.csv"))
+        groups = []
+        for (m, s, _b) in data[(name, "dev")]:
+            if (m, s) not in groups:
+                groups.append((m, s))
+        for m, s in groups:
+            for half in ("dev", "report"):
+                runs = data[(name, half)]
+                cells = " | ".join(cell(runs[(m, s, b)]) if (m, s, b) in runs else ""
+                                   for b in BUDGETS)
+                print(f"| {name} | {m} | {s} | {half} | {cells} |")
+    print()
+    print("Window by window against the recency window (streaming_llm): windows with a lower KL, "
+          "and median KL (recency's in brackets).")
+    print()
+    print(f"| run | method | half | {' | '.join(f'{b} rows' for b in BUDGETS)} |")
+    print("|---|---|---|" + "---:|" * len(BUDGETS))
+    for name in names:
+        for half in ("dev", "report"):
+            for (m, s, _b) in sorted({(k[0], k[1], 0) for k in data[(name, half)]}):
+                if s != "proxy" or m not in ("squeeze", "h2o", "squeeze_uniform"):
+                    continue
+                cells = []
+                for b in BUDGETS:
+                    run = data[(name, half)][(m, s, b)]
+                    rec = data[("all", half)][("streaming_llm", "-", b)]
+                    wins = sum(run[w][0] < rec[w][0] for w in run)
+                    med = quantile([k for k, _ in run.values()], 0.5)
+                    med_rec = quantile([k for k, _ in rec.values()], 0.5)
+                    cells.append(f"{wins}/{len(run)}, {fmt(med, med)} ({fmt(med_rec, med_rec)})")
+                print(f"| {name} | {m} proxy | {half} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "docs/fidelity_heldout")
