@@ -8,7 +8,8 @@
 # prints the tables (scripts/fidelity_tables.py). About 12 minutes on 2 cores (two runs at a time).
 #
 #   bash scripts/fidelity_heldout.sh [--fixtures DIR] [other harness options, e.g. --windows 4]
-# Environment: OUT_DIR (default docs/fidelity_heldout), BUILD_DIR (default build-fidelity).
+# Environment: OUT_DIR (default docs/fidelity_heldout), BUILD_DIR (default build-fidelity), both
+# relative to the repository's root. Each run's progress and errors go to a .log beside its CSV.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh --demo-only
@@ -36,7 +37,11 @@ run_half() {  # half range
     read -r -a args <<<"${entry#*|}"
     "$BUILD"/examples/llama2c_fidelity "${COMMON[@]}" --range "$range" ${args[@]+"${args[@]}"} \
       --csv "$OUT/${half}_${name}.csv" --svg "$OUT/${half}_${name}.svg" \
-      >"$OUT/${half}_${name}.txt" 2>/dev/null
+      >"$OUT/${half}_${name}.txt" 2>"$OUT/${half}_${name}.log" || {
+      echo "[fidelity] $half $name failed: $OUT/${half}_${name}.log" >&2
+      tail -3 "$OUT/${half}_${name}.log" >&2
+      return 1
+    }
     echo "[fidelity] $half $name done"
   done
 }
@@ -44,6 +49,8 @@ run_half dev 0:400000 &
 dev=$!
 run_half report 400000: &
 report=$!
-wait "$dev"
-wait "$report"
+status=0
+wait "$dev" || status=1
+wait "$report" || status=1
+[ "$status" -eq 0 ] || exit 1
 python3 scripts/fidelity_tables.py "$OUT"

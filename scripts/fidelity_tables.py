@@ -5,14 +5,15 @@ For every run (method x scoring x budget) of both halves: mean KL over windows, 
 percentile and the mean top-1 agreement; then, window by window, how often each query-free
 configuration has a lower KL than the recency window (streaming_llm) and the medians of both.
 
-    python3 scripts/fidelity_tables.py docs/fidelity_heldout
+    python3 scripts/fidelity_tables.py [DIR [CONTEXT]]   (defaults: docs/fidelity_heldout, 512)
+
+The budgets are the ones in the CSVs (largest first); CONTEXT, the windows' length in tokens,
+only labels them with their share of the context.
 """
 import csv
 import os
 import sys
 
-BUDGETS = (128, 64, 32)
-CONTEXT = 512
 
 
 def quantile(values, q):
@@ -48,17 +49,19 @@ def cell(windows):
             f"{100 * sum(top1) / len(top1):.1f}%")
 
 
-def main(out):
+def main(out, context):
     names = sorted({f.split("_", 1)[1][:-4] for f in os.listdir(out)
                     if f.endswith(".csv") and f.startswith("dev_")},
                    key=lambda n: (n != "all", n))
-    head = " | ".join(f"{b} rows ({100 * b / CONTEXT:g}%)" for b in BUDGETS)
-    print(f"| run | method | scoring | half | {head} |")
-    print("|---|---|---|---|" + "---:|" * len(BUDGETS))
     data = {}
     for name in names:
         for half in ("dev", "report"):
             data[(name, half)] = load(os.path.join(out, f"{half}_{name}.csv"))
+    budgets = sorted({k[2] for runs in data.values() for k in runs}, reverse=True)
+    head = " | ".join(f"{b} rows ({100 * b / context:g}%)" for b in budgets)
+    print(f"| run | method | scoring | half | {head} |")
+    print("|---|---|---|---|" + "---:|" * len(budgets))
+    for name in names:
         groups = []
         for (m, s, _b) in data[(name, "dev")]:
             if (m, s) not in groups:
@@ -67,23 +70,26 @@ def main(out):
             for half in ("dev", "report"):
                 runs = data[(name, half)]
                 cells = " | ".join(cell(runs[(m, s, b)]) if (m, s, b) in runs else ""
-                                   for b in BUDGETS)
+                                   for b in budgets)
                 print(f"| {name} | {m} | {s} | {half} | {cells} |")
     print()
     print("Window by window against the recency window (streaming_llm): windows with a lower KL, "
           "and median KL (recency's in brackets).")
     print()
-    print(f"| run | method | half | {' | '.join(f'{b} rows' for b in BUDGETS)} |")
-    print("|---|---|---|" + "---:|" * len(BUDGETS))
+    print(f"| run | method | half | {' | '.join(f'{b} rows' for b in budgets)} |")
+    print("|---|---|---|" + "---:|" * len(budgets))
     for name in names:
         for half in ("dev", "report"):
             for (m, s, _b) in sorted({(k[0], k[1], 0) for k in data[(name, half)]}):
                 if s != "proxy" or m not in ("squeeze", "h2o", "squeeze_uniform"):
                     continue
                 cells = []
-                for b in BUDGETS:
-                    run = data[(name, half)][(m, s, b)]
-                    rec = data[("all", half)][("streaming_llm", "-", b)]
+                for b in budgets:
+                    run = data[(name, half)].get((m, s, b))
+                    rec = data[("all", half)].get(("streaming_llm", "-", b))
+                    if run is None or rec is None:
+                        cells.append("")
+                        continue
                     wins = sum(run[w][0] < rec[w][0] for w in run)
                     med = quantile([k for k, _ in run.values()], 0.5)
                     med_rec = quantile([k for k, _ in rec.values()], 0.5)
@@ -92,4 +98,5 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "docs/fidelity_heldout")
+    main(sys.argv[1] if len(sys.argv) > 1 else "docs/fidelity_heldout",
+         int(sys.argv[2]) if len(sys.argv) > 2 else 512)
