@@ -70,9 +70,11 @@
 //   (one H2O token, one H2O once-per-call eviction, a re-budget trim, one TOVA token, the SnapKV
 //   compression), the harness records whether the decision was *ambiguous*: some evicted
 //   candidate and some kept candidate have oracle scores that differ, but by at most kTieRelTol
-//   (1e-4) of the larger one, or both lie below float32's smallest normal (1.2e-38: an H2O decay
-//   of 0.25 per token takes any score there within ~70 tokens, and float32 then rounds it to a
-//   subnormal or to 0 while double keeps it), or are equal by coincidence (below). A retained-set
+//   (1e-4) of the larger one, or by at most kTieAbsFloor (1e-42) in absolute terms (decayed
+//   scores: float32 holds nothing below 1.4e-45 and spaces its subnormals 1.4e-45 apart, so a
+//   decay of 0.25 per token takes 0.4 to 0 in float32 in about 74 tokens while double keeps
+//   2e-47; the library's rounding there stays below 0.7e-45 / (1 - decay) <= 3.5e-44 for the
+//   decays drawn), or are equal by coincidence (below). A retained-set
 //   or score mismatch in a head is excused only if that head had an ambiguous decision in the same
 //   call; the head is then marked diverged and its positions and scores are no longer compared with
 //   the oracle until the next reset (the count, sink, recent-window and content checks above
@@ -123,8 +125,9 @@ namespace veloxquant::fuzz {
 
 /// Relative gap below which two different oracle scores at an eviction boundary are a near-tie.
 inline constexpr double kTieRelTol = 1e-4;
-/// Oracle scores below this (float32's smallest normal) are not ordered reliably in float32.
-inline constexpr double kFloatNormalMin = static_cast<double>(std::numeric_limits<float>::min());
+/// Absolute gap below which two oracle scores are a near-tie: about 700 of float32's smallest
+/// subnormal (1.4e-45), 30x the library's accumulated rounding of a decayed subnormal score.
+inline constexpr double kTieAbsFloor = 1e-42;
 /// Library score vs oracle score: absolute or relative tolerance.
 inline constexpr double kScoreAbsTol = 1e-6;
 inline constexpr double kScoreRelTol = 1e-4;
@@ -283,8 +286,8 @@ struct Candidate {
 using SameKey = std::function<bool(std::int64_t, std::int64_t)>;
 
 /// True when the decision could legitimately go the other way in float32: some evicted candidate
-/// and some kept candidate have oracle scores within kTieRelTol of each other, or both below
-/// float32's normal range (decayed scores that underflow in float32). Ties that are exact
+/// and some kept candidate have oracle scores within kTieRelTol of each other, or within
+/// kTieAbsFloor (decayed scores that float32 rounds to a subnormal or to 0). Ties that are exact
 /// by construction are not ambiguous (the tie rules decide them, in the library too): both scores
 /// exactly 0 (rows that never received attention); when `same_key` is given (candidates scored
 /// by columns of the same softmaxes: TOVA, SnapKV), bitwise-identical keys; with
@@ -305,10 +308,10 @@ inline bool near_tie(const std::vector<Candidate>& cands, const std::set<std::in
       }
       const double scale = std::max(std::fabs(c.score), std::fabs(e.score));
       if (std::fabs(c.score - e.score) <= kTieRelTol * scale) return true;
-      // Below float32's normal range the library's scores lose their relative precision and
-      // underflow to 0 (a decay of 0.25 per token takes a score from 0.4 to 2e-47 in 75 tokens):
-      // two such scores may compare either way, or tie at 0, in float32.
-      if (scale < kFloatNormalMin) return true;
+      // Scores this close in absolute terms are subnormal or 0 in float32 (a decay of 0.25 per
+      // token takes 0.4 to 2e-47 in about 77 tokens, 0 in float32): float32 may order them
+      // either way, or tie them at 0.
+      if (std::fabs(c.score - e.score) <= kTieAbsFloor) return true;
     }
   }
   return false;

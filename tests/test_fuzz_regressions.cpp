@@ -6,7 +6,8 @@
 // (fuzz/regressions/) through the fuzz harness (fuzz/fuzz_ops.hpp), built with the project's
 // compiler and warning flags, so a violation found once by `bash scripts/fuzz.sh` stays fixed.
 // Each input drives one cache through a sequence of calls, resets, trims and bad inputs, checked
-// against the naive oracles of tests/reference/ and the invariants of docs/design.md (see fuzz_ops.hpp).
+// against the naive oracles of tests/reference/ and the invariants of docs/design.md (see
+// fuzz_ops.hpp).
 //
 // The directories are found from this file's path (__FILE__ is absolute under CMake); the
 // environment variable VELOXQUANT_FUZZ_DIR overrides it (the directory holding corpus/ and
@@ -188,11 +189,15 @@ TEST(FuzzRegressions, NearTieRuleExcusesOnlyCloseScoresAndCoincidentalTies) {
   EXPECT_TRUE(near_tie({{0.5, 3}, {0.5 * (1 + 1e-6), 4}, {0.9, 5}}, evict_3));
   // Different by 1e-3 relative: a real decision.
   EXPECT_FALSE(near_tie({{0.5, 3}, {0.5 * (1 + 1e-3), 4}, {0.9, 5}}, evict_3));
-  // Below float32's normal range (decayed scores): float32 holds 0 or a subnormal, so even a
-  // score against an exact 0 is ambiguous; the same gap above the range is a real decision.
+  // Decayed scores within 1e-42 of each other (float32 holds them as subnormals or 0): even a
+  // score against an exact 0 is ambiguous ...
   EXPECT_TRUE(near_tie({{0.0, 3}, {2e-47, 4}, {0.9, 5}}, evict_3));
-  EXPECT_TRUE(near_tie({{1e-40, 3}, {3e-39, 4}, {0.9, 5}}, evict_3));
+  EXPECT_TRUE(near_tie({{5e-43, 3}, {0.0, 4}, {0.9, 5}}, evict_3));
+  // ... but subnormals float32 can tell apart, or a subnormal against a normal score, are a real
+  // decision, and so is a kept tiny score against an evicted normal one.
+  EXPECT_FALSE(near_tie({{1e-40, 3}, {3e-39, 4}, {0.9, 5}}, evict_3));
   EXPECT_FALSE(near_tie({{0.0, 3}, {2e-37, 4}, {0.9, 5}}, evict_3));
+  EXPECT_FALSE(near_tie({{0.9, 3}, {1e-45, 4}, {0.95, 5}}, evict_3));
   // Only evicted-vs-kept pairs count.
   EXPECT_FALSE(near_tie({{0.5, 3}, {0.5 * (1 + 1e-6), 4}}, {3, 4}));
   EXPECT_FALSE(near_tie({{0.5, 3}, {0.7, 4}}, {}));
