@@ -74,24 +74,24 @@
 //   scores: float32 holds nothing below 1.4e-45 and spaces its subnormals 1.4e-45 apart, so a
 //   decay of 0.25 per token takes 0.4 to 0 in float32 in about 74 tokens while double keeps
 //   2e-47; the library's rounding there stays below 0.7e-45 / (1 - decay) <= 3.5e-44 for the
-//   decays drawn), or are equal by coincidence (below). A retained-set
-//   or score mismatch in a head is excused only if that head had an ambiguous decision in the same
-//   call; the head is then marked diverged and its positions and scores are no longer compared with
-//   the oracle until the next reset (the count, sink, recent-window and content checks above
-//   continue). A tie that is exact by construction is never ambiguous: both scores exactly 0 (rows
-//   that never received attention); for TOVA and SnapKV, bitwise-identical keys (identical columns
-//   of the same softmaxes); for TOVA scored by one softmax row (no queries, or G = 1), every exact
-//   tie (equal weights <=> equal logits, and the logits of this data are exact in float32). The
-//   library must break those exactly as docs/design.md says (earliest evicted; in a re-budget the
-//   later position survives). Other equal doubles are different computations that happen to round
-//   alike (sums such as 9/15 + 1/2 + 1/2 and 9/15 + 1/4 + 1/4 + 1/4 + 1/4), which float32 may
-//   split, so they count as near-ties. Scores that agree to 1e-4 are 100x wider than float32
-//   accumulation error on this data (ordinary logits are bounded by 2*2*8/sqrt(8) < 12, so no
-//   weight underflows; one-hot weights are exact), so a real scoring or tie-breaking bug still
-//   shows, as does a mismatch in a call with no near-tie. (Measured on ~130k fuzzed decisions: 1.3%
-//   were near-ties, most of them differences of 1e-16..1e-8 between quantities that are equal in
-//   exact arithmetic.) With mixed query mode the H2O-core and TOVA oracles (one scoring rule per
-//   sequence) are not consulted; SnapKV keeps both oracles.
+//   decays drawn), or are equal by coincidence (below). A retained-set or score mismatch in a head
+//   is excused only if that head had an ambiguous decision in the same call; the head is then
+//   marked diverged and its positions and scores are no longer compared with the oracle until the
+//   next reset (the count, sink, recent-window and content checks above continue). A tie that is
+//   exact by construction is never ambiguous: both scores exactly 0 (rows that never received
+//   attention); for TOVA and SnapKV, bitwise-identical keys (identical columns of the same
+//   softmaxes); for TOVA scored by one softmax row (no queries, or G = 1), every exact tie (equal
+//   weights <=> equal logits, and the logits of this data are exact in float32). The library must
+//   break those exactly as docs/design.md says (earliest evicted; in a re-budget the later position
+//   survives). Other equal doubles are different computations that happen to round alike (sums such
+//   as 9/15 + 1/2 + 1/2 and 9/15 + 1/4 + 1/4 + 1/4 + 1/4), which float32 may split, so they count
+//   as near-ties. Scores that agree to 1e-4 are 100x wider than float32 accumulation error on this
+//   data (ordinary logits are bounded by 2*2*8/sqrt(8) < 12, so no weight underflows; one-hot
+//   weights are exact), so a real scoring or tie-breaking bug still shows, as does a mismatch in a
+//   call with no near-tie. (Measured on ~130k fuzzed decisions: 1.3% were near-ties, most of them
+//   differences of 1e-16..1e-8 between quantities that are equal in exact arithmetic.) With mixed
+//   query mode the H2O-core and TOVA oracles (one scoring rule per sequence) are not consulted;
+//   SnapKV keeps both oracles.
 #pragma once
 
 // clang-format off
@@ -307,11 +307,11 @@ inline bool near_tie(const std::vector<Candidate>& cands, const std::set<std::in
         return true;
       }
       const double scale = std::max(std::fabs(c.score), std::fabs(e.score));
-      if (std::fabs(c.score - e.score) <= kTieRelTol * scale) return true;
-      // Scores this close in absolute terms are subnormal or 0 in float32 (a decay of 0.25 per
-      // token takes 0.4 to 2e-47 in about 77 tokens, 0 in float32): float32 may order them
-      // either way, or tie them at 0.
-      if (std::fabs(c.score - e.score) <= kTieAbsFloor) return true;
+      const double gap = std::fabs(c.score - e.score);
+      // Close relative to their size; or so close in absolute terms that float32 holds them as
+      // subnormals or 0 (a decay of 0.25 per token takes 0.4 to 2e-47 in about 77 tokens, 0 in
+      // float32), so it may order them either way or tie them at 0.
+      if (gap <= kTieRelTol * scale || gap <= kTieAbsFloor) return true;
     }
   }
   return false;

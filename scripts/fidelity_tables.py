@@ -15,7 +15,6 @@ import os
 import sys
 
 
-
 def quantile(values, q):
     """Linear interpolation between order statistics (as the harness prints them)."""
     v = sorted(values)
@@ -80,7 +79,7 @@ def main(out, context):
     print("|---|---|---|" + "---:|" * len(budgets))
     for name in names:
         for half in ("dev", "report"):
-            for (m, s, _b) in sorted({(k[0], k[1], 0) for k in data[(name, half)]}):
+            for m, s in sorted({(k[0], k[1]) for k in data[(name, half)]}):
                 if s != "proxy" or m not in ("squeeze", "h2o", "squeeze_uniform"):
                     continue
                 cells = []
