@@ -415,6 +415,38 @@ TEST(KVCacheConfigTest, UnknownMethodThrowsListingValidMethods) {
   ExpectInvalid([&] { empty.validate(); }, "method", "", kAllMethods);
 }
 
+/// proxy_scoring (docs/design.md 4.7): the SPEC's key-as-query proxy by default; every named
+/// scorer is valid for the H2O-core methods, any other name is refused naming the field, the value
+/// and the valid names, by those methods only (the others never read it).
+TEST(KVCacheConfigTest, ProxyScoringNamesAScorerOfTheH2OCore) {
+  EXPECT_EQ(KVCacheConfig{}.proxy_scoring, "key_as_query");
+  EXPECT_TRUE((std::is_same_v<decltype(KVCacheConfig{}.proxy_scoring), std::string>));
+  for (const std::string& m : kAllMethods) {
+    for (const char* scorer : {"key_as_query", "keydiff", "knorm"}) {
+      KVCacheConfig c = WithMethod(m);
+      c.proxy_scoring = scorer;
+      EXPECT_NO_THROW(c.validate()) << m << " " << scorer;
+    }
+    for (const char* bad : {"", "KeyDiff", "queries", "keydiff "}) {
+      KVCacheConfig c = WithMethod(m);
+      c.proxy_scoring = bad;
+      const bool core = m == "squeeze" || m == "h2o" || m == "pyramidkv";
+      if (!core) {
+        EXPECT_NO_THROW(c.validate()) << m;
+        continue;
+      }
+      try {
+        c.validate();
+        ADD_FAILURE() << m << ": '" << bad << "' accepted";
+      } catch (const std::invalid_argument& e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find("proxy_scoring '" + std::string(bad) + "'"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("key_as_query, keydiff, knorm"), std::string::npos) << msg;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Cache constructors validate the config as their own method
 // ---------------------------------------------------------------------------------------------

@@ -71,6 +71,7 @@ Index expected_rows(Kind kind, std::int64_t offset, int calls, Index first_s) {
     case Kind::kStandard:
       return offset;
     case Kind::kSqueezeDefer:
+    case Kind::kSqueezeDeferKeyDiff:
       // Holds everything in its first call (budget unknown), then falls back to squeeze_budget.
       return calls <= 1 ? offset : upto(8);
     case Kind::kSnap:
@@ -1306,7 +1307,7 @@ TYPED_TEST(ContractTest, PoliciesReportTheirBudgetsAndParameters) {
     // Coordinated squeeze layers report squeeze_budget (8 here) until they adopt the published
     // budget: the one-layer coordinator publishes 6 in the first call; the deferring layer's
     // coordinator waits for a second layer that never reports.
-    const bool squeeze_fallback = kind == Kind::kSqueezeCoordinated || kind == Kind::kSqueezeDefer;
+    const bool squeeze_fallback = kind == Kind::kSqueezeCoordinated || is_squeeze_defer(kind);
     const int before = kind == Kind::kStandard    ? -1
                        : kind == Kind::kStreaming ? c.stream_n_sink + c.stream_window_size
                        : squeeze_fallback         ? c.squeeze_budget
@@ -1318,10 +1319,10 @@ TYPED_TEST(ContractTest, PoliciesReportTheirBudgetsAndParameters) {
     (void)invoke(*s.cache, Api::kFetch, random_call(rng, with_s(kKeys, 9), with_s(kValues, 9)), into);
     EXPECT_EQ(s.cache->layer_budget(), after);
     visit_core(*s.cache, [&](const auto& p) {
-      const bool h2o = kind == Kind::kH2O;
+      const bool h2o = kind == Kind::kH2O || kind == Kind::kH2OKNorm;
       EXPECT_EQ(p.n_sink(), 1);
       EXPECT_FLOAT_EQ(p.decay(), 0.98f);
-      if (kind == Kind::kSqueezeDefer) {
+      if (is_squeeze_defer(kind)) {
         EXPECT_FALSE(p.budget().has_value());
         EXPECT_EQ(p.protected_recent(), 0);
       } else {

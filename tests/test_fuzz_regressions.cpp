@@ -23,6 +23,7 @@
 #include <iterator>
 #include <map>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -92,8 +93,9 @@ TEST(FuzzRegressions, SeedCorpusReplaysCleanAndReachesEveryPolicy) {
   EXPECT_GT(stats.reloads, 0u);
 }
 
-// The loader's fuzz corpus (fuzz/corpus_load/): real files of format version 1 saved from every
-// policy, storage type and width (fuzz/fuzz_load.hpp). Each one loads (with its checksums
+// The loader's fuzz corpus (fuzz/corpus_load/): real files of the current format version saved
+// from every policy, storage type and width (fuzz/fuzz_load.hpp), and the version-1 files of the
+// same sets (v1-seed-*, written before proxy_scoring). Each one loads (with its checksums
 // verified), saves back to its own bytes and goes on with valid calls; and this build still writes
 // exactly these bytes, so the format cannot drift without a new version (docs/design.md G).
 TEST(FuzzRegressions, LoadCorpusLoadsGoesOnAndIsWhatThisBuildWrites) {
@@ -101,12 +103,31 @@ TEST(FuzzRegressions, LoadCorpusLoadsGoesOnAndIsWhatThisBuildWrites) {
   const std::vector<fs::path> files = inputs_in(dir);
   ASSERT_GE(files.size(), 10u) << "the loader's corpus at " << dir.string() << " looks incomplete";
   const std::map<std::string, std::string> seeds = veloxquant::fuzz::make_seeds();
-  std::size_t compared = 0;
+  std::size_t compared = 0, version1 = 0;
   for (const fs::path& p : files) {
     const std::vector<std::uint8_t> data = read_bytes(p);
     ASSERT_FALSE(data.empty()) << p.string();
     EXPECT_EQ(veloxquant::fuzz::run_load(data.data(), data.size()), "") << p.string();
     const std::string name = p.stem().string();
+    if (name.rfind("v1-seed-", 0) == 0) {
+      // Version 1 (before proxy_scoring): loads with the key-as-query proxy (and, above, saves
+      // in the current version and goes on).
+      const auto scorers = [&](auto tag) {
+        using T = decltype(tag);
+        std::istringstream in(std::string(data.begin() + 1, data.end()));
+        std::vector<std::string> out;
+        for (const auto& c : veloxquant::cache::load_prompt_cache<T>(in).caches) {
+          out.push_back(c->config().proxy_scoring);
+        }
+        return out;
+      };
+      const std::vector<std::string> got = data[0] % 3 == 0   ? scorers(Eigen::half{})
+                                           : data[0] % 3 == 1 ? scorers(Eigen::bfloat16{})
+                                                              : scorers(float{});
+      for (const std::string& s : got) EXPECT_EQ(s, "key_as_query") << name;
+      ++version1;
+      continue;
+    }
     if (name.rfind("seed-", 0) != 0) continue;
     ASSERT_EQ(data[0] / 3 % 2, 0) << "a seed is loaded with its checksums verified";
     const auto it = seeds.find(name);
@@ -116,6 +137,7 @@ TEST(FuzzRegressions, LoadCorpusLoadsGoesOnAndIsWhatThisBuildWrites) {
     ++compared;
   }
   EXPECT_EQ(compared, seeds.size());
+  EXPECT_GE(version1, 15u) << "the version-1 files of fuzz/corpus_load (v1-seed-*) are missing";
 }
 
 TEST(FuzzRegressions, LoadHarnessRefusesGarbageAndShortInputs) {

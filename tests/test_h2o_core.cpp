@@ -47,6 +47,19 @@ const char* policy_name(Policy p) {
   return "?";
 }
 
+/// KVCacheConfig::proxy_scoring of an oracle scorer.
+const char* scorer_name(ref::H2OHeadOracle::Scorer s) {
+  switch (s) {
+    case ref::H2OHeadOracle::Scorer::keydiff:
+      return "keydiff";
+    case ref::H2OHeadOracle::Scorer::knorm:
+      return "knorm";
+    case ref::H2OHeadOracle::Scorer::key_as_query:
+      break;
+  }
+  return "key_as_query";
+}
+
 /// One random configuration of a run.
 struct RunConfig {
   Policy policy = Policy::kH2O;
@@ -55,6 +68,7 @@ struct RunConfig {
   double ratio = 0.5;  // squeeze / pyramid
   int grace = 16;      // h2o
   double decay = 0.98;
+  ref::H2OHeadOracle::Scorer scorer = ref::H2OHeadOracle::Scorer::key_as_query;  // no queries
   bool resolved = false;  // squeeze/pyramid: budget through *_resolved_budget
   Index B = 1, H = 1, Dk = 4, Dv = 4;
   Index prefill = 1;
@@ -66,7 +80,8 @@ struct RunConfig {
     os << policy_name(policy) << " budget=" << budget << " n_sink=" << n_sink << " ratio=" << ratio
        << " grace=" << grace << " decay=" << decay << " resolved=" << resolved << " B=" << B
        << " H=" << H << " Dk=" << Dk << " Dv=" << Dv << " prefill=" << prefill
-       << " decode_calls=" << decode_calls << " seed=" << seed;
+       << " decode_calls=" << decode_calls << " seed=" << seed
+       << " proxy_scoring=" << scorer_name(scorer);
     return os.str();
   }
 };
@@ -75,6 +90,7 @@ struct RunConfig {
 template <class T>
 std::unique_ptr<vc::KVCache<T>> make_cache(const RunConfig& rc) {
   vc::KVCacheConfig c;
+  c.proxy_scoring = scorer_name(rc.scorer);
   switch (rc.policy) {
     case Policy::kH2O:
       c.method = "h2o";
@@ -134,12 +150,13 @@ double eviction_margin(const ref::H2OHeadOracle& head, const std::vector<double>
   ref::H2OHeadOracle probe = head;
   probe.set_budget(1 << 30);  // larger: just stamped, nothing evicted
   probe.absorb(key, value);
+  const std::vector<double> rank = probe.rank();  // what the eviction ranks by
   const auto& rows = probe.rows();
   const std::size_t n = rows.size();
   double lo1 = inf, lo2 = inf;
   for (std::size_t i = 0; i < n; ++i) {
     if (rows[i].position < n_sink || i + static_cast<std::size_t>(g) >= n) continue;
-    const double s = rows[i].score;
+    const double s = rank[i];
     if (s < lo1) {
       lo2 = lo1;
       lo1 = s;
@@ -220,6 +237,7 @@ RunResult run_against_oracle(const RunConfig& rc) {
   std::vector<ref::H2OHeadOracle> oracle;
   for (Index i = 0; i < rc.B * rc.H; ++i) {
     oracle.emplace_back(rc.n_sink, rc.decay, rule);
+    oracle.back().set_scorer(rc.scorer);
     oracle.back().set_budget(rc.budget);
   }
 
@@ -250,7 +268,9 @@ RunResult run_against_oracle(const RunConfig& rc) {
       for (Index s = 0; s < S; ++s) {
         const std::vector<double> k = row_of(keys, b, h, s);
         const std::vector<double> v = row_of(values, b, h, s);
-        if (eviction_margin(o, k, v, rc.budget, rc.n_sink, g) < 1e-5) res.near_tie = true;
+        if (eviction_margin(o, k, v, rc.budget, rc.n_sink, g) < 1e-5) {
+          res.near_tie = true;
+        }
         o.absorb(k, v);
       }
     }
@@ -365,6 +385,121 @@ TYPED_TEST(H2OCoreOracleTest, PyramidKVCacheMatchesOracleOnRandomCalls) {
 
 TYPED_TEST(H2OCoreOracleTest, SqueezeAttentionCacheWithoutCoordinatorMatchesOracleOnRandomCalls) {
   run_grid<TypeParam>(Policy::kSqueeze, 3003u);
+}
+
+/// The query-free scorers of docs/design.md 4.7 against the oracle: every policy, KeyDiff and
+/// K-norm, n_sink x recent ratio (or grace), random dims, budgets and call sizes.
+template <class T>
+void run_proxy_grid(unsigned seed_base) {
+  const std::vector<int> budgets = {2, 5, 8, 13, 32};
+  std::mt19937 rng(seed_base);
+  int runs = 0, tie_divergences = 0, checked_calls = 0, failures = 0;
+  for (Policy policy : {Policy::kH2O, Policy::kPyramid, Policy::kSqueeze}) {
+    for (auto scorer : {ref::H2OHeadOracle::Scorer::keydiff, ref::H2OHeadOracle::Scorer::knorm}) {
+      for (int sink : {0, 1, 4}) {
+        for (double ratio : {0.0, 0.5, 1.0}) {
+          RunConfig rc;
+          rc.policy = policy;
+          rc.scorer = scorer;
+          rc.n_sink = sink;
+          rc.ratio = ratio;
+          rc.grace = static_cast<int>(ratio * 8);
+          rc.decay = 0.98;  // unused by these scorers
+          std::vector<int> ok_budgets;
+          for (int b : budgets) {
+            if (b > sink) ok_budgets.push_back(b);
+          }
+          rc.budget = ok_budgets[static_cast<std::size_t>(runs) % ok_budgets.size()];
+          rc.resolved = runs % 3 == 0;
+          rc.B = std::uniform_int_distribution<Index>(1, 2)(rng);
+          rc.H = std::uniform_int_distribution<Index>(1, 3)(rng);
+          rc.Dk = std::vector<Index>{2, 4, 8, 16}[static_cast<std::size_t>(runs) % 4];
+          rc.Dv = 4;
+          rc.prefill =
+              runs % 2 == 0
+                  ? std::uniform_int_distribution<Index>(rc.budget + 1, 2 * rc.budget + 8)(rng)
+                  : std::uniform_int_distribution<Index>(1, std::max(1, rc.budget - 1))(rng);
+          rc.decode_calls = std::uniform_int_distribution<int>(30, 60)(rng);
+          rc.seed = static_cast<unsigned>(rng());
+          const RunResult r = run_against_oracle<T>(rc);
+          ++runs;
+          if (r.diverged_at_tie) ++tie_divergences;
+          if (!r.ok) ++failures;
+          checked_calls += r.calls_checked;
+          if (failures > 3) FAIL() << "too many failing runs; stopping";
+        }
+      }
+    }
+  }
+  EXPECT_EQ(failures, 0);
+  std::printf("[ stats    ] %d runs, %d calls checked, %d diverged after a near-tie\n", runs,
+              checked_calls, tie_divergences);
+  EXPECT_LE(tie_divergences * 20, runs);
+  EXPECT_GT(checked_calls, runs * 25);
+}
+
+TYPED_TEST(H2OCoreOracleTest, QueryFreeScorersMatchTheOracleOnRandomCalls) {
+  run_proxy_grid<TypeParam>(4004u);
+}
+
+/// A deferring SqueezeAttention layer learns its budget from the coordinator after its prompt and
+/// re-budgets at its next call (docs/design.md 4.5); under KeyDiff the rows it holds are rescored
+/// first (docs/design.md 4.7), as the oracle's set_budget does, and decoding then goes on alike.
+TYPED_TEST(H2OCoreOracleTest, KeyDiffRescoresBeforeADeferredRebudget) {
+  using T = TypeParam;
+  RunConfig rc;
+  rc.policy = Policy::kSqueeze;
+  rc.scorer = ref::H2OHeadOracle::Scorer::keydiff;
+  rc.n_sink = 1;
+  rc.ratio = 0.25;
+  rc.B = 1;
+  rc.H = 2;
+  rc.Dk = 8;
+  rc.Dv = 4;
+  vc::KVCacheConfig c;
+  c.method = "squeeze";
+  c.proxy_scoring = "keydiff";
+  c.squeeze_budget = 10;
+  c.squeeze_n_sink = rc.n_sink;
+  c.squeeze_recent_ratio = rc.ratio;
+  c.squeeze_defer = true;
+  c.squeeze_calibration_tokens = 4;
+  auto layers = vc::KVCacheBuilder::for_model<T>(2, c);
+  std::mt19937 rng(77);
+  std::vector<ref::H2OHeadOracle> oracle;
+  for (Index i = 0; i < rc.B * rc.H; ++i) {
+    oracle.emplace_back(rc.n_sink, 0.98, grace_rule(rc));
+    oracle.back().set_scorer(rc.scorer);
+  }
+  const auto feed_oracle = [&](const vc::Tensor4<T>& keys, const vc::Tensor4<T>& values) {
+    for (Index h = 0; h < rc.H; ++h) {
+      for (Index s = 0; s < keys.dimension(2); ++s) {
+        oracle[static_cast<std::size_t>(h)].absorb(row_of(keys, 0, h, s), row_of(values, 0, h, s));
+      }
+    }
+  };
+  // The prompt: 24 rows, more than any budget the coordinator can give layer 0 (its average is 10).
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    const auto keys = random_tensor<T>(rng, rc.B, rc.H, 24, rc.Dk);
+    const auto values = random_tensor<T>(rng, rc.B, rc.H, 24, rc.Dv);
+    layers[l]->update_and_fetch(keys, values);
+    if (l == 0) feed_oracle(keys, values);
+  }
+  const int budget = layers[0]->layer_budget();
+  ASSERT_GT(budget, 0);
+  ASSERT_LT(budget, 24);
+  rc.budget = budget;
+  for (auto& o : oracle) o.set_budget(budget);
+  for (int step = 0; step < 20; ++step) {
+    const auto keys = random_tensor<T>(rng, rc.B, rc.H, 1, rc.Dk);
+    const auto values = random_tensor<T>(rng, rc.B, rc.H, 1, rc.Dv);
+    layers[0]->update_and_fetch(keys, values);
+    feed_oracle(keys, values);
+    std::string err;
+    ASSERT_TRUE(visit_core(*layers[0],
+                           [&](const auto& core) { err = compare_with_oracle(core, oracle, rc); }));
+    ASSERT_EQ(err, "") << "step " << step;
+  }
 }
 
 /// The grace larger than the budget is clamped to budget - n_sink - 1 (docs/design.md 4.2 step 3).

@@ -753,9 +753,12 @@ TEST(PromptCacheLoad, NewerVersionsAndOtherStorageTypesAreNamed) {
   const std::string half = save_to_string(rich_set<Eigen::half>());
   std::string newer = half;
   const fmt::FileMap map = fmt::walk<Eigen::half>(half);
-  fmt::patch(newer, map.at("header.version"), std::uint32_t{2});
+  const std::uint32_t next = vc::detail::kPromptCacheVersion + 1;
+  fmt::patch(newer, map.at("header.version"), next);
   fmt::reseal(newer, map);
-  EXPECT_NE(load_error<Eigen::half>(newer).find("format version 2 is newer"), std::string::npos);
+  EXPECT_NE(
+      load_error<Eigen::half>(newer).find("format version " + std::to_string(next) + " is newer"),
+      std::string::npos);
   const std::string as_float = load_error<float>(half);
   EXPECT_NE(as_float.find("holds Eigen::half rows"), std::string::npos) << as_float;
   EXPECT_NE(as_float.find("load_prompt_cache<Eigen::half>"), std::string::npos) << as_float;
@@ -764,6 +767,104 @@ TEST(PromptCacheLoad, NewerVersionsAndOtherStorageTypesAreNamed) {
   fmt::patch(other, map.at("header.magic"), std::uint64_t{0x4b4e554a4b4e554aull});
   EXPECT_NE(load_error<Eigen::half>(other).find("not a veloxquant prompt cache"),
             std::string::npos);
+}
+
+/// `bytes` (this library's format, version 2) as format version 1 holds the same set: every
+/// cache's proxy_scoring field taken out (version 1 has no such field), the version set to 1 and
+/// the checksums sealed again, by the independent reader of the format.
+template <class T>
+std::string as_version1(const std::string& bytes) {
+  std::string out = bytes;
+  const fmt::FileMap map = fmt::walk<T>(out);
+  std::uint32_t caches = 0;
+  std::memcpy(&caches, out.data() + map.at("header.caches").offset, 4);
+  fmt::FileMap moved;  // the sections where they lie once the fields are out
+  moved.sections = map.sections;
+  for (std::uint32_t i = caches; i-- > 0;) {  // the last first: earlier offsets stay valid
+    const std::string p = "cache" + std::to_string(i);
+    const fmt::Field type = map.at(p + ".config.proxy_scoring.type");
+    const fmt::Field value = map.at(p + ".config.proxy_scoring");
+    const std::size_t begin = type.offset - 1 - std::strlen("proxy_scoring");
+    const std::size_t len = value.offset + value.size - begin;
+    out.erase(begin, len);
+    std::uint32_t fields = 0;
+    std::memcpy(&fields, out.data() + map.at(p + ".config_fields").offset, 4);
+    fmt::patch(out, map.at(p + ".config_fields"), fields - 1);
+    for (fmt::Field& sec : moved.sections) {
+      if (sec.offset > begin) {
+        sec.offset -= len;
+      } else if (sec.offset + sec.size > begin) {
+        sec.size -= len;
+      }
+    }
+  }
+  fmt::patch(out, map.at("header.version"), std::uint32_t{1});
+  fmt::reseal(out, moved);
+  (void)fmt::walk<T>(out);  // the independent reader finds every checksum right
+  return out;
+}
+
+/// A version-1 file (written before proxy_scoring existed) loads with the key-as-query proxy, the
+/// behaviour that wrote it (docs/design.md G, 4.7), and is the very set: saved again, it is the
+/// version-2 file byte for byte. A version-1 file may not hold the newer field.
+TEST(PromptCacheLoad, Version1FilesLoadWithTheKeyAsQueryProxy) {
+  const std::string v2 = save_to_string(rich_set<Eigen::half>(), {{"k", "v"}});
+  const std::string v1 = as_version1<Eigen::half>(v2);
+  ASSERT_LT(v1.size(), v2.size());
+  vc::PromptCache<Eigen::half> loaded = load_from_string<Eigen::half>(v1);
+  ASSERT_EQ(loaded.caches.size(), 4U);
+  for (const auto& c : loaded.caches) EXPECT_EQ(c->config().proxy_scoring, "key_as_query");
+  EXPECT_EQ(save_to_string(loaded.caches, loaded.metadata), v2);
+
+  std::string mixed = v2;  // a version-1 header over version-2 configs
+  const fmt::FileMap map = fmt::walk<Eigen::half>(mixed);
+  fmt::patch(mixed, map.at("header.version"), std::uint32_t{1});
+  fmt::reseal(mixed, map);
+  const std::string msg = load_error<Eigen::half>(mixed);
+  EXPECT_NE(msg.find("config field 'proxy_scoring' is not in format version 1"), std::string::npos)
+      << msg;
+}
+
+/// The query-free scorers round-trip with their scores (K-norm's are negative) and go on bitwise;
+/// a scorer name the library does not know is refused with the name.
+TEST(PromptCacheLoad, QueryFreeScorersRoundTripAndUnknownOnesAreRefused) {
+  for (const char* scorer : {"keydiff", "knorm"}) {
+    SCOPED_TRACE(scorer);
+    vc::KVCacheConfig c = small_config();
+    c.proxy_scoring = scorer;
+    c.squeeze_calibration_tokens = 4;
+    Caches<float> a = vc::KVCacheBuilder::for_model<float>(2, c);
+    Caches<float> b = vc::KVCacheBuilder::for_model<float>(2, c);
+    std::mt19937 rng(5u);
+    const auto both = [&](Caches<float>& x, Caches<float>& y, Index S) {
+      for (std::size_t l = 0; l < x.size(); ++l) {
+        const auto k = random_doubles(rng, 1, 2, S, 8), v = random_doubles(rng, 1, 2, S, 8);
+        (void)x[l]->update_and_fetch(k, v);
+        (void)y[l]->update_and_fetch(k, v);
+      }
+    };
+    both(a, b, 12);
+    both(a, b, 1);
+    const std::string bytes = save_to_string(a);
+    vc::PromptCache<float> loaded = load_from_string<float>(bytes);
+    EXPECT_EQ(loaded.caches[0]->config().proxy_scoring, scorer);
+    for (int step = 0; step < 12; ++step) both(loaded.caches, b, step % 5 == 0 ? 3 : 1);
+    EXPECT_EQ(save_to_string(loaded.caches), save_to_string(b));
+    // K-norm's scores are -|k| (negative, which version 1 refused); KeyDiff's 1 / (|k| + 1e-8).
+    const bool knorm = std::string(scorer) == "knorm";
+    visit_core(*b[0], [&](const auto& core) {
+      for (const float x : core.scores(0, 0)) EXPECT_EQ(x < 0.0f, knorm) << x;
+    });
+
+    // "keydiff" -> "keydifX", "knorm" -> "knorX": same length, checksums sealed again.
+    std::string bad = bytes;
+    const fmt::FileMap map = fmt::walk<float>(bad);
+    const fmt::Field f = map.at("cache0.config.proxy_scoring");
+    bad[f.offset + f.size - 1] = 'X';
+    fmt::reseal(bad, map);
+    const std::string msg = load_error<float>(bad);
+    EXPECT_NE(msg.find("proxy_scoring"), std::string::npos) << msg;
+  }
 }
 
 /// One crafted change: a field set to a value, the checksums sealed again.

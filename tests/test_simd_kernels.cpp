@@ -311,3 +311,102 @@ TEST(SimdPathsTest, LevelsCanBeChosenAndReported) {
 }
 
 }  // namespace
+
+// ---- The query-free scorers' kernels (docs/design.md 4.7, detail/proxy_scores.hpp) ----
+
+/// KeyDiff's fixed-point running sum is exact: rows added and removed in any order leave the same
+/// integers as a sum built from the rows that remain, on every path.
+TYPED_TEST(SimdKernelsTest, KeyDiffRunningSumIsExactWhateverTheOrder) {
+  using T = TypeParam;
+  std::mt19937 rng(91);
+  for (const Index d : {Index{3}, Index{16}, Index{37}}) {
+    const Index n = 40;
+    const std::vector<T> keys = random_rows<T>(rng, n, d, 3.0f);
+    const vd::StoredRows<T> rows{keys.data(), d, vd::RowFormat{16, d, 0}};
+    std::vector<float> w(static_cast<std::size_t>(n)),
+        buf(static_cast<std::size_t>(5 * vd::padded_dim(d)));
+    for (Index j = 0; j < n; ++j) {
+      w[static_cast<std::size_t>(j)] =
+          1.0f /
+          (vd::key_norm(rows, j, d, buf.data(), buf.data() + vd::padded_dim(d)) + vd::kUnitEps);
+    }
+    // Rows 0..n-1 in, then every third out, against the rows that stay summed in reverse order.
+    std::vector<std::int64_t> kept(static_cast<std::size_t>(d), 0), built(kept);
+    for (Index j = 0; j < n; ++j) vd::key_sum_update(kept.data(), rows, j, d, w[j], 1, buf.data());
+    for (Index j = 0; j < n; j += 3)
+      vd::key_sum_update(kept.data(), rows, j, d, w[j], -1, buf.data());
+    for (Index j = n - 1; j >= 0; --j) {
+      if (j % 3 != 0) vd::key_sum_update(built.data(), rows, j, d, w[j], 1, buf.data());
+    }
+    EXPECT_EQ(kept, built) << "d=" << d;
+    // Each component is the sum of the unit vectors' components, to 2^-32 per row.
+    for (Index i = 0; i < d; ++i) {
+      double want = 0.0, norm_sq = 0.0;
+      for (Index j = 0; j < n; ++j) {
+        if (j % 3 == 0) continue;
+        norm_sq = 0.0;
+        for (Index k = 0; k < d; ++k) {
+          const double x = static_cast<double>(keys[static_cast<std::size_t>(j * d + k)]);
+          norm_sq += x * x;
+        }
+        want += static_cast<double>(keys[static_cast<std::size_t>(j * d + i)]) / std::sqrt(norm_sq);
+      }
+      EXPECT_NEAR(static_cast<double>(kept[static_cast<std::size_t>(i)]) / vd::kKeySumScale, want,
+                  1e-5 * static_cast<double>(n))
+          << "d=" << d << " i=" << i;
+    }
+  }
+}
+
+/// KeyDiff's ranking: -cos(k, mean unit key) against a double reference on every path, the same
+/// over the storage as it lies and over a list of live slots, and K-norm's |k|.
+TYPED_TEST(SimdKernelsTest, KeyDiffRankMatchesADoubleReferenceOnEveryPath) {
+  using T = TypeParam;
+  std::mt19937 rng(92);
+  for (const Index d : {Index{5}, Index{32}, Index{64}}) {
+    const Index n = 23, dp = vd::padded_dim(d);
+    const std::vector<T> keys = random_rows<T>(rng, n, d, 2.0f);
+    const vd::StoredRows<T> rows{keys.data(), d, vd::RowFormat{16, d, 0}};
+    // Double reference over every row.
+    std::vector<std::vector<double>> u(static_cast<std::size_t>(n), std::vector<double>(d));
+    std::vector<double> norm(static_cast<std::size_t>(n)), mean(static_cast<std::size_t>(d), 0.0);
+    for (Index j = 0; j < n; ++j) {
+      double s = 0.0;
+      for (Index k = 0; k < d; ++k) {
+        const double x = static_cast<double>(keys[static_cast<std::size_t>(j * d + k)]);
+        s += x * x;
+      }
+      norm[j] = std::sqrt(s);
+      for (Index k = 0; k < d; ++k) {
+        u[j][k] = static_cast<double>(keys[static_cast<std::size_t>(j * d + k)]) / (norm[j] + 1e-8);
+        mean[k] += u[j][k] / static_cast<double>(n);
+      }
+    }
+    double mnorm = 0.0;
+    for (double x : mean) mnorm += x * x;
+    mnorm = std::sqrt(mnorm);
+    for_each_level([&](vc::SimdLevel level) {
+      std::vector<float> w(static_cast<std::size_t>(n)), buf(static_cast<std::size_t>(6 * dp));
+      std::vector<std::int64_t> sum(static_cast<std::size_t>(d), 0);
+      std::vector<std::int32_t> slot(static_cast<std::size_t>(n));
+      for (Index j = 0; j < n; ++j) {
+        const float nj = vd::key_norm(rows, j, d, buf.data(), buf.data() + dp);
+        EXPECT_NEAR(nj, norm[j], 1e-5 * norm[j]) << vc::simd_level_name(level);
+        w[j] = 1.0f / (nj + vd::kUnitEps);
+        vd::key_sum_update(sum.data(), rows, j, d, w[j], 1, buf.data());
+        slot[j] = static_cast<std::int32_t>(j);
+      }
+      std::vector<float> whole(static_cast<std::size_t>(n)), listed(whole), dots(whole);
+      vd::keydiff_rank(rows, d, sum.data(), w.data(), n, n, nullptr, whole.data(), dots.data(),
+                       buf.data(), buf.data() + dp);
+      vd::keydiff_rank(rows, d, sum.data(), w.data(), n, n, slot.data(), listed.data(), dots.data(),
+                       buf.data(), buf.data() + dp);
+      for (Index j = 0; j < n; ++j) {
+        double dot = 0.0;
+        for (Index k = 0; k < d; ++k) dot += u[j][k] * mean[k];
+        EXPECT_NEAR(whole[j], -dot / mnorm, 2e-6) << vc::simd_level_name(level) << " d=" << d;
+        EXPECT_EQ(whole[j], listed[j]) << vc::simd_level_name(level) << " d=" << d;
+      }
+    });
+  }
+}

@@ -37,9 +37,10 @@ vc::Tensor4<T> random_tensor(std::mt19937& rng, Index b, Index h, Index s, Index
 }
 
 template <class T>
-void run(const char* method, bool queries, Digest& digest) {
+void run(const char* method, bool queries, Digest& digest, const char* proxy = "key_as_query") {
   vc::KVCacheConfig c;
   c.method = method;
+  c.proxy_scoring = proxy;
   c.squeeze_budget = c.h2o_budget = c.pyramid_budget = c.tova_budget = c.snap_budget = 24;
   c.stream_window_size = 20;
   auto caches = vc::KVCacheBuilder::for_model<T>(2, c);
@@ -76,6 +77,11 @@ int main() {
         run<Eigen::half>(m, q, d);
         run<float>(m, q, d);
       }
+    }
+    // The query-free scorers (docs/design.md 4.7): KeyDiff's fixed-point sum and its ranking.
+    for (const char* proxy : {"keydiff", "knorm"}) {
+      run<Eigen::half>("squeeze", false, d, proxy);
+      run<float>("h2o", false, d, proxy);
     }
     std::printf("%s %016llx\n", vc::simd_level_name(l), static_cast<unsigned long long>(d.h));
   }

@@ -463,8 +463,46 @@ protected:
 //    Across calls G may change: the design only fixes B, H and D across calls.
 //  * Queries are checked for finiteness like keys; values are not inspected (docs/design.md 8). All
 //    checks precede any change (strong guarantee).
+//
+// The query-free scorers of docs/design.md 4.7 (set_scorer; absorb only, absorb_call is unchanged):
+//  * knorm: the token is appended with score -|k|; over budget, evict_one ranks by the scores.
+//  * keydiff: the token is appended with score 1 / (|k| + 1e-8); over budget, evict_one ranks the
+//    rows by keydiff_rank(): -(u_r . m) / (|m| + 1e-8) with u_r = k_r / (|k_r| + 1e-8) and m the
+//    mean of the u_r over the rows held. A re-budget (set_budget) ranks by keydiff_rank() too.
+//    Scores never change under either scorer.
 class H2OHeadOracle : public oracle_detail::HeadRows {
 public:
+    /// How absorb scores (docs/design.md 4.7): the key-as-query proxy of 4.2, KeyDiff or K-norm.
+    enum class Scorer { key_as_query, keydiff, knorm };
+
+    /// Choose absorb's scorer (key_as_query unless set).
+    void set_scorer(Scorer s) { scorer_ = s; }
+
+    /// What an eviction ranks by, per row (lowest goes first): the scores, or under keydiff the
+    /// ranking of the class comment (computed from the keys, not from the scores).
+    std::vector<double> rank() const {
+        std::vector<double> out;
+        for (const auto& r : rows_) out.push_back(r.score);
+        if (scorer_ != Scorer::keydiff || rows_.empty()) return out;
+        const std::size_t d = rows_.front().key.size();
+        std::vector<std::vector<double>> unit;
+        std::vector<double> mean(d, 0.0);
+        for (const auto& r : rows_) {
+            const double norm = norm_of(r.key) + 1e-8;
+            std::vector<double> u(d);
+            for (std::size_t k = 0; k < d; ++k) u[k] = r.key[k] / norm;
+            for (std::size_t k = 0; k < d; ++k) mean[k] += u[k] / static_cast<double>(rows_.size());
+            unit.push_back(std::move(u));
+        }
+        const double mnorm = norm_of(mean) + 1e-8;
+        for (std::size_t r = 0; r < rows_.size(); ++r) {
+            double dot = 0.0;
+            for (std::size_t k = 0; k < d; ++k) dot += unit[r][k] * mean[k];
+            out[r] = -dot / mnorm;
+        }
+        return out;
+    }
+
     /// Build an empty head; grace_for_budget maps a budget to g (the result is clamped again per docs/design.md 4.2).
     H2OHeadOracle(int n_sink, double decay, std::function<int(int budget)> grace_for_budget)
         : n_sink_(n_sink), decay_(decay), grace_for_budget_(std::move(grace_for_budget)) {
@@ -484,6 +522,7 @@ public:
         const std::size_t n = rows_.size();
         const std::size_t budget_sz = static_cast<std::size_t>(budget);
         if (n <= budget_sz) return;  // a larger (or sufficient) budget is just stamped
+        const std::vector<double> score = rank();
 
         // Protected: sinks and the newest g rows.
         const std::size_t g = static_cast<std::size_t>(grace(budget));
@@ -499,8 +538,8 @@ public:
             }
         }
         // Remaining slots go to the highest scores; among equal scores the later position wins.
-        std::sort(others.begin(), others.end(), [this](std::size_t x, std::size_t y) {
-            if (rows_[x].score != rows_[y].score) return rows_[x].score > rows_[y].score;
+        std::sort(others.begin(), others.end(), [&](std::size_t x, std::size_t y) {
+            if (score[x] != score[y]) return score[x] > score[y];
             return rows_[x].position > rows_[y].position;
         });
         for (std::size_t k = 0; k < others.size() && n_kept < budget_sz; ++k, ++n_kept) keep[others[k]] = true;
@@ -519,6 +558,13 @@ public:
     // key: [D], value: [Dv]
     void absorb(const std::vector<double>& key, const std::vector<double>& value) {
         oracle_detail::check_row("H2OHeadOracle", 0, key, value, oracle_detail::dims_of(rows_));
+
+        if (scorer_ != Scorer::key_as_query) {
+            const double norm = norm_of(key);
+            append(key, value, scorer_ == Scorer::knorm ? -norm : 1.0 / (norm + 1e-8));
+            if (over_budget()) evict_one();
+            return;
+        }
 
         // Step 1: empty head.
         if (rows_.empty()) {
@@ -574,23 +620,31 @@ private:
     bool evict_one() {
         const std::size_t n = rows_.size();
         const std::size_t g = static_cast<std::size_t>(grace(*budget_));
+        const std::vector<double> score = rank();
         std::optional<std::size_t> victim;
         for (std::size_t i = 0; i < n; ++i) {
             const bool is_sink = rows_[i].position < n_sink_;
             const bool is_recent = i + g >= n;
             if (is_sink || is_recent) continue;
             // Strict '<' while scanning in ascending position: ties go to the earliest position.
-            if (!victim || rows_[i].score < rows_[*victim].score) victim = i;
+            if (!victim || score[i] < score[*victim]) victim = i;
         }
         if (!victim) return false;
         rows_.erase(rows_.begin() + static_cast<std::ptrdiff_t>(*victim));
         return true;
     }
 
+    static double norm_of(const std::vector<double>& x) {
+        double s = 0.0;
+        for (double v : x) s += v * v;
+        return std::sqrt(s);
+    }
+
     int n_sink_;
     double decay_;
     std::function<int(int)> grace_for_budget_;
     std::optional<int> budget_;
+    Scorer scorer_ = Scorer::key_as_query;
 };
 
 /// The Python reference's per-token algorithm (docs/design.md 4.3, 9.1): no decay, no protected window, fixed budget.

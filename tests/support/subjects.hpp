@@ -47,10 +47,25 @@ enum class Kind {
   kTova,
   kStreaming,
   kSnap,
+  kSqueezeDeferKeyDiff,  // kSqueezeDefer scored by KeyDiff without queries (docs/design.md 4.7)
+  kH2OKNorm,             // kH2O scored by K-norm without queries
 };
-inline constexpr Kind kKinds[] = {Kind::kStandard,     Kind::kSqueeze,   Kind::kSqueezeCoordinated,
-                           Kind::kSqueezeDefer, Kind::kH2O,       Kind::kPyramid,
-                           Kind::kTova,         Kind::kStreaming, Kind::kSnap};
+inline constexpr Kind kKinds[] = {Kind::kStandard,
+                                  Kind::kSqueeze,
+                                  Kind::kSqueezeCoordinated,
+                                  Kind::kSqueezeDefer,
+                                  Kind::kH2O,
+                                  Kind::kPyramid,
+                                  Kind::kTova,
+                                  Kind::kStreaming,
+                                  Kind::kSnap,
+                                  Kind::kSqueezeDeferKeyDiff,
+                                  Kind::kH2OKNorm};
+
+/// The deferring squeeze subjects (their budget is unknown until they fall back).
+inline bool is_squeeze_defer(Kind k) {
+  return k == Kind::kSqueezeDefer || k == Kind::kSqueezeDeferKeyDiff;
+}
 
 inline const char* kind_name(Kind k) {
   switch (k) {
@@ -72,6 +87,10 @@ inline const char* kind_name(Kind k) {
       return "streaming_llm";
     case Kind::kSnap:
       return "snapkv";
+    case Kind::kSqueezeDeferKeyDiff:
+      return "squeeze+defer+keydiff";
+    case Kind::kH2OKNorm:
+      return "h2o+knorm";
   }
   return "?";
 }
@@ -115,11 +134,17 @@ Subject<T> make_subject(Kind kind, vc::KVCacheConfig c = small_config()) {
       s.coordinator = std::make_shared<vc::SqueezeCoordinator>(1, 6, 1, 1.0);
       s.cache = std::make_unique<vc::SqueezeAttentionCache<T>>(c, 0, s.coordinator);
       break;
+    case Kind::kSqueezeDeferKeyDiff:
+      c.proxy_scoring = "keydiff";
+      [[fallthrough]];
     case Kind::kSqueezeDefer:
       c.squeeze_defer = true;
       s.coordinator = std::make_shared<vc::SqueezeCoordinator>(2, 6, 1, 1.0);
       s.cache = std::make_unique<vc::SqueezeAttentionCache<T>>(c, 1, s.coordinator);
       break;
+    case Kind::kH2OKNorm:
+      c.proxy_scoring = "knorm";
+      [[fallthrough]];
     case Kind::kH2O:
       c.method = "h2o";
       break;
@@ -568,6 +593,5 @@ std::string bad_queries_rejected(Subject<T>& s, Api api, const vc::Tensor4<U>& k
   }
   return "";
 }
-
 
 }  // namespace veloxquant::test

@@ -30,6 +30,14 @@ namespace veloxquant::cache {
 namespace detail {
 template <class T>
 class PromptCacheIO;  // prompt_cache.hpp: saves and restores the state of every cache class
+
+/// The scorer KVCacheConfig::proxy_scoring names (validated before: an unknown name is an error
+/// there).
+inline ProxyScoring proxy_scoring_of(const std::string& name) {
+  if (name == "keydiff") return ProxyScoring::keydiff;
+  if (name == "knorm") return ProxyScoring::knorm;
+  return ProxyScoring::key_as_query;
+}
 }  // namespace detail
 
 /// Zero-copy view of the rows a call hands back: one block of `rows()` rows per (b, h), living in
@@ -561,9 +569,11 @@ class KVCache {
       for (Index i = 0; i < n; ++i) {
         fresh.emplace_back(key_format(keys.dim), value_format(values.dim));
         fresh.back().reserve(S);
+        if (rule_.proxy == detail::ProxyScoring::keydiff) fresh.back().reserve_key_sum();
       }
     } else {
       for (auto& h : heads_) {
+        if (rule_.proxy == detail::ProxyScoring::keydiff) h.reserve_key_sum();
         h.compact();
         const Index needed = h.live() + S;
         h.shrink_if_oversized(needed);
@@ -606,7 +616,14 @@ class KVCache {
       const Index b = i / dims_.heads, h = i % dims_.heads;
       head.begin_window(copy);
       if (rebudget_ && rule_.budget) {
-        detail::rebudget(head, *rule_.budget, rule_.n_sink, rule_.protected_recent(), sc);
+        // KeyDiff ranks the rows it holds now, in a call without queries (with queries, the
+        // scores are attention mass, docs/design.md 4.7).
+        const float* rank = nullptr;
+        if (rule_.proxy == detail::ProxyScoring::keydiff && queries == nullptr &&
+            head.live() > *rule_.budget) {
+          rank = detail::keydiff_rank_head(head, sc);
+        }
+        detail::rebudget(head, *rule_.budget, rule_.n_sink, rule_.protected_recent(), sc, rank);
       }
       for (Index s = 0; s < S; ++s) {
         detail::with_row(keys, b, h, s, [&](const auto* k) {

@@ -27,6 +27,10 @@ inline std::string method_list() {
   return out;
 }
 
+/// The values of KVCacheConfig::proxy_scoring (docs/design.md 4.7): how the H2O-core policies score
+/// a call that brings no queries.
+inline constexpr std::array<const char*, 3> kProxyScorings = {"key_as_query", "keydiff", "knorm"};
+
 inline bool is_known_method(const std::string& m) {
   for (const char* k : kMethods) {
     if (m == k) return true;
@@ -123,6 +127,12 @@ struct KVCacheConfig {
   int value_bits = 16;   ///< the same for values, chosen independently
   int quant_group = 32;  ///< elements per group (one half scale and offset each); divides D, >= 8
 
+  /// How SqueezeAttention, H2O and PyramidKV score a call without queries (docs/design.md 4.7):
+  /// "key_as_query" (the SPEC's proxy: each key attends as its own query, decayed mass),
+  /// "keydiff" (keep the keys least similar to the mean retained key) or "knorm" (keep the
+  /// lowest-norm keys). Calls with queries are scored by them whatever this says.
+  std::string proxy_scoring = "key_as_query";
+
   /// Sets the rows-per-head budget of every method (docs/design.md 2.1): squeeze_budget,
   /// h2o_budget, pyramid_budget, tova_budget, snap_budget, and stream_window_size = rows -
   /// stream_n_sink. Checks nothing: validate() (or the cache that is built) does.
@@ -144,6 +154,14 @@ struct KVCacheConfig {
     check_bits("value_bits", value_bits);
     if (quant_group < 8) {
       config_error("quant_group", quant_group, "must be >= 8");
+    }
+    if (method == "squeeze" || method == "h2o" || method == "pyramidkv") {
+      bool known = false;
+      for (const char* p : kProxyScorings) known = known || proxy_scoring == p;
+      if (!known) {
+        throw std::invalid_argument("KVCacheConfig: proxy_scoring '" + proxy_scoring +
+                                    "' is unknown; valid: key_as_query, keydiff, knorm");
+      }
     }
     if (method == "squeeze") {
       check_budget("squeeze_budget", squeeze_budget);
@@ -239,6 +257,14 @@ void for_each_config_field(Config& c, F&& f) {
   f("key_bits", c.key_bits);
   f("value_bits", c.value_bits);
   f("quant_group", c.quant_group);
+  f("proxy_scoring", c.proxy_scoring);  // since prompt-cache format version 2
+}
+
+/// The prompt-cache format version that first stored config field `name` (docs/design.md G): a
+/// file of an older version lacks it and loads with the field's default (the behaviour of the
+/// library that wrote the file).
+inline unsigned config_field_since(const char* name) {
+  return std::string(name) == "proxy_scoring" ? 2U : 1U;
 }
 
 /// `config` with `method` in place of its own.

@@ -64,7 +64,8 @@ namespace detail {
 /// rewrites line ends or stops at ^Z shows at once).
 inline constexpr unsigned char kPromptCacheMagic[8] = {0x89, 'V', 'Q', 'K', 'V', 0x0D, 0x0A, 0x1A};
 /// The format version this library writes and the newest it reads.
-inline constexpr std::uint32_t kPromptCacheVersion = 1;
+/// Version 2 added config field proxy_scoring (config_field_since); version 1 files still load.
+inline constexpr std::uint32_t kPromptCacheVersion = 2;
 
 /// Storage type codes of the header: 1 half, 2 bfloat16, 3 float.
 template <class T>
@@ -222,7 +223,7 @@ class PromptCacheIO {
 
     std::vector<int> uses(coordinators.size(), 0);
     for (std::uint32_t i = 0; i < n_caches; ++i) {
-      out.caches.push_back(read_cache(r, i, coordinators, uses));
+      out.caches.push_back(read_cache(r, i, version, coordinators, uses));
     }
     for (std::size_t i = 0; i < uses.size(); ++i) {
       if (uses[i] == 0) {
@@ -362,12 +363,16 @@ class PromptCacheIO {
     w.i32(v.value_or(0));
   }
 
-  static KVCacheConfig read_config(ByteReader& r) {
+  // The fields of format `version` come in table order, each once; the fields it predates keep
+  // their defaults (config_field_since).
+  static KVCacheConfig read_config(ByteReader& r, std::uint32_t version) {
     const std::uint32_t n = r.u32();
     KVCacheConfig c;
     std::uint32_t fields = 0;
-    for_each_config_field(c, [&](const char*, auto&) { ++fields; });
-    int last = -1;  // index of the last field read: fields come in table order, each once
+    for_each_config_field(c, [&](const char* field, auto&) {
+      if (config_field_since(field) <= version) ++fields;
+    });
+    int last = -1;  // index of the last field read
     for (std::uint32_t i = 0; i < n; ++i) {
       const std::uint8_t len = r.u8();
       std::string name(len, '\0');
@@ -378,6 +383,10 @@ class PromptCacheIO {
       for_each_config_field(c, [&](const char* field, auto& v) {
         if (!found && name == field) {
           found = true;
+          if (config_field_since(field) > version) {
+            r.fail("config field '" + name + "' is not in format version " +
+                   std::to_string(version));
+          }
           if (index <= last) r.fail("config field '" + name + "' is out of order or repeated");
           read_value(r, name, type, v);
           last = index;
@@ -389,8 +398,8 @@ class PromptCacheIO {
       }
     }
     if (n != fields) {
-      r.fail("the config holds " + std::to_string(n) + " fields, format version 1 has " +
-             std::to_string(fields));
+      r.fail("the config holds " + std::to_string(n) + " fields, format version " +
+             std::to_string(version) + " has " + std::to_string(fields));
     }
     return c;
   }
@@ -634,14 +643,14 @@ class PromptCacheIO {
   }
 
   static std::unique_ptr<KVCache<T>> read_cache(
-      ByteReader& r, std::uint32_t index,
+      ByteReader& r, std::uint32_t index, std::uint32_t version,
       const std::vector<std::shared_ptr<SqueezeCoordinator>>& coordinators,
       std::vector<int>& uses) {
     const std::string name = "cache " + std::to_string(index);
     r.set_where(name);
     r.begin_section();
     Descriptor d;
-    d.config = read_config(r);
+    d.config = read_config(r, version);
     const std::uint8_t flags = r.u8();
     d.budget = r.i32();
     std::int64_t* dims[] = {&d.batch,  &d.heads,       &d.key_dim, &d.value_dim,
@@ -936,10 +945,13 @@ class PromptCacheIO {
                          const std::vector<std::int64_t>& pos, const std::vector<float>* score) {
     const Index n = d.rows;
     if (score) {
+      // Scores are sums of softmax weights (or the weights themselves): never negative, never
+      // infinite; NaN only where keys overflowed float32 (docs/design.md E). The query-free
+      // scorers of 4.7 write negative scores (-cos, -|k|; -inf for a key whose norm overflows).
+      const bool signed_scores =
+          rule.kind == RuleKind::cumulative && rule.proxy != ProxyScoring::key_as_query;
       for (const float s : *score) {
-        // Scores are sums of softmax weights (or the weights themselves): never negative, never
-        // infinite; NaN only where keys overflowed float32 (docs/design.md E).
-        if (s < 0.0f || s == std::numeric_limits<float>::infinity()) {
+        if ((s < 0.0f && !signed_scores) || s == std::numeric_limits<float>::infinity()) {
           r.fail("a score (" + std::to_string(s) + ") is negative or infinite");
         }
       }

@@ -45,6 +45,7 @@ class PyramidKVCache : public KVCache<T> {
     r.n_sink = config.pyramid_n_sink;
     r.recent_ratio = config.pyramid_recent_ratio;
     r.decay = static_cast<float>(config.pyramid_decay);
+    r.proxy = detail::proxy_scoring_of(config.proxy_scoring);
     return r;
   }
 };

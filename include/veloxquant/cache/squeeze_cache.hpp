@@ -180,6 +180,7 @@ class SqueezeAttentionCache : public KVCache<T> {
     r.n_sink = config.squeeze_n_sink;
     r.recent_ratio = config.squeeze_recent_ratio;
     r.decay = static_cast<float>(config.squeeze_decay);
+    r.proxy = detail::proxy_scoring_of(config.proxy_scoring);
     return r;
   }
   bool coordinated() const { return coordinator_ && layer_id_; }

@@ -148,6 +148,7 @@ class HeadStore {
     n_phys_ = n;
     call_begin_ = n;
     holes_.clear();
+    key_sum_valid_ = false;
     return true;
   }
   /// Elements of T one stored key (value) row takes.
@@ -181,12 +182,14 @@ class HeadStore {
   void push_live(Slot s) noexcept {
     VELOXQUANT_ASSERT(order_.size() < order_.capacity(), "order capacity");
     order_.push_back(s);
+    key_sum_valid_ = false;
   }
   /// Marks slot `s` dead (drop_dead() then removes it from `order`).
   void mark_dead(Slot s) noexcept {
     VELOXQUANT_ASSERT(alive_[at(s)] == kAlive, "mark_dead of a dead slot");
     alive_[at(s)] = kDead;
     holes_.push_back(s);
+    key_sum_valid_ = false;
   }
   /// Evicts the row at index `i` of `order` (marks it dead and removes it from `order`).
   void evict_at(Index i) noexcept {
@@ -203,7 +206,20 @@ class HeadStore {
   void assign_order(const Slot* o, Index n) noexcept {
     VELOXQUANT_ASSERT(static_cast<std::size_t>(n) <= order_.capacity(), "order capacity");
     order_.assign(o, o + n);
+    key_sum_valid_ = false;
   }
+
+  /// KeyDiff's running sum (docs/design.md 4.7): per key dimension, an exact integer sum over the
+  /// live rows (proxy_scores.hpp), kept by the KeyDiff scorer alone. Every change of the live set
+  /// makes it invalid; the scorer rebuilds it or, after a change it made itself, updates it and
+  /// marks it valid again. reserve_key_sum allocates it (strong exception guarantee) before a call
+  /// changes anything.
+  void reserve_key_sum() {
+    if (key_sum_.empty() && dk_ > 0) key_sum_.assign(static_cast<std::size_t>(dk_), 0);
+  }
+  std::int64_t* key_sum() { return key_sum_.data(); }
+  bool key_sum_valid() const { return key_sum_valid_; }
+  void set_key_sum_valid() noexcept { key_sum_valid_ = true; }
 
   /// Drops the newest `n` live rows (standard cache trim; valid only with no holes).
   void drop_newest(Index n) noexcept {
@@ -263,6 +279,7 @@ class HeadStore {
     return k_.capacity() * sizeof(T) + v_.capacity() * sizeof(T) +
            row_buf_.capacity() * sizeof(float) + pos_.capacity() * sizeof(std::int64_t) +
            score_.capacity() * sizeof(float) + alive_.capacity() +
+           key_sum_.capacity() * sizeof(std::int64_t) +
            (order_.capacity() + window_.capacity() + holes_.capacity()) * sizeof(Slot);
   }
 
@@ -366,11 +383,13 @@ class HeadStore {
   Index n_phys_ = 0;
   Index cap_ = 0;
   Index call_begin_ = 0;
-  std::vector<T> k_;                 // [cap, ks_]: Dk of T, or a quantized row's bytes
-  std::vector<T> v_;                 // [cap, vs_]
-  std::vector<float> row_buf_;       // [padded_dim(max(Dk, Dv))]: the row being quantized
-  std::vector<std::int64_t> pos_;    // [cap]
-  std::vector<float> score_;         // [cap]
+  std::vector<T> k_;                   // [cap, ks_]: Dk of T, or a quantized row's bytes
+  std::vector<T> v_;                   // [cap, vs_]
+  std::vector<float> row_buf_;         // [padded_dim(max(Dk, Dv))]: the row being quantized
+  std::vector<std::int64_t> pos_;      // [cap]
+  std::vector<float> score_;           // [cap]
+  std::vector<std::int64_t> key_sum_;  // [dk] or empty: KeyDiff's running sum
+  bool key_sum_valid_ = false;
   std::vector<std::uint8_t> alive_;  // [cap]
   std::vector<Slot> order_;          // live slots, ascending position
   std::vector<Slot> window_;         // rows retained before the current call, ascending position

@@ -20,6 +20,7 @@
 
 #include "head_store.hpp"
 #include "input.hpp"
+#include "proxy_scores.hpp"
 #include "scratch.hpp"
 #include "select.hpp"
 #include "simd_kernels.hpp"
@@ -45,6 +46,7 @@ struct Rule {
   double recent_ratio = 0.5;
   int grace = 0;
   float decay = 1.0f;
+  ProxyScoring proxy = ProxyScoring::key_as_query;  ///< cumulative: calls without queries
   int window = 0;           ///< window: rows kept besides the sinks
   int obs_window = 0;       ///< prompt: query tokens that rank the prompt
   bool compressed = false;  ///< prompt: a call has been ranked (until reset)
@@ -114,6 +116,10 @@ inline CallPlan plan_call(const Rule& r, Index S, Index groups, bool attend = fa
       break;
     case RuleKind::cumulative:
     case RuleKind::last_attention: {
+      if (r.kind == RuleKind::cumulative && groups == 0 && r.proxy != ProxyScoring::key_as_query) {
+        p.rows = std::max<Index>(p.rows, 2);  // absorb_proxy: two rows of queries
+        break;
+      }
       const bool once_per_call = r.kind == RuleKind::cumulative && groups > 0;
       p.gather = S > 1 && !once_per_call;
       p.block = block_tokens(S, G);
@@ -161,9 +167,11 @@ struct HeadAttend {
 };
 
 /// Re-budget (docs/design.md 4.5): keeps the sinks, the newest `g` rows and the highest-score
-/// others up to `budget`; among equal scores the later positions survive.
+/// others up to `budget`; among equal scores the later positions survive. `rank` (by slot; null:
+/// the scores) is what "score" means here (KeyDiff's ranking, keydiff_rank_head).
 template <class T>
-void rebudget(HeadStore<T>& head, int budget, int n_sink, int g, Scratch& sc) {
+void rebudget(HeadStore<T>& head, int budget, int n_sink, int g, Scratch& sc,
+              const float* rank = nullptr) {
   const Index n = head.live();
   if (n <= budget) return;
   const Slot* ord = head.order().data();
@@ -173,16 +181,15 @@ void rebudget(HeadStore<T>& head, int budget, int n_sink, int g, Scratch& sc) {
   const Index keep = std::max<Index>(0, budget - sinks - (n - hi));
   const Index m = hi - sinks;
   if (m <= keep) return;
+  const float* score = rank != nullptr ? rank : head.scores_data();
   if (m - keep == 1) {
     // One row goes (a decode step over budget): the SIMD search over the live order.
-    head.evict_at(worst_in_order(ord, sinks, hi, head.scores_data(), Tie::evict_earliest,
-                                 sc.weights.data()));
+    head.evict_at(worst_in_order(ord, sinks, hi, score, Tie::evict_earliest, sc.weights.data()));
     return;
   }
   std::int32_t* picks = sc.picks.data();
   std::copy(ord + sinks, ord + hi, picks);
-  order_worst_first(picks, m, m - keep, head.scores_data(), head.positions_data(),
-                    Tie::evict_earliest);
+  order_worst_first(picks, m, m - keep, score, head.positions_data(), Tie::evict_earliest);
   for (Index i = 0; i < m - keep; ++i) head.mark_dead(picks[i]);
   head.drop_dead();
 }
@@ -375,6 +382,75 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
   if (once_per_call && rule.budget) rebudget(head, *rule.budget, rule.n_sink, g, sc);
 }
 
+/// KeyDiff's ranking (docs/design.md 4.7) of the live rows of `head`, by slot; the scores hold each
+/// row's 1 / (|k| + 1e-8). Rebuilds the running sum first when the live set changed otherwise than
+/// through absorb_proxy. Returns the ranking (in sc.logits; sc.queries row 0 holds the mean on the
+/// way, row 1 a row while rebuilding).
+template <class T>
+const float* keydiff_rank_head(HeadStore<T>& head, Scratch& sc) {
+  const Index n = head.live(), d = head.key_dim(), dp = padded_dim(d);
+  const Slot* ord = head.order().data();
+  const float* weight = head.scores_data_const();
+  std::int64_t* sum = head.key_sum();
+  if (!head.key_sum_valid()) {
+    std::fill(sum, sum + d, std::int64_t{0});
+    for (Index j = 0; j < n; ++j) {
+      key_sum_update(sum, head.key_rows(), ord[j], d, weight[ord[j]], 1, sc.queries.data() + dp);
+    }
+    head.set_key_sum_valid();
+  }
+  // Over the storage as it lies unless dead slots are many (a long prompt evicting as it goes).
+  const Index n_phys = head.physical();
+  const Slot* live = n_phys - n <= n / 8 ? nullptr : ord;
+  float* rank = sc.logits.data();
+  keydiff_rank(head.key_rows(), d, sum, weight, n, n_phys, live, rank, sc.weights.data(),
+               sc.queries.data(), sc.keys.data());
+  return rank;
+}
+
+/// The H2O core without queries under a query-free scorer other than key-as-query (docs/design.md
+/// 4.7): the `count` rows at [call_begin(), +count) join one at a time, each with its score
+/// (K-norm: -|k|; KeyDiff: 1 / (|k| + 1e-8)); over budget, the lowest-ranked row among all but the
+/// sinks and the newest g goes (ties: the earliest), as in 4.2. K-norm ranks by the scores,
+/// KeyDiff by keydiff_rank over the live rows at that moment (its running sum follows each row in
+/// and out).
+template <class T>
+void absorb_proxy(HeadStore<T>& head, const Rule& rule, Index count, Scratch& sc) {
+  const Index first = head.call_begin();
+  const Index d = head.key_dim(), dp = padded_dim(d);
+  const int g = rule.protected_recent();
+  const bool keydiff = rule.proxy == ProxyScoring::keydiff;
+  float* row = sc.queries.data() + dp;
+  for (Index t = 0; t < count; ++t) {
+    const auto s = static_cast<Slot>(first + t);
+    const float norm = key_norm(head.key_rows(), s, d, row, sc.keys.data());
+    const float w = keydiff ? 1.0f / (norm + kUnitEps) : -norm;
+    head.score(s) = w;
+    bool sum_valid = keydiff && head.key_sum_valid();
+    head.push_live(s);
+    if (sum_valid) {
+      key_sum_update(head.key_sum(), head.key_rows(), s, d, w, 1, row);
+      head.set_key_sum_valid();
+    }
+    if (!rule.budget || head.live() <= *rule.budget) continue;
+    const Index n = head.live();
+    const Slot* ord = head.order().data();
+    Index sinks = 0;
+    while (sinks < n && head.position(ord[sinks]) < rule.n_sink) ++sinks;
+    if (n - g <= sinks) continue;
+    const float* rank = keydiff ? keydiff_rank_head(head, sc) : head.scores_data_const();
+    const Index at =
+        worst_in_order(ord, sinks, n - g, rank, Tie::evict_earliest, sc.weights.data());
+    const Slot victim = ord[at];
+    sum_valid = keydiff && head.key_sum_valid();
+    if (sum_valid) {
+      key_sum_update(head.key_sum(), head.key_rows(), victim, d, head.score(victim), -1, row);
+    }
+    head.evict_at(at);
+    if (sum_valid) head.set_key_sum_valid();
+  }
+}
+
 /// SnapKV (docs/design.md 6): ranks the `count` rows of the call at [call_begin(), +count) by the
 /// mean, over the last w = min(obs_window, count) tokens' query rows (their keys, or their G query
 /// heads), of their softmax over all the call's rows (no causal mask); keeps the call's first
@@ -471,6 +547,11 @@ void absorb_head(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, Ind
   const Index first = head.call_begin();
   switch (rule.kind) {
     case RuleKind::cumulative:
+      if (!q && rule.proxy != ProxyScoring::key_as_query) {
+        absorb_proxy(head, rule, count, sc);  // no queries, so no attention output either
+        return;
+      }
+      [[fallthrough]];
     case RuleKind::last_attention:
       if (att && !plan.gather && head.live() == first) {
         absorb_scored(head, rule, plan, count, q, att, sc);

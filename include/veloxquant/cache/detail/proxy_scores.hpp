@@ -1,0 +1,93 @@
+// veloxquant — the query-free scorers of the H2O-core policies besides the key-as-query proxy
+// (docs/design.md 4.7): KeyDiff (the keys least similar to the mean retained key are kept) and
+// K-norm (low-norm keys are kept). Both keep one number per row, written once when it arrives:
+// K-norm its score -|k|, KeyDiff the row's 1 / (|k| + 1e-8), with which keydiff_rank ranks the rows
+// when one must go, against an exact running sum of the rows' unit vectors. Dot products go
+// through the kernels of simd_kernels.hpp, so the results are the same in every build of a path
+// (docs/design.md 7.2).
+#pragma once
+
+#include <Eigen/Core>
+#include <cmath>
+#include <cstdint>
+
+#include "fp.hpp"
+#include "quant.hpp"
+#include "simd_kernels.hpp"
+
+namespace veloxquant::cache::detail {
+
+/// Query-free scorers (KVCacheConfig::proxy_scoring, in the order of kProxyScorings).
+enum class ProxyScoring : std::uint8_t {
+  key_as_query,  ///< docs/design.md 3, 4.2: each key attends as its own query, decayed mass
+  keydiff,       ///< ranked by -cos(k, mean retained unit key); the score holds 1 / (|k| + eps)
+  knorm,         ///< score = -|k|
+};
+
+/// Guard of the unit vectors (as concentration_score, docs/design.md 5.1): u = k / (|k| + eps).
+inline constexpr float kUnitEps = 1e-8f;
+
+/// |k_j| of stored key row j: the square root of k_j . k_j from the logits kernel.
+/// row: [padded_dim(d)] and kbuf: [4 * padded_dim(d)] scratch.
+template <class T>
+float key_norm(const StoredRows<T>& keys, Index j, Index d, float* row, float* kbuf) {
+  load_stored_row(keys, j, d, row);
+  const auto slot = static_cast<std::int32_t>(j);
+  float dot = 0.0f;
+  logits(row, 1, padded_dim(d), keys, &slot, 1, d, 1.0f, &dot, 1, kbuf);
+  return std::sqrt(dot);
+}
+
+/// KeyDiff's running sum (docs/design.md 4.7) in fixed point: component i of a row's unit vector
+/// u = k / (|k| + 1e-8) is held as round(2^32 * k_i * w), w = 1 / (|k| + 1e-8) (|u_i| < 1, so
+/// 2^31 rows fit an int64). The double product of two floats is exact and the rounding is to
+/// nearest (even), so a sum of such integers is the same whatever the order of its additions and
+/// removals, in every build: kept step by step, it equals the sum rebuilt over the live rows.
+inline constexpr double kKeySumScale = 4294967296.0;
+/// 1.5 * 2^52: x + this - this is x rounded to the nearest integer (ties to even) for |x| < 2^51,
+/// in the default rounding mode (the compiler may not fold it without -ffast-math).
+inline constexpr double kRoundMagic = 6755399441055744.0;
+
+/// Adds (sign 1) or removes (sign -1) stored key row j, of weight w, to or from sum ([d]).
+/// row: [padded_dim(d)] scratch.
+template <class T>
+void key_sum_update(std::int64_t* sum, const StoredRows<T>& keys, Index j, Index d, float w,
+                    int sign, float* row) {
+  load_stored_row(keys, j, d, row);
+  for (Index i = 0; i < d; ++i) {
+    const double u = static_cast<double>(row[i]) * static_cast<double>(w) * kKeySumScale;
+    sum[i] += sign * static_cast<std::int64_t>((u + kRoundMagic) - kRoundMagic);
+  }
+}
+
+/// KeyDiff's ranking (docs/design.md 4.7) of the n >= 1 live rows among the first n_phys stored key
+/// rows, whose running sum is `sum` ([d]) and whose weights 1 / (|k| + 1e-8) are weight[slot]: with
+/// m the mean of their unit vectors (the sum / n), rank[c] = -(u_c . m) / (|m| + 1e-8), in
+/// [-1, 1]: the row most like the others ranks lowest and goes first. One pass over the rows (the
+/// logits kernel): with `slot` ([n], the live slots), over those rows only, written to
+/// rank[slot[j]] through dots ([n] scratch); without, over the storage as it lies, every c < n_phys
+/// (cheaper when few slots are dead; a dead slot's rank is meaningless). weight, rank: [n_phys] by
+/// slot; anchor: [padded_dim(d)]; kbuf: [4 * padded_dim(d)] scratch.
+template <class T>
+void keydiff_rank(const StoredRows<T>& keys, Index d, const std::int64_t* sum, const float* weight,
+                  Index n, Index n_phys, const std::int32_t* slot, float* rank, float* dots,
+                  float* anchor, float* kbuf) {
+  const Index dp = padded_dim(d);
+  const double to_mean = 1.0 / (kKeySumScale * static_cast<double>(n));
+  double mm = 0.0;
+  for (Index i = 0; i < d; ++i) {
+    anchor[i] = static_cast<float>(static_cast<double>(sum[i]) * to_mean);
+    mm += product(anchor[i], anchor[i]);
+  }
+  for (Index i = d; i < dp; ++i) anchor[i] = 0.0f;
+  const float inv_m = 1.0f / (static_cast<float>(std::sqrt(mm)) + kUnitEps);
+  if (slot == nullptr) {
+    logits(anchor, 1, dp, keys, nullptr, n_phys, d, 1.0f, rank, n_phys, kbuf);
+    for (Index c = 0; c < n_phys; ++c) rank[c] = -(rank[c] * weight[c]) * inv_m;
+    return;
+  }
+  logits(anchor, 1, dp, keys, slot, n, d, 1.0f, dots, n, kbuf);
+  for (Index j = 0; j < n; ++j) rank[slot[j]] = -(dots[j] * weight[slot[j]]) * inv_m;
+}
+
+}  // namespace veloxquant::cache::detail
