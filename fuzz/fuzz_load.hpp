@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -115,7 +116,10 @@ std::string run_load_typed(const std::string& file, bool verify) {
   const auto used =
       static_cast<std::size_t>(in.tellg() < 0 ? file.size() : static_cast<std::size_t>(in.tellg()));
   const std::string again = save_set(loaded.caches, loaded.metadata);
-  if (verify) {
+  // A file of an older format version loads, and is saved in the current one.
+  std::uint32_t version = 0;
+  if (file.size() >= 12) std::memcpy(&version, file.data() + 8, 4);
+  if (verify && version == vc::detail::kPromptCacheVersion) {
     if (again != file.substr(0, used))
       return "the loaded set saves to other bytes than it came from";
   } else {
@@ -268,6 +272,15 @@ inline std::map<std::string, std::string> make_seeds() {
     }
     out["seed-squeeze-budget-below-sinks-float"] = seed_of(two, {});
   }
+  // The query-free scorers (docs/design.md 4.7): negative scores, a KeyDiff re-budget.
+  c = seed_config();
+  c.proxy_scoring = "keydiff";
+  c.squeeze_defer = true;
+  model(float{}, "seed-squeeze-keydiff-defer-float", c, {8, 1, 1}, false);
+  c = seed_config();
+  c.method = "h2o";
+  c.proxy_scoring = "knorm";
+  model(Eigen::half{}, "seed-h2o-knorm-half", c, {9, 1, 1}, false);
   return out;
 }
 

@@ -131,6 +131,9 @@ inline constexpr double kTieAbsFloor = 1e-42;
 /// Library score vs oracle score: absolute or relative tolerance.
 inline constexpr double kScoreAbsTol = 1e-6;
 inline constexpr double kScoreRelTol = 1e-4;
+/// KeyDiff ranks by cosines in [-1, 1] summed over D products of unit rows in float32: their error
+/// is absolute, up to about D * 6e-8 (docs/design.md 4.7). The tie floor of its decisions.
+inline constexpr double kKeyDiffAbsTol = 1e-5;
 /// concentration() vs the Gram-matrix reference.
 inline constexpr double kConcentrationTol = 1e-9;
 /// Operations per input, tokens per call.
@@ -295,8 +298,10 @@ using SameKey = std::function<bool(std::int64_t, std::int64_t)>;
 /// are equal exactly when the logits are, and logits of this data are exact), every exact tie.
 /// Any other pair of equal doubles is two different computations that happen to round alike
 /// (e.g. 9/15 + 2 * 1/2 and 9/15 + 4 * 1/4), which float32 may split either way: a near-tie.
+/// `abs_floor` widens kTieAbsFloor for scores whose float32 error is absolute (KeyDiff's cosines).
 inline bool near_tie(const std::vector<Candidate>& cands, const std::set<std::int64_t>& evicted,
-                     const SameKey& same_key = nullptr, bool all_exact_ties_decided = false) {
+                     const SameKey& same_key = nullptr, bool all_exact_ties_decided = false,
+                     double abs_floor = kTieAbsFloor) {
   for (const Candidate& e : cands) {
     if (!evicted.count(e.position)) continue;
     for (const Candidate& c : cands) {
@@ -311,7 +316,7 @@ inline bool near_tie(const std::vector<Candidate>& cands, const std::set<std::in
       // Close relative to their size; or so close in absolute terms that float32 holds them as
       // subnormals or 0 (a decay of 0.25 per token takes 0.4 to 2e-47 in about 77 tokens, 0 in
       // float32), so it may order them either way or tie them at 0.
-      if (gap <= kTieRelTol * scale || gap <= kTieAbsFloor) return true;
+      if (gap <= kTieRelTol * scale || gap <= std::max(kTieAbsFloor, abs_floor)) return true;
     }
   }
   return false;
@@ -483,18 +488,19 @@ class Harness {
            << (c.squeeze_resolved_budget ? std::to_string(*c.squeeze_resolved_budget) : "-")
            << " ratio=" << c.squeeze_recent_ratio << " decay=" << c.squeeze_decay
            << " strength=" << c.squeeze_strength << " defer=" << c.squeeze_defer << " L=" << layers_
-           << " layer=" << layer_;
+           << " layer=" << layer_ << " proxy_scoring=" << c.proxy_scoring;
         break;
       case Policy::H2O:
-        os << " h2o_budget=" << c.h2o_budget << " grace=" << c.h2o_grace
-           << " decay=" << c.h2o_decay;
+        os << " h2o_budget=" << c.h2o_budget << " grace=" << c.h2o_grace << " decay=" << c.h2o_decay
+           << " proxy_scoring=" << c.proxy_scoring;
         break;
       case Policy::PyramidSingle:
       case Policy::PyramidBuilder:
         os << " pyramid_budget=" << c.pyramid_budget << " resolved="
            << (c.pyramid_resolved_budget ? std::to_string(*c.pyramid_resolved_budget) : "-")
            << " beta=" << c.pyramid_beta << " ratio=" << c.pyramid_recent_ratio
-           << " decay=" << c.pyramid_decay << " L=" << layers_ << " layer=" << layer_;
+           << " decay=" << c.pyramid_decay << " L=" << layers_ << " layer=" << layer_
+           << " proxy_scoring=" << c.proxy_scoring;
         break;
       case Policy::TOVA:
         os << " tova_budget=" << c.tova_budget << " n_sink=" << c.tova_n_sink;
@@ -608,6 +614,14 @@ class Harness {
         break;
       default:
         break;
+    }
+    if (core_policy()) {
+      // Flag bits 5-6: the query-free scorer (docs/design.md 4.7); 0 (and 3): the SPEC proxy.
+      const int proxy = (flags >> 5) & 3;
+      scorer_ = proxy == 1   ? ref::H2OHeadOracle::Scorer::keydiff
+                : proxy == 2 ? ref::H2OHeadOracle::Scorer::knorm
+                             : ref::H2OHeadOracle::Scorer::key_as_query;
+      c.proxy_scoring = proxy == 1 ? "keydiff" : proxy == 2 ? "knorm" : "key_as_query";
     }
     const bool builder = policy_ == Policy::SqueezeBuilder || policy_ == Policy::PyramidBuilder;
     via_ = builder ? "builder" : direct ? "constructor" : "factory";
@@ -988,19 +1002,24 @@ class Harness {
     count_ = std::min<Index>(count_, b);
     if (!oracle_on()) return;
     for (auto& hm : heads_) {
-      if (hm.h2o) {
-        const Positions before = hm.h2o->positions();
-        std::vector<Candidate> cands = trim_candidates(hm.h2o->rows(), b);
-        hm.h2o->set_budget(b);
-        note_decision(hm, cands, minus(before, hm.h2o->positions()));
-      }
-      if (hm.h2oq) {
-        const Positions before = hm.h2oq->positions();
-        std::vector<Candidate> cands = trim_candidates(hm.h2oq->rows(), b);
-        hm.h2oq->set_budget(b);
-        note_decision(hm, cands, minus(before, hm.h2oq->positions()));
+      for (auto* o : {hm.h2o ? &*hm.h2o : nullptr, hm.h2oq ? &*hm.h2oq : nullptr}) {
+        if (o == nullptr) continue;
+        const Positions before = o->positions();
+        // What the re-budget ranks by (KeyDiff: its ranking, not the scores).
+        std::vector<Candidate> cands = trim_candidates(ranked_rows(*o), b);
+        o->set_budget(b);
+        note_decision(hm, cands, minus(before, o->positions()));
       }
     }
+  }
+
+  /// The rows of `o` with what an eviction ranks them by in place of their scores (KeyDiff's
+  /// ranking; the scores themselves for every other scorer).
+  static std::vector<ref::OracleRow> ranked_rows(const ref::H2OHeadOracle& o) {
+    std::vector<ref::OracleRow> rows = o.rows();
+    const std::vector<double> rank = o.rank();
+    for (std::size_t i = 0; i < rows.size(); ++i) rows[i].score = rank[i];
+    return rows;
   }
 
   /// Candidates of a re-budget: rows that are neither sinks nor among the newest g(b).
@@ -1033,7 +1052,9 @@ class Harness {
                std::memcmp(ka.data(), kb.data(), ka.size() * sizeof(T)) == 0;
       };
     }
-    if (near_tie(cands, evicted, same_key, one_softmax)) {
+    const double floor =
+        scorer_ == ref::H2OHeadOracle::Scorer::keydiff ? kKeyDiffAbsTol : kTieAbsFloor;
+    if (near_tie(cands, evicted, same_key, one_softmax, floor)) {
       hm.ambiguous = true;
       if (opt_.stats) ++opt_.stats->ambiguous;
       std::ostringstream os;
@@ -1102,8 +1123,10 @@ class Harness {
         case Policy::PyramidBuilder:
           if (qmode_ == QueryMode::None) {
             hm.h2o.emplace(n_sink_, decay_, grace_fn());
+            hm.h2o->set_scorer(scorer_);
             if (model_budget_) hm.h2o->set_budget(*model_budget_);
           } else if (qmode_ == QueryMode::Always) {
+            // Calls with queries ignore the scorer, and so do their re-budgets.
             hm.h2oq.emplace(n_sink_, decay_, grace_fn());
             if (model_budget_) hm.h2oq->set_budget(*model_budget_);
           }
@@ -1831,7 +1854,7 @@ class Harness {
         all.set_budget(std::numeric_limits<int>::max());
         all.absorb(keys[s], values[s]);
         hm.h2o->absorb(keys[s], values[s]);
-        note_decision(hm, evict_candidates(all.rows(), *hm.h2o->budget()),
+        note_decision(hm, evict_candidates(ranked_rows(all), *hm.h2o->budget()),
                       minus(all.positions(), hm.h2o->positions()));
       }
     }
@@ -2230,6 +2253,7 @@ class Harness {
   // H2O-core budget model.
   int n_sink_ = 0;
   double decay_ = 1.0;
+  ref::H2OHeadOracle::Scorer scorer_ = ref::H2OHeadOracle::Scorer::key_as_query;
   bool ratio_grace_ = true;
   double ratio_ = 0.5;
   int grace_ = 0;

@@ -38,12 +38,13 @@ def rng(lo, hi, v):
 class Seed:
     def __init__(self, storage, policy, budget=8, n_sink=2, ratio=0.5, decay=0.98, direct=False,
                  defer=False, resolved=None, strength=1.0, layers=1, layer=0, grace=4, beta=2.0,
-                 window=6, obs=4, invalid=None):
+                 window=6, obs=4, invalid=None, proxy="key_as_query"):
         b = [STORAGE[storage], POLICY[policy], rng(1, 24, budget),
              rng(0, min(budget - 1, 5), n_sink), RATIO.index(ratio), DECAY.index(decay)]
         flags = (1 if direct else 0) | (2 if defer else 0) | (4 if resolved is not None else 0)
         if policy == "snapkv" and obs > 8:
             flags |= 16
+        flags |= {"key_as_query": 0, "keydiff": 32, "knorm": 64}[proxy]  # bits 5-6
         b.append(flags)
         if policy in ("squeeze", "squeeze_builder"):
             b.append(STRENGTH.index(strength))
@@ -263,6 +264,20 @@ def seeds():
                                        layers=2, layer=0, ratio=0.25)
                                   .sequence(B=2, H=1, Dk=2, one_hot=True).call(12).reload()
                                   .call(1).reload().report(1, 2).call(1).reload().call(3))
+    # The query-free scorers (docs/design.md 4.7): KeyDiff through a deferred re-budget of a
+    # builder model and with queries, K-norm on H2O and PyramidKV.
+    s["keydiff-squeeze-builder-defer"] = (Seed("float", "squeeze_builder", budget=6, n_sink=1,
+                                               defer=True, layers=2, layer=0, proxy="keydiff")
+                                          .sequence(H=2, Dk=4).call(14).report(1, 3).call(1)
+                                          .reload().call(1).call(5).call(1))
+    s["keydiff-h2o-queries"] = (Seed("half", "h2o", budget=7, n_sink=1, grace=2, proxy="keydiff")
+                                .sequence(B=2, H=1, Dk=6, queries="always").call(12, G=2)
+                                .call(1, G=2).reload().call(3, G=1))
+    s["knorm-h2o"] = (Seed("bf16", "h2o", budget=6, n_sink=2, grace=1, proxy="knorm")
+                      .sequence(B=1, H=2, Dk=5).call(10).call(1).reload().call(1).call(4))
+    s["knorm-pyramid-builder"] = (Seed("float", "pyramid_builder", budget=8, n_sink=1, layers=2,
+                                       layer=1, proxy="knorm")
+                                  .sequence(H=2, Dk=3).call(16).call(1).call(1))
     s["invalid-config-field"] = Seed("float", "h2o", invalid=[8, 1])         # h2o_grace < 0
     s["invalid-config-sink"] = Seed("half", "snapkv", budget=3, n_sink=2, invalid=[23, 1])
     s["invalid-config-method"] = Seed("float", "tova", invalid=[24, 0])      # factory, "SQUEEZE"
