@@ -4,12 +4,15 @@
 # where decisions are made; report: bytes 400000.., only reported), a 128-token prompt as one call
 # and 384 teacher-forced one-token calls, budgets of 32 / 64 / 128 rows per KV head (6.25 / 12.5 /
 # 25% of the context). Runs every method with the defaults, then SqueezeAttention with the option
-# settings of the table, writes one CSV and one plot per run into docs/fidelity_heldout/ and
-# prints the tables (scripts/fidelity_tables.py). About 12 minutes on 2 cores (two runs at a time).
+# settings of the table, and the query-free scorers (proxy_scoring, docs/design.md 4.7; without
+# queries only: calls with queries ignore the field), writes one CSV and one plot per run into
+# docs/fidelity_heldout/ and prints the tables (scripts/fidelity_tables.py). About 16 minutes on
+# 2 cores (two runs at a time).
 #
 #   bash scripts/fidelity_heldout.sh [--fixtures DIR] [other harness options, e.g. --windows 4]
 # Environment: OUT_DIR (default docs/fidelity_heldout), BUILD_DIR (default build-fidelity), both
-# relative to the repository's root. Each run's progress and errors go to a .log beside its CSV.
+# relative to the repository's root; ONLY (run names, comma-separated: a subset, e.g.
+# ONLY=keydiff,knorm). Each run's progress and errors go to a .log beside its CSV.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh --demo-only
@@ -29,11 +32,17 @@ RUNS=(
   "squeeze_decay0.95|--methods squeeze --set squeeze_decay=0.95"
   "squeeze_decay0.9|--methods squeeze --set squeeze_decay=0.9"
   "squeeze_decay0.95_ratio0.9|--methods squeeze --set squeeze_decay=0.95 --set squeeze_recent_ratio=0.9"
+  "keydiff|--methods squeeze,h2o,pyramidkv --scoring proxy --set proxy_scoring=keydiff"
+  "knorm|--methods squeeze,h2o,pyramidkv --scoring proxy --set proxy_scoring=knorm"
+  "keydiff_ratio0.75|--methods squeeze --scoring proxy --set proxy_scoring=keydiff --set squeeze_recent_ratio=0.75"
+  "keydiff_ratio0.9|--methods squeeze --scoring proxy --set proxy_scoring=keydiff --set squeeze_recent_ratio=0.9"
+  "knorm_ratio0.9|--methods squeeze --scoring proxy --set proxy_scoring=knorm --set squeeze_recent_ratio=0.9"
 )
 run_half() {  # half range
   local half=$1 range=$2 entry name args
   for entry in "${RUNS[@]}"; do
     name=${entry%%|*}
+    if [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",$name,"* ]]; then continue; fi
     read -r -a args <<<"${entry#*|}"
     "$BUILD"/examples/llama2c_fidelity "${COMMON[@]}" --range "$range" ${args[@]+"${args[@]}"} \
       --csv "$OUT/${half}_${name}.csv" --svg "$OUT/${half}_${name}.svg" \
