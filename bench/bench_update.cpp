@@ -281,21 +281,27 @@ std::unique_ptr<vc::KVCache<T>> make_policy(Index which, int budget) {
 
 // Decode steps after a prompt of `budget` tokens. SnapKV never evicts after the prompt, so its
 // rows grow by one per step; it runs a fixed 2000 steps (budget + 1 .. budget + 2000 rows).
+// Decode steps of `cache` (H = 32, D = 128) after a prompt of budget + 1 tokens, one per iteration.
 template <class T>
-void BM_PolicyDecode(benchmark::State& state) {
-  const Index which = state.range(0);
-  const int budget = static_cast<int>(state.range(1));
+void decode_steps(benchmark::State& state, vc::KVCache<T>& cache, int budget) {
   constexpr Index kHeads = 32;
-  auto cache = make_policy<T>(which, budget);
   const auto prompt = random_tokens<T>(kHeads, budget + 1, 1);
-  cache->update_and_view(prompt, prompt);
+  cache.update_and_view(prompt, prompt);
   const auto pool = token_pool<T>(kHeads, 64);
   std::size_t i = 0;
   for (auto _ : state) {
     const auto& k = pool[i++ % pool.size()];
-    auto view = cache->update_and_view(k, k);
+    auto view = cache.update_and_view(k, k);
     benchmark::DoNotOptimize(view.rows());
   }
+}
+
+template <class T>
+void BM_PolicyDecode(benchmark::State& state) {
+  const Index which = state.range(0);
+  const int budget = static_cast<int>(state.range(1));
+  auto cache = make_policy<T>(which, budget);
+  decode_steps(state, *cache, budget);
   state.SetLabel(kPolicies[which]);
   state.SetItemsProcessed(state.iterations());
   state.counters["rows_end"] = static_cast<double>(cache->tokens_kept());
@@ -320,6 +326,46 @@ void BM_PolicyPrefill(benchmark::State& state) {
 }
 BENCHMARK_TEMPLATE(BM_PolicyPrefill, Eigen::half)
     ->ArgsProduct({{0, 1, 2, 3}, {2048, 8192}})->Unit(benchmark::kMillisecond);
+
+// ---- query-free scorers (docs/design.md 4.7): H2O at a fixed budget, half, H = 32, D = 128 ----
+const char* const kScorers[] = {"key_as_query", "keydiff", "knorm"};
+
+template <class T>
+std::unique_ptr<vc::KVCache<T>> make_scored_h2o(Index scorer, int budget) {
+  vc::KVCacheConfig cfg;
+  cfg.method = "h2o";
+  cfg.h2o_budget = budget;
+  cfg.proxy_scoring = kScorers[scorer];
+  return vc::KVCacheFactory::create<T>(cfg);
+}
+
+// Decode steps (one eviction each) after a prompt of budget + 1 tokens. range(0): the scorer.
+template <class T>
+void BM_ScorerDecode(benchmark::State& state) {
+  const int budget = static_cast<int>(state.range(1));
+  auto cache = make_scored_h2o<T>(state.range(0), budget);
+  decode_steps(state, *cache, budget);
+  state.SetLabel(kScorers[state.range(0)]);
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK_TEMPLATE(BM_ScorerDecode, Eigen::half)->ArgsProduct({{0, 1, 2}, {512, 2048}});
+
+// A prompt of S tokens into a fresh cache of budget 512 (evicting per token past the budget).
+template <class T>
+void BM_ScorerPrefill(benchmark::State& state) {
+  const Index S = state.range(1);
+  constexpr Index kHeads = 32;
+  const auto prompt = random_tokens<T>(kHeads, S, 5);
+  for (auto _ : state) {
+    auto cache = make_scored_h2o<T>(state.range(0), 512);
+    auto view = cache->update_and_view(prompt, prompt);
+    benchmark::DoNotOptimize(view.rows());
+  }
+  state.SetLabel(kScorers[state.range(0)]);
+  state.SetItemsProcessed(state.iterations() * S);
+}
+BENCHMARK_TEMPLATE(BM_ScorerPrefill, Eigen::half)
+    ->ArgsProduct({{0, 1, 2}, {2048}})->Unit(benchmark::kMillisecond);
 
 // ---- real-query scoring (docs/design.md 4.6): a Llama-3-8B layer, G = 4 per KV head ----
 // H = 8 KV heads, Hq = 32 query heads, D = 128. Each comparison point runs the same shapes.

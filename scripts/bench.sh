@@ -11,6 +11,8 @@
 #   bash scripts/bench.sh --prompt-cache  prompt caches saved and loaded (section 9):
 #                                         bench/bench_prompt_cache.cpp at each flag set, JSON in
 #                                         build-bench/prompt-<flags>.json
+#   bash scripts/bench.sh --scorers       the query-free scorers (section 10): the Scorer
+#                                         benchmarks of bench_update.cpp at each flag set
 #
 # Environment: FLAG_SETS (names from the list below, space-separated), REPS (default 5),
 # FILTER (a --benchmark_filter regex for the matrix).
@@ -44,6 +46,17 @@ case "${1:-}" in
     ;;
   --compile)
     exec bash scripts/compile_time.sh
+    ;;
+  --scorers)
+    for name in ${FLAG_SETS:-${ORDER[@]}}; do
+      echo "[bench] building bench_update with ${FLAGS[$name]}" >&2
+      build "$name" "${FLAGS[$name]}" bench_update
+      "$ROOT/$name/bench/bench_update" --benchmark_filter=Scorer \
+        --benchmark_repetitions="${REPS:-5}" --benchmark_report_aggregates_only=true \
+        --benchmark_out="$ROOT/scorers-$name.json" --benchmark_out_format=json |
+        grep median | sed "s/^/[$name] /"
+    done
+    exit 0
     ;;
   --prompt-cache)
     for name in ${FLAG_SETS:-${ORDER[@]}}; do

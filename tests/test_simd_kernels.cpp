@@ -332,11 +332,14 @@ TYPED_TEST(SimdKernelsTest, KeyDiffRunningSumIsExactWhateverTheOrder) {
     }
     // Rows 0..n-1 in, then every third out, against the rows that stay summed in reverse order.
     std::vector<std::int64_t> kept(static_cast<std::size_t>(d), 0), built(kept);
-    for (Index j = 0; j < n; ++j) vd::key_sum_update(kept.data(), rows, j, d, w[j], 1, buf.data());
-    for (Index j = 0; j < n; j += 3)
-      vd::key_sum_update(kept.data(), rows, j, d, w[j], -1, buf.data());
+    const auto update = [&](std::vector<std::int64_t>& sum, Index j, int sign) {
+      vd::load_stored_row(rows, j, d, buf.data());
+      vd::key_sum_update(sum.data(), buf.data(), d, w[j], sign);
+    };
+    for (Index j = 0; j < n; ++j) update(kept, j, 1);
+    for (Index j = 0; j < n; j += 3) update(kept, j, -1);
     for (Index j = n - 1; j >= 0; --j) {
-      if (j % 3 != 0) vd::key_sum_update(built.data(), rows, j, d, w[j], 1, buf.data());
+      if (j % 3 != 0) update(built, j, 1);
     }
     EXPECT_EQ(kept, built) << "d=" << d;
     // Each component is the sum of the unit vectors' components, to 2^-32 per row.
@@ -393,14 +396,14 @@ TYPED_TEST(SimdKernelsTest, KeyDiffRankMatchesADoubleReferenceOnEveryPath) {
         const float nj = vd::key_norm(rows, j, d, buf.data(), buf.data() + dp);
         EXPECT_NEAR(nj, norm[j], 1e-5 * norm[j]) << vc::simd_level_name(level);
         w[j] = 1.0f / (nj + vd::kUnitEps);
-        vd::key_sum_update(sum.data(), rows, j, d, w[j], 1, buf.data());
+        vd::key_sum_update(sum.data(), buf.data(), d, w[j], 1);  // the row key_norm loaded
         slot[j] = static_cast<std::int32_t>(j);
       }
       std::vector<float> whole(static_cast<std::size_t>(n)), listed(whole), dots(whole);
-      vd::keydiff_rank(rows, d, sum.data(), w.data(), n, n, nullptr, whole.data(), dots.data(),
-                       buf.data(), buf.data() + dp);
-      vd::keydiff_rank(rows, d, sum.data(), w.data(), n, n, slot.data(), listed.data(), dots.data(),
-                       buf.data(), buf.data() + dp);
+      vd::keydiff_rank(rows, d, sum.data(), w.data(), n, n, slot.data(), n, true, whole.data(),
+                       dots.data(), buf.data(), buf.data() + dp);
+      vd::keydiff_rank(rows, d, sum.data(), w.data(), n, n, slot.data(), n, false, listed.data(),
+                       dots.data(), buf.data(), buf.data() + dp);
       for (Index j = 0; j < n; ++j) {
         double dot = 0.0;
         for (Index k = 0; k < d; ++k) dot += u[j][k] * mean[k];

@@ -621,7 +621,7 @@ class KVCache {
         const float* rank = nullptr;
         if (rule_.proxy == detail::ProxyScoring::keydiff && queries == nullptr &&
             head.live() > *rule_.budget) {
-          rank = detail::keydiff_rank_head(head, sc);
+          rank = detail::keydiff_rank_head(head, 0, head.live(), sc);
         }
         detail::rebudget(head, *rule_.budget, rule_.n_sink, rule_.protected_recent(), sc, rank);
       }

@@ -382,29 +382,30 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
   if (once_per_call && rule.budget) rebudget(head, *rule.budget, rule.n_sink, g, sc);
 }
 
-/// KeyDiff's ranking (docs/design.md 4.7) of the live rows of `head`, by slot; the scores hold each
-/// row's 1 / (|k| + 1e-8). Rebuilds the running sum first when the live set changed otherwise than
-/// through absorb_proxy. Returns the ranking (in sc.logits; sc.queries row 0 holds the mean on the
-/// way, row 1 a row while rebuilding).
+/// KeyDiff's ranking (docs/design.md 4.7) of the live rows of `head` at order[lo, hi) (the
+/// candidates), by slot; the scores hold each row's 1 / (|k| + 1e-8). Rebuilds the running sum
+/// first when the live set changed otherwise than through absorb_proxy. Returns the ranking (in
+/// sc.logits; sc.queries row 0 holds the mean on the way, row 1 a row while rebuilding).
 template <class T>
-const float* keydiff_rank_head(HeadStore<T>& head, Scratch& sc) {
+const float* keydiff_rank_head(HeadStore<T>& head, Index lo, Index hi, Scratch& sc) {
   const Index n = head.live(), d = head.key_dim(), dp = padded_dim(d);
   const Slot* ord = head.order().data();
   const float* weight = head.scores_data_const();
   std::int64_t* sum = head.key_sum();
   if (!head.key_sum_valid()) {
     std::fill(sum, sum + d, std::int64_t{0});
+    float* row = sc.queries.data() + dp;
     for (Index j = 0; j < n; ++j) {
-      key_sum_update(sum, head.key_rows(), ord[j], d, weight[ord[j]], 1, sc.queries.data() + dp);
+      load_stored_row(head.key_rows(), ord[j], d, row);
+      key_sum_update(sum, row, d, weight[ord[j]], 1);
     }
     head.set_key_sum_valid();
   }
   // Over the storage as it lies unless dead slots are many (a long prompt evicting as it goes).
   const Index n_phys = head.physical();
-  const Slot* live = n_phys - n <= n / 8 ? nullptr : ord;
   float* rank = sc.logits.data();
-  keydiff_rank(head.key_rows(), d, sum, weight, n, n_phys, live, rank, sc.weights.data(),
-               sc.queries.data(), sc.keys.data());
+  keydiff_rank(head.key_rows(), d, sum, weight, n, n_phys, ord + lo, hi - lo, n_phys - n <= n / 8,
+               rank, sc.weights.data(), sc.queries.data(), sc.keys.data());
   return rank;
 }
 
@@ -429,7 +430,7 @@ void absorb_proxy(HeadStore<T>& head, const Rule& rule, Index count, Scratch& sc
     bool sum_valid = keydiff && head.key_sum_valid();
     head.push_live(s);
     if (sum_valid) {
-      key_sum_update(head.key_sum(), head.key_rows(), s, d, w, 1, row);
+      key_sum_update(head.key_sum(), row, d, w, 1);  // the row key_norm loaded
       head.set_key_sum_valid();
     }
     if (!rule.budget || head.live() <= *rule.budget) continue;
@@ -438,13 +439,15 @@ void absorb_proxy(HeadStore<T>& head, const Rule& rule, Index count, Scratch& sc
     Index sinks = 0;
     while (sinks < n && head.position(ord[sinks]) < rule.n_sink) ++sinks;
     if (n - g <= sinks) continue;
-    const float* rank = keydiff ? keydiff_rank_head(head, sc) : head.scores_data_const();
+    const float* rank =
+        keydiff ? keydiff_rank_head(head, sinks, n - g, sc) : head.scores_data_const();
     const Index at =
         worst_in_order(ord, sinks, n - g, rank, Tie::evict_earliest, sc.weights.data());
     const Slot victim = ord[at];
     sum_valid = keydiff && head.key_sum_valid();
     if (sum_valid) {
-      key_sum_update(head.key_sum(), head.key_rows(), victim, d, head.score(victim), -1, row);
+      load_stored_row(head.key_rows(), victim, d, row);
+      key_sum_update(head.key_sum(), row, d, head.score(victim), -1);
     }
     head.evict_at(at);
     if (sum_valid) head.set_key_sum_valid();

@@ -27,8 +27,8 @@ enum class ProxyScoring : std::uint8_t {
 /// Guard of the unit vectors (as concentration_score, docs/design.md 5.1): u = k / (|k| + eps).
 inline constexpr float kUnitEps = 1e-8f;
 
-/// |k_j| of stored key row j: the square root of k_j . k_j from the logits kernel.
-/// row: [padded_dim(d)] and kbuf: [4 * padded_dim(d)] scratch.
+/// |k_j| of stored key row j: the square root of k_j . k_j from the logits kernel; the row is left
+/// in `row` as float32. row: [padded_dim(d)] and kbuf: [4 * padded_dim(d)] scratch.
 template <class T>
 float key_norm(const StoredRows<T>& keys, Index j, Index d, float* row, float* kbuf) {
   load_stored_row(keys, j, d, row);
@@ -48,30 +48,27 @@ inline constexpr double kKeySumScale = 4294967296.0;
 /// in the default rounding mode (the compiler may not fold it without -ffast-math).
 inline constexpr double kRoundMagic = 6755399441055744.0;
 
-/// Adds (sign 1) or removes (sign -1) stored key row j, of weight w, to or from sum ([d]).
-/// row: [padded_dim(d)] scratch.
-template <class T>
-void key_sum_update(std::int64_t* sum, const StoredRows<T>& keys, Index j, Index d, float w,
-                    int sign, float* row) {
-  load_stored_row(keys, j, d, row);
+/// Adds (sign 1) or removes (sign -1) a key row of weight w to or from sum ([d]). row: [d], the
+/// stored row as float32 (load_stored_row).
+inline void key_sum_update(std::int64_t* sum, const float* row, Index d, float w, int sign) {
   for (Index i = 0; i < d; ++i) {
     const double u = static_cast<double>(row[i]) * static_cast<double>(w) * kKeySumScale;
     sum[i] += sign * static_cast<std::int64_t>((u + kRoundMagic) - kRoundMagic);
   }
 }
 
-/// KeyDiff's ranking (docs/design.md 4.7) of the n >= 1 live rows among the first n_phys stored key
+/// KeyDiff's ranking (docs/design.md 4.7) among n >= 1 live rows of the first n_phys stored key
 /// rows, whose running sum is `sum` ([d]) and whose weights 1 / (|k| + 1e-8) are weight[slot]: with
-/// m the mean of their unit vectors (the sum / n), rank[c] = -(u_c . m) / (|m| + 1e-8), in
-/// [-1, 1]: the row most like the others ranks lowest and goes first. One pass over the rows (the
-/// logits kernel): with `slot` ([n], the live slots), over those rows only, written to
-/// rank[slot[j]] through dots ([n] scratch); without, over the storage as it lies, every c < n_phys
-/// (cheaper when few slots are dead; a dead slot's rank is meaningless). weight, rank: [n_phys] by
-/// slot; anchor: [padded_dim(d)]; kbuf: [4 * padded_dim(d)] scratch.
+/// m the mean of their unit vectors (the sum / n), rank[c] = -(u_c . m) / (|m| + 1e-8), in [-1, 1],
+/// for each candidate slot c of cand[0, n_cand): the row most like the others ranks lowest and goes
+/// first. One pass of the logits kernel: over the storage as it lies (`whole`: every c < n_phys,
+/// cheaper than gathering when few slots are dead) or over the candidates only.
+/// weight, rank: [n_phys] by slot; dots: [n_cand]; anchor: [padded_dim(d)];
+/// kbuf: [4 * padded_dim(d)] scratch.
 template <class T>
 void keydiff_rank(const StoredRows<T>& keys, Index d, const std::int64_t* sum, const float* weight,
-                  Index n, Index n_phys, const std::int32_t* slot, float* rank, float* dots,
-                  float* anchor, float* kbuf) {
+                  Index n, Index n_phys, const std::int32_t* cand, Index n_cand, bool whole,
+                  float* rank, float* dots, float* anchor, float* kbuf) {
   const Index dp = padded_dim(d);
   const double to_mean = 1.0 / (kKeySumScale * static_cast<double>(n));
   double mm = 0.0;
@@ -81,13 +78,16 @@ void keydiff_rank(const StoredRows<T>& keys, Index d, const std::int64_t* sum, c
   }
   for (Index i = d; i < dp; ++i) anchor[i] = 0.0f;
   const float inv_m = 1.0f / (static_cast<float>(std::sqrt(mm)) + kUnitEps);
-  if (slot == nullptr) {
+  if (whole) {
     logits(anchor, 1, dp, keys, nullptr, n_phys, d, 1.0f, rank, n_phys, kbuf);
-    for (Index c = 0; c < n_phys; ++c) rank[c] = -(rank[c] * weight[c]) * inv_m;
+    for (Index j = 0; j < n_cand; ++j) {
+      const std::int32_t c = cand[j];
+      rank[c] = -(rank[c] * weight[c]) * inv_m;
+    }
     return;
   }
-  logits(anchor, 1, dp, keys, slot, n, d, 1.0f, dots, n, kbuf);
-  for (Index j = 0; j < n; ++j) rank[slot[j]] = -(dots[j] * weight[slot[j]]) * inv_m;
+  logits(anchor, 1, dp, keys, cand, n_cand, d, 1.0f, dots, n_cand, kbuf);
+  for (Index j = 0; j < n_cand; ++j) rank[cand[j]] = -(dots[j] * weight[cand[j]]) * inv_m;
 }
 
 }  // namespace veloxquant::cache::detail
