@@ -131,8 +131,10 @@ inline constexpr double kTieAbsFloor = 1e-42;
 /// Library score vs oracle score: absolute or relative tolerance.
 inline constexpr double kScoreAbsTol = 1e-6;
 inline constexpr double kScoreRelTol = 1e-4;
-/// KeyDiff ranks by cosines in [-1, 1] summed over D products of unit rows in float32: their error
-/// is absolute, up to about D * 6e-8 (docs/design.md 4.7). The tie floor of its decisions.
+/// The oracle ranks KeyDiff's candidates by -(u . m) (|u|, |m| <= 1; the library divides by
+/// |m| + 1e-8, which changes no order): the library's error in it is absolute, float32 products
+/// (about D * 6e-8) and the fixed-point mean (n * 2^-33 per component) (docs/design.md 4.7). The
+/// tie floor of its decisions.
 inline constexpr double kKeyDiffAbsTol = 1e-5;
 /// concentration() vs the Gram-matrix reference.
 inline constexpr double kConcentrationTol = 1e-9;
@@ -298,7 +300,8 @@ using SameKey = std::function<bool(std::int64_t, std::int64_t)>;
 /// are equal exactly when the logits are, and logits of this data are exact), every exact tie.
 /// Any other pair of equal doubles is two different computations that happen to round alike
 /// (e.g. 9/15 + 2 * 1/2 and 9/15 + 4 * 1/4), which float32 may split either way: a near-tie.
-/// `abs_floor` widens kTieAbsFloor for scores whose float32 error is absolute (KeyDiff's cosines).
+/// `abs_floor` widens kTieAbsFloor for scores whose float32 error is absolute (KeyDiff's cosines,
+/// for which a tie at 0 is no exact state either).
 inline bool near_tie(const std::vector<Candidate>& cands, const std::set<std::int64_t>& evicted,
                      const SameKey& same_key = nullptr, bool all_exact_ties_decided = false,
                      double abs_floor = kTieAbsFloor) {
@@ -307,7 +310,9 @@ inline bool near_tie(const std::vector<Candidate>& cands, const std::set<std::in
     for (const Candidate& c : cands) {
       if (evicted.count(c.position)) continue;
       if (c.score == e.score) {
-        if (e.score == 0.0 || all_exact_ties_decided) continue;
+        // (Zero is exact for attention mass, never given; not for KeyDiff's cosines, whose
+        // float32 values near an exact 0 may be +-1e-9: abs_floor above kTieAbsFloor.)
+        if ((e.score == 0.0 && abs_floor <= kTieAbsFloor) || all_exact_ties_decided) continue;
         if (same_key && same_key(e.position, c.position)) continue;
         return true;
       }
@@ -1008,7 +1013,9 @@ class Harness {
         // What the re-budget ranks by (KeyDiff: its ranking, not the scores).
         std::vector<Candidate> cands = trim_candidates(ranked_rows(*o), b);
         o->set_budget(b);
-        note_decision(hm, cands, minus(before, o->positions()));
+        const bool keydiff =
+            scorer_ == ref::H2OHeadOracle::Scorer::keydiff && hm.h2o && o == &*hm.h2o;
+        note_decision(hm, cands, minus(before, o->positions()), false, false, keydiff);
       }
     }
   }
@@ -1037,10 +1044,11 @@ class Harness {
 
   /// Records one eviction decision of the oracle; `keys_decide`: the candidates are columns of
   /// the same softmaxes (TOVA, SnapKV), so bitwise-identical keys tie exactly; `one_softmax`:
-  /// their scores are one softmax row, so every exact tie is exact in float32 too (near_tie).
+  /// their scores are one softmax row, so every exact tie is exact in float32 too (near_tie);
+  /// `keydiff`: the candidates are ranked by KeyDiff's cosines (an absolute tie floor).
   void note_decision(HeadModel<T>& hm, const std::vector<Candidate>& cands,
                      const std::set<std::int64_t>& evicted, bool keys_decide = false,
-                     bool one_softmax = false) {
+                     bool one_softmax = false, bool keydiff = false) {
     if (evicted.empty()) return;
     if (opt_.stats) ++opt_.stats->decisions;
     SameKey same_key;
@@ -1052,8 +1060,7 @@ class Harness {
                std::memcmp(ka.data(), kb.data(), ka.size() * sizeof(T)) == 0;
       };
     }
-    const double floor =
-        scorer_ == ref::H2OHeadOracle::Scorer::keydiff ? kKeyDiffAbsTol : kTieAbsFloor;
+    const double floor = keydiff ? kKeyDiffAbsTol : kTieAbsFloor;
     if (near_tie(cands, evicted, same_key, one_softmax, floor)) {
       hm.ambiguous = true;
       if (opt_.stats) ++opt_.stats->ambiguous;
@@ -1855,7 +1862,8 @@ class Harness {
         all.absorb(keys[s], values[s]);
         hm.h2o->absorb(keys[s], values[s]);
         note_decision(hm, evict_candidates(ranked_rows(all), *hm.h2o->budget()),
-                      minus(all.positions(), hm.h2o->positions()));
+                      minus(all.positions(), hm.h2o->positions()), false, false,
+                      scorer_ == ref::H2OHeadOracle::Scorer::keydiff);
       }
     }
     if (hm.h2oq && oracle_on()) {

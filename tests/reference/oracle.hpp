@@ -467,8 +467,10 @@ protected:
 // The query-free scorers of docs/design.md 4.7 (set_scorer; absorb only, absorb_call is unchanged):
 //  * knorm: the token is appended with score -|k|; over budget, evict_one ranks by the scores.
 //  * keydiff: the token is appended with score 1 / (|k| + 1e-8); over budget, evict_one ranks the
-//    rows by keydiff_rank(): -(u_r . m) / (|m| + 1e-8) with u_r = k_r / (|k_r| + 1e-8) and m the
-//    mean of the u_r over the rows held. A re-budget (set_budget) ranks by keydiff_rank() too.
+//    rows by rank(): -(u_r . m) with u_r = k_r / (|k_r| + 1e-8) and m the mean of the u_r over
+//    the rows held (the library divides by |m| + 1e-8, which changes no order). A re-budget
+//    (set_budget) ranks by rank() too (the library's re-budget at the start of a call without
+//    queries; a head fed with queries, by absorb_call, keeps the key-as-query scorer).
 //    Scores never change under either scorer.
 class H2OHeadOracle : public oracle_detail::HeadRows {
 public:
@@ -478,8 +480,12 @@ public:
     /// Choose absorb's scorer (key_as_query unless set).
     void set_scorer(Scorer s) { scorer_ = s; }
 
-    /// What an eviction ranks by, per row (lowest goes first): the scores, or under keydiff the
-    /// ranking of the class comment (computed from the keys, not from the scores).
+    /// What an eviction ranks by, per row (lowest goes first): the scores, or under keydiff
+    /// -(u_r . m), computed from the keys (not from the scores). The library's ranking divides
+    /// that by |m| + 1e-8, a positive factor common to all rows that changes no order; left out
+    /// here so that gaps read in the units of the library's error (a few 1e-7 absolute), which
+    /// stays meaningful when m nearly vanishes (keys that cancel out), where the divided values
+    /// are rounding noise blown up.
     std::vector<double> rank() const {
         std::vector<double> out;
         for (const auto& r : rows_) out.push_back(r.score);
@@ -494,11 +500,10 @@ public:
             for (std::size_t k = 0; k < d; ++k) mean[k] += u[k] / static_cast<double>(rows_.size());
             unit.push_back(std::move(u));
         }
-        const double mnorm = norm_of(mean) + 1e-8;
         for (std::size_t r = 0; r < rows_.size(); ++r) {
             double dot = 0.0;
             for (std::size_t k = 0; k < d; ++k) dot += unit[r][k] * mean[k];
-            out[r] = -dot / mnorm;
+            out[r] = -dot;
         }
         return out;
     }

@@ -946,8 +946,9 @@ class PromptCacheIO {
     const Index n = d.rows;
     if (score) {
       // Scores are sums of softmax weights (or the weights themselves): never negative, never
-      // infinite; NaN only where keys overflowed float32 (docs/design.md E). The query-free
-      // scorers of 4.7 write negative scores (-cos, -|k|; -inf for a key whose norm overflows).
+      // infinite; NaN only where keys overflowed float32 (docs/design.md E). K-norm (4.7) writes
+      // negative scores (-|k|; -inf for a key whose norm overflows float32); KeyDiff recomputes
+      // its weights from the keys before it uses them, whatever the file says.
       const bool signed_scores =
           rule.kind == RuleKind::cumulative && rule.proxy != ProxyScoring::key_as_query;
       for (const float s : *score) {

@@ -383,24 +383,28 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
 }
 
 /// KeyDiff's ranking (docs/design.md 4.7) of the live rows of `head` at order[lo, hi) (the
-/// candidates), by slot; the scores hold each row's 1 / (|k| + 1e-8). Rebuilds the running sum
-/// first when the live set changed otherwise than through absorb_proxy. Returns the ranking (in
-/// sc.logits; sc.queries row 0 holds the mean on the way, row 1 a row while rebuilding).
+/// candidates), by slot; the scores hold each row's 1 / (|k| + 1e-8). When the live set changed
+/// otherwise than through absorb_proxy (a call with queries, a re-budget, a load), first rewrites
+/// every live row's score as that weight, from its key (a call with queries added attention mass
+/// to it; a loaded file's scores are not trusted), and rebuilds the running sum from them.
+/// Returns the ranking (in sc.logits; sc.queries row 0 holds the mean on the way, row 1 a row
+/// while rebuilding).
 template <class T>
 const float* keydiff_rank_head(HeadStore<T>& head, Index lo, Index hi, Scratch& sc) {
   const Index n = head.live(), d = head.key_dim(), dp = padded_dim(d);
   const Slot* ord = head.order().data();
-  const float* weight = head.scores_data_const();
   std::int64_t* sum = head.key_sum();
   if (!head.key_sum_valid()) {
     std::fill(sum, sum + d, std::int64_t{0});
     float* row = sc.queries.data() + dp;
     for (Index j = 0; j < n; ++j) {
-      load_stored_row(head.key_rows(), ord[j], d, row);
-      key_sum_update(sum, row, d, weight[ord[j]], 1);
+      const float w = 1.0f / (key_norm(head.key_rows(), ord[j], d, row, sc.keys.data()) + kUnitEps);
+      head.score(ord[j]) = w;
+      key_sum_update(sum, row, d, w, 1);
     }
     head.set_key_sum_valid();
   }
+  const float* weight = head.scores_data_const();
   // Over the storage as it lies unless dead slots are many (a long prompt evicting as it goes).
   const Index n_phys = head.physical();
   float* rank = sc.logits.data();

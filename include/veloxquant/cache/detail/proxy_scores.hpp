@@ -44,16 +44,25 @@ float key_norm(const StoredRows<T>& keys, Index j, Index d, float* row, float* k
 /// nearest (even), so a sum of such integers is the same whatever the order of its additions and
 /// removals, in every build: kept step by step, it equals the sum rebuilt over the live rows.
 inline constexpr double kKeySumScale = 4294967296.0;
-/// 1.5 * 2^52: x + this - this is x rounded to the nearest integer (ties to even) for |x| < 2^51,
-/// in the default rounding mode (the compiler may not fold it without -ffast-math).
-inline constexpr double kRoundMagic = 6755399441055744.0;
+/// Rounds x (|x| < 2^51) to the nearest integer, ties to even, in the default rounding mode:
+/// x + 1.5 * 2^52 - 1.5 * 2^52 (the compiler may not fold it without -ffast-math); where double
+/// arithmetic carries excess precision (x87) the sum would not round there, so nearbyint instead.
+inline double round_even(double x) {
+#if defined(__FLT_EVAL_METHOD__) && __FLT_EVAL_METHOD__ != 0
+  return std::nearbyint(x);
+#else
+  constexpr double kMagic = 6755399441055744.0;
+  return (x + kMagic) - kMagic;
+#endif
+}
 
-/// Adds (sign 1) or removes (sign -1) a key row of weight w to or from sum ([d]). row: [d], the
+/// Adds (sign 1) or removes (sign -1) a key row of weight w = 1 / (|k| + 1e-8) (from key_norm of
+/// that very row, so every term is below 2^32 in magnitude) to or from sum ([d]). row: [d], the
 /// stored row as float32 (load_stored_row).
 inline void key_sum_update(std::int64_t* sum, const float* row, Index d, float w, int sign) {
   for (Index i = 0; i < d; ++i) {
     const double u = static_cast<double>(row[i]) * static_cast<double>(w) * kKeySumScale;
-    sum[i] += sign * static_cast<std::int64_t>((u + kRoundMagic) - kRoundMagic);
+    sum[i] += sign * static_cast<std::int64_t>(round_even(u));
   }
 }
 
