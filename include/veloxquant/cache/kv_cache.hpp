@@ -32,11 +32,9 @@ template <class T>
 class PromptCacheIO;  // prompt_cache.hpp: saves and restores the state of every cache class
 
 /// The scorer KVCacheConfig::proxy_scoring names (validated before: an unknown name is an error
-/// there).
+/// there), by its place in kProxyScorings.
 inline ProxyScoring proxy_scoring_of(const std::string& name) {
-  if (name == "keydiff") return ProxyScoring::keydiff;
-  if (name == "knorm") return ProxyScoring::knorm;
-  return ProxyScoring::key_as_query;
+  return static_cast<ProxyScoring>(std::max(proxy_scoring_index(name), 0));
 }
 }  // namespace detail
 

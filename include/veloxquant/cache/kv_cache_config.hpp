@@ -3,6 +3,7 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cmath>
 #include <optional>
 #include <sstream>
@@ -17,19 +18,31 @@ namespace detail {
 inline constexpr std::array<const char*, 7> kMethods = {
     "squeeze", "h2o", "pyramidkv", "tova", "streaming_llm", "snapkv", "standard"};
 
-/// "squeeze, h2o, ..." for error messages.
-inline std::string method_list() {
+/// "a, b, c" for error messages.
+template <std::size_t N>
+std::string name_list(const std::array<const char*, N>& names) {
   std::string out;
-  for (const char* m : kMethods) {
+  for (const char* m : names) {
     if (!out.empty()) out += ", ";
     out += m;
   }
   return out;
 }
 
+/// "squeeze, h2o, ..." for error messages.
+inline std::string method_list() { return name_list(kMethods); }
+
 /// The values of KVCacheConfig::proxy_scoring (docs/design.md 4.7): how the H2O-core policies score
-/// a call that brings no queries.
+/// a call that brings no queries; detail::ProxyScoring lists the scorers in this order.
 inline constexpr std::array<const char*, 3> kProxyScorings = {"key_as_query", "keydiff", "knorm"};
+
+/// Index of `name` in kProxyScorings, or -1.
+inline int proxy_scoring_index(const std::string& name) {
+  for (std::size_t i = 0; i < kProxyScorings.size(); ++i) {
+    if (name == kProxyScorings[i]) return static_cast<int>(i);
+  }
+  return -1;
+}
 
 inline bool is_known_method(const std::string& m) {
   for (const char* k : kMethods) {
@@ -156,11 +169,9 @@ struct KVCacheConfig {
       config_error("quant_group", quant_group, "must be >= 8");
     }
     if (method == "squeeze" || method == "h2o" || method == "pyramidkv") {
-      bool known = false;
-      for (const char* p : kProxyScorings) known = known || proxy_scoring == p;
-      if (!known) {
+      if (proxy_scoring_index(proxy_scoring) < 0) {
         throw std::invalid_argument("KVCacheConfig: proxy_scoring '" + proxy_scoring +
-                                    "' is unknown; valid: key_as_query, keydiff, knorm");
+                                    "' is unknown; valid: " + name_list(kProxyScorings));
       }
     }
     if (method == "squeeze") {
