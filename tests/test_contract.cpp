@@ -437,8 +437,8 @@ TYPED_TEST(ContractTest, SavedAndLoadedAfterAnyCallContinuesBitIdentically) {
         const std::string where = ctx + ", call " + std::to_string(i);
         if (i % 4 == 2) {
           // attend: the fused attention output too (docs/design.md 2.8).
-          const vc::Tensor4<T> k = call.keys.template cast<T>(), v = call.values.template cast<T>();
-          const vc::Tensor4<float> q = call.queries.template cast<float>();
+          const vc::Tensor4<T> k = converted<T>(call.keys), v = converted<T>(call.values);
+          const vc::Tensor4<float> q = converted<float>(call.queries);
           EXPECT_EQ(bytes_of(subject.cache->attend(q, k, v)), bytes_of(twin.cache->attend(q, k, v)))
               << where << ": attend";
         } else {
@@ -941,7 +941,7 @@ TYPED_TEST(ContractTest, ParallelHeadsAreBitIdenticalToSerialOnWideCalls) {
       const std::vector<Index>& calls = *rounds[round];
       for (std::size_t c = 0; c < calls.size(); ++c) {
         const Index S = calls[c];
-        const Call call = random_call(rng, with_s(k, S), with_s(v, S));
+        const Call call = random_kv_call(rng, with_s(k, S), with_s(v, S));
         vc::KVPair<T> a, b;
         const Returned ra = invoke(*serial.cache, Api::kFetch, call, a);
         const Returned rb = invoke(*parallel.cache, Api::kFetch, call, b);

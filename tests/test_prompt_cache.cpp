@@ -171,7 +171,7 @@ std::vector<std::vector<unsigned char>> run_step(Caches<T>& caches, const Step& 
   for (std::size_t l = 0; l < caches.size(); ++l) {
     const Call& c = st.calls[l];
     vc::KVCache<T>& cache = *caches[l];
-    const vc::Tensor4<float> q = c.queries.template cast<float>();
+    const vc::Tensor4<float> q = converted<float>(c.queries);
     switch (st.api % 4) {
       case 0:
         out.push_back(bytes_of(cache.attend(q, c.keys, c.values)));
@@ -439,7 +439,7 @@ TYPED_TEST(PromptCacheTest, SavingLeavesTheCacheAndItsViewUntouched) {
     const Call c = random_call(rng, with_s(kKeys, 1), with_s(kValues, 1));
     (void)invoke(*twin.cache, Api::kView, c, into);
     const vc::KVView<T> view =
-        subject.cache->update_and_view(c.keys.template cast<T>(), c.values.template cast<T>());
+        subject.cache->update_and_view(converted<T>(c.keys), converted<T>(c.values));
     const Returned before = from_view(view);
     Caches<T> set;
     set.push_back(std::move(subject.cache));

@@ -779,8 +779,8 @@ std::vector<BadCall> bad_calls(std::mt19937& rng) {
 template <class T>
 void valid_call_on_both(vc::SnapKVCache<T>& a, vc::SnapKVCache<T>& b, std::mt19937& rng, Index S,
                         const std::string& context) {
-  const vc::Tensor4<T> k = random_doubles(rng, kB, kH, S, kDk).template cast<T>();
-  const vc::Tensor4<T> v = random_doubles(rng, kB, kH, S, kDv).template cast<T>();
+  const vc::Tensor4<T> k = converted<T>(random_doubles(rng, kB, kH, S, kDk));
+  const vc::Tensor4<T> v = converted<T>(random_doubles(rng, kB, kH, S, kDv));
   const vc::KVPair<T> ra = a.update_and_fetch(k, v);
   const vc::KVPair<T> rb = b.update_and_fetch(k, v);
   EXPECT_TRUE(bytes_of(ra.first) == bytes_of(rb.first)) << context;

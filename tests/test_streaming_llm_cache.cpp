@@ -201,8 +201,8 @@ void run_against_oracle(const RunConfig& rc, RunStats& stats) {
     }
     const vc::Tensor4<double> kd = random_doubles(rng, rc.B, rc.H, S, rc.Dk);
     const vc::Tensor4<double> vd = random_doubles(rng, rc.B, rc.H, S, rc.Dv);
-    const vc::Tensor4<T> keys = kd.template cast<T>();
-    const vc::Tensor4<T> values = vd.template cast<T>();
+    const vc::Tensor4<T> keys = converted<T>(kd);
+    const vc::Tensor4<T> values = converted<T>(vd);
 
     std::vector<std::vector<ref::OracleRow>> before;
     for (const auto& o : oracle) before.push_back(o.rows());

@@ -299,6 +299,15 @@ inline Call random_call(std::mt19937& rng, const Shape& k, const Shape& v) {
   return c;
 }
 
+/// A call for the APIs without queries: random keys and values, no queries drawn (its queries
+/// tensor is empty; a query API must not be given it).
+inline Call random_kv_call(std::mt19937& rng, const Shape& k, const Shape& v) {
+  Call c;
+  c.keys = random_doubles(rng, k);
+  c.values = random_doubles(rng, v);
+  return c;
+}
+
 /// What a call gave back, comparable between a cache and its twin: fetched tensors, or a view's
 /// rows keyed by position (the order of earlier rows in a view is free, docs/design.md 2.3) with the
 /// positions of the call's own rows, which come last in arrival order.
@@ -349,9 +358,9 @@ Returned from_pair(const vc::KVPair<T>& p) {
 /// Runs one call through `api`. `into` is the reused output of the fetch_into APIs.
 template <class T>
 Returned invoke(vc::KVCache<T>& cache, Api api, const Call& c, vc::KVPair<T>& into) {
-  const vc::Tensor4<T> k = c.keys.template cast<T>();
-  const vc::Tensor4<T> v = c.values.template cast<T>();
-  const vc::Tensor4<float> q = c.queries.template cast<float>();
+  const vc::Tensor4<T> k = converted<T>(c.keys);
+  const vc::Tensor4<T> v = converted<T>(c.values);
+  const vc::Tensor4<float> q = converted<float>(c.queries);
   switch (api) {
     case Api::kFetch:
       return from_pair(cache.update_and_fetch(k, v));
@@ -401,7 +410,7 @@ template <class T>
 vc::KVPair<T> stored_call(const vc::Tensor4<double>& keys, const vc::Tensor4<double>& values,
                           const vc::KVCacheConfig& storage = small_config()) {
   if (storage.key_bits == 16 && storage.value_bits == 16) {
-    return {keys.template cast<T>(), values.template cast<T>()};
+    return {converted<T>(keys), converted<T>(values)};
   }
   vc::KVCacheConfig c = storage;
   c.method = "standard";

@@ -1,6 +1,7 @@
 // Support code shared by the test executables (tests/test_*.cpp): random tensor builders,
-// conversion of stored elements to double, row extraction, shape and byte helpers, the docs/design.md 4.4
-// check of what update_and_fetch returned, and feeding a bad call through either entry point.
+// conversion of stored elements to double, row extraction, shape and byte helpers, the
+// docs/design.md 4.4 check of what update_and_fetch returned, and feeding a bad call through either
+// entry point.
 //
 // This header includes <veloxquant/cache.hpp> but never defines VELOXQUANT_ASSERT: a test file that
 // wants the library's internal assertions to be testable defines that macro before including the
@@ -10,8 +11,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdint>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -44,28 +45,38 @@ double to_double(T x) {
   return static_cast<double>(static_cast<float>(x));
 }
 
+// The random inputs and their conversion to a storage type are defined once, in
+// support/test_support.cpp, which is compiled with the library's instances (scripts/test.sh: at
+// -O1, while the tests compile at -O0). Under the sanitizers at -O0 they were more than half the
+// run time of the suite's longest tests (docs/testing.md). Each is declared for the storage types
+// the tests use (half, bfloat16, float, double); another type fails to link.
+
 /// Random [B, H, S, D] of N(0, 1) entries (double; the caches convert them to T on entry).
-inline cache::Tensor4<double> random_doubles(std::mt19937& rng, Index B, Index H, Index S,
-                                             Index D) {
-  std::normal_distribution<double> dist(0.0, 1.0);
-  cache::Tensor4<double> t(B, H, S, D);
-  for (Index i = 0; i < t.size(); ++i) t.data()[i] = dist(rng);
-  return t;
-}
+cache::Tensor4<double> random_doubles(std::mt19937& rng, Index B, Index H, Index S, Index D);
 
 /// Random tensor of shape `sh` ([B, H, S, D]) of N(0, 1) entries (double).
 inline cache::Tensor4<double> random_doubles(std::mt19937& rng, const Shape& sh) {
   return random_doubles(rng, sh[0], sh[1], sh[2], sh[3]);
 }
 
+/// `t` rounded to T element by element, as `t.cast<T>()`. t: [B, H, S, D]; returns [B, H, S, D].
+template <class T>
+cache::Tensor4<T> converted(const cache::Tensor4<double>& t);
+
 /// Random [B, H, S, D] of N(0, 1) entries rounded to T (the same draws as random_doubles).
 template <class T>
-cache::Tensor4<T> random_tensor(std::mt19937& rng, Index B, Index H, Index S, Index D) {
-  std::normal_distribution<double> dist(0.0, 1.0);
-  cache::Tensor4<T> t(B, H, S, D);
-  for (Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<T>(dist(rng));
-  return t;
-}
+cache::Tensor4<T> random_tensor(std::mt19937& rng, Index B, Index H, Index S, Index D);
+
+#define VELOXQUANT_TEST_SUPPORT_TYPES(X) \
+  X(Eigen::half)                         \
+  X(Eigen::bfloat16)                     \
+  X(float)                               \
+  X(double)
+#define VELOXQUANT_TEST_SUPPORT_EXTERN(T)                                        \
+  extern template cache::Tensor4<T> converted<T>(const cache::Tensor4<double>&); \
+  extern template cache::Tensor4<T> random_tensor<T>(std::mt19937&, Index, Index, Index, Index);
+VELOXQUANT_TEST_SUPPORT_TYPES(VELOXQUANT_TEST_SUPPORT_EXTERN)
+#undef VELOXQUANT_TEST_SUPPORT_EXTERN
 
 /// Random [b, h, s, d] float tensor of N(0, 1) entries drawn in float.
 inline cache::Tensor4<float> random_float_tensor(Index b, Index h, Index s, Index d,
@@ -138,8 +149,9 @@ Shape shape_of(const cache::Tensor4<T>& t) {
 }
 
 /// What every cache reports about itself without being called: offset, state() (shapes and bytes),
-/// accounting and dimensions. Tests of the strong guarantee (docs/design.md 8) compare one taken before a
-/// throwing call with one taken after; a file's own snapshot extends it with what its cache adds.
+/// accounting and dimensions. Tests of the strong guarantee (docs/design.md 8) compare one taken
+/// before a throwing call with one taken after; a file's own snapshot extends it with what its
+/// cache adds.
 struct BasicSnapshot {
   std::int64_t offset = 0;
   Shape key_shape{}, value_shape{};
@@ -340,8 +352,8 @@ void feed(Cache<T>& cache, const Call& bc, bool view) {
     }
     return;
   }
-  const cache::Tensor4<T> k = bc.keys.template cast<T>();
-  const cache::Tensor4<T> v = bc.values.template cast<T>();
+  const cache::Tensor4<T> k = converted<T>(bc.keys);
+  const cache::Tensor4<T> v = converted<T>(bc.values);
   if (view) {
     (void)cache.update_and_view(k, v);
   } else {
@@ -358,44 +370,7 @@ template <class T>
 std::string compare_returned(const cache::KVPair<T>& got,
                              const std::vector<std::vector<reference::OracleRow>>& before,
                              const cache::Tensor4<T>& keys, const cache::Tensor4<T>& values,
-                             Index B, Index H, Index Dk, Index Dv) {
-  std::ostringstream err;
-  const Index S = keys.dimension(2);
-  const auto n_before = static_cast<Index>(before.front().size());
-  const Index n = n_before + S;
-  if (shape_of(got.first) != Shape{B, H, n, Dk} || shape_of(got.second) != Shape{B, H, n, Dv}) {
-    err << "returned " << got.first.dimension(2) << " rows, expected " << n_before << " + " << S;
-    return err.str();
-  }
-  for (Index b = 0; b < B; ++b) {
-    for (Index h = 0; h < H; ++h) {
-      const auto& prev = before[static_cast<std::size_t>(b * H + h)];
-      for (Index r = 0; r < n; ++r) {
-        const bool old = r < n_before;
-        const auto pr = static_cast<std::size_t>(r);
-        for (Index d = 0; d < Dk; ++d) {
-          const double want = old ? prev[pr].key[static_cast<std::size_t>(d)]
-                                  : to_double(keys(b, h, r - n_before, d));
-          if (to_double(got.first(b, h, r, d)) != want) {
-            err << "returned key differs at head (" << b << ", " << h << ") row " << r << " d "
-                << d;
-            return err.str();
-          }
-        }
-        for (Index d = 0; d < Dv; ++d) {
-          const double want = old ? prev[pr].value[static_cast<std::size_t>(d)]
-                                  : to_double(values(b, h, r - n_before, d));
-          if (to_double(got.second(b, h, r, d)) != want) {
-            err << "returned value differs at head (" << b << ", " << h << ") row " << r << " d "
-                << d;
-            return err.str();
-          }
-        }
-      }
-    }
-  }
-  return err.str();
-}
+                             Index B, Index H, Index Dk, Index Dv);
 
 /// compare_returned with the expected dimensions taken from a run configuration `rc` (any type
 /// with Index members B, H, Dk, Dv). got, keys, values: as above.
@@ -412,24 +387,7 @@ std::string compare_returned(const cache::KVPair<T>& got,
 /// first mismatch, or "".
 template <class T>
 std::string compare_state_row(const cache::KVPair<T>& st, Index b, Index h, Index r,
-                              const reference::OracleRow& row) {
-  std::ostringstream err;
-  for (Index d = 0; d < st.first.dimension(3); ++d) {
-    if (to_double(st.first(b, h, r, d)) != row.key[static_cast<std::size_t>(d)]) {
-      err << "state() key differs at head (" << b << ", " << h << ") row " << r << " (position "
-          << row.position << ") d " << d;
-      return err.str();
-    }
-  }
-  for (Index d = 0; d < st.second.dimension(3); ++d) {
-    if (to_double(st.second(b, h, r, d)) != row.value[static_cast<std::size_t>(d)]) {
-      err << "state() value differs at head (" << b << ", " << h << ") row " << r << " (position "
-          << row.position << ") d " << d;
-      return err.str();
-    }
-  }
-  return "";
-}
+                              const reference::OracleRow& row);
 
 /// Checks what update_and_view returned (docs/design.md 2.3, 4.4): n_before + S rows per head; the
 /// first n_before are exactly the rows retained before the call (`before[b * H + h]`, ascending
@@ -440,73 +398,25 @@ template <class T>
 std::string compare_view(const cache::KVView<T>& view,
                          const std::vector<std::vector<reference::OracleRow>>& before,
                          const cache::Tensor4<T>& keys, const cache::Tensor4<T>& values,
-                         std::int64_t offset_before) {
-  std::ostringstream err;
-  const Index B = keys.dimension(0), H = keys.dimension(1), S = keys.dimension(2);
-  const Index Dk = keys.dimension(3), Dv = values.dimension(3);
-  const auto n_before = static_cast<Index>(before.front().size());
-  if (view.rows() != n_before + S || view.new_rows() != S || view.batch() != B ||
-      view.heads() != H || view.key_dim() != Dk || view.value_dim() != Dv) {
-    err << "view has " << view.rows() << " rows (" << view.new_rows() << " new), expected "
-        << n_before << " + " << S;
-    return err.str();
-  }
-  for (Index b = 0; b < B; ++b) {
-    for (Index h = 0; h < H; ++h) {
-      const auto& prev = before[static_cast<std::size_t>(b * H + h)];
-      std::map<std::int64_t, std::size_t> index_of;
-      for (std::size_t i = 0; i < prev.size(); ++i) index_of[prev[i].position] = i;
-      const auto k = view.keys(b, h);
-      const auto v = view.values(b, h);
-      const auto p = view.positions(b, h);
-      std::vector<std::int64_t> old_positions;
-      for (Index r = 0; r < view.rows(); ++r) {
-        const std::int64_t pos = p(r);
-        std::vector<double> want_k, want_v;
-        if (r < n_before) {
-          old_positions.push_back(pos);
-          const auto it = index_of.find(pos);
-          if (it == index_of.end()) {
-            err << "view row " << r << " of head (" << b << ", " << h << ") has position " << pos
-                << ", not retained before the call";
-            return err.str();
-          }
-          want_k = prev[it->second].key;
-          want_v = prev[it->second].value;
-        } else {
-          if (pos != offset_before + (r - n_before)) {
-            err << "view row " << r << " of head (" << b << ", " << h << ") has position " << pos
-                << ", expected the call's token " << offset_before + (r - n_before);
-            return err.str();
-          }
-          want_k = row_of(keys, b, h, r - n_before);
-          want_v = row_of(values, b, h, r - n_before);
-        }
-        for (Index d = 0; d < Dk; ++d) {
-          if (to_double(k(r, d)) != want_k[static_cast<std::size_t>(d)]) {
-            err << "view key differs at head (" << b << ", " << h << ") row " << r << " d " << d;
-            return err.str();
-          }
-        }
-        for (Index d = 0; d < Dv; ++d) {
-          if (to_double(v(r, d)) != want_v[static_cast<std::size_t>(d)]) {
-            err << "view value differs at head (" << b << ", " << h << ") row " << r << " d " << d;
-            return err.str();
-          }
-        }
-      }
-      std::sort(old_positions.begin(), old_positions.end());
-      std::vector<std::int64_t> want_positions;
-      for (const auto& row : prev) want_positions.push_back(row.position);
-      if (old_positions != want_positions) {
-        err << "view of head (" << b << ", " << h
-            << ") is not a permutation of the rows retained before the call";
-        return err.str();
-      }
-    }
-  }
-  return err.str();
-}
+                         std::int64_t offset_before);
+
+// The three checks above are compiled once, in support/test_support.cpp, for every storage type.
+#define VELOXQUANT_TEST_STORAGE_TYPES(X) \
+  X(Eigen::half)                         \
+  X(Eigen::bfloat16)                     \
+  X(float)
+#define VELOXQUANT_TEST_CHECKS(PREFIX, T)                                               \
+  PREFIX std::string compare_returned<T>(                                               \
+      const cache::KVPair<T>&, const std::vector<std::vector<reference::OracleRow>>&,   \
+      const cache::Tensor4<T>&, const cache::Tensor4<T>&, Index, Index, Index, Index);  \
+  PREFIX std::string compare_state_row<T>(const cache::KVPair<T>&, Index, Index, Index, \
+                                          const reference::OracleRow&);                 \
+  PREFIX std::string compare_view<T>(                                                   \
+      const cache::KVView<T>&, const std::vector<std::vector<reference::OracleRow>>&,   \
+      const cache::Tensor4<T>&, const cache::Tensor4<T>&, std::int64_t);
+#define VELOXQUANT_TEST_CHECKS_EXTERN(T) VELOXQUANT_TEST_CHECKS(extern template, T)
+VELOXQUANT_TEST_STORAGE_TYPES(VELOXQUANT_TEST_CHECKS_EXTERN)
+#undef VELOXQUANT_TEST_CHECKS_EXTERN
 
 /// Tokens [s0, s0 + n) of a [B, H, S, D] tensor (a slice along S).
 template <class T>
@@ -583,7 +493,7 @@ constexpr Shape kBadCallValues{2, 2, 3, dim(3)};
 /// kBadCallKeys / kBadCallValues: mismatched shapes, zero sizes, shapes that differ from the first
 /// call, NaN/Inf keys at several positions (also as double), and a double key that overflows T
 /// (`half`: the storage type is Eigen::half).
-std::vector<BadCall> bad_calls(std::mt19937& rng, bool half) {
+inline std::vector<BadCall> bad_calls(std::mt19937& rng, bool half) {
   std::vector<BadCall> out;
   const auto shape_case = [&](std::string name, Shape k, Shape v, bool established) {
     BadCall c;
