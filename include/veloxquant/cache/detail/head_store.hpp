@@ -243,6 +243,13 @@ class HeadStore {
   }
   /// Live slots in ascending position.
   const std::vector<Slot>& order() const { return order_; }
+  /// How many rows lead the live order with a position below `n_sink`: the sinks, which a policy
+  /// never evicts (positions ascend along the order, so they come first).
+  Index leading_sinks(int n_sink) const {
+    Index sinks = 0;
+    while (sinks < live() && position(order_[static_cast<std::size_t>(sinks)]) < n_sink) ++sinks;
+    return sinks;
+  }
   /// The rows retained before the current call, ascending position (when begin_window kept it).
   const std::vector<Slot>& window() const { return window_; }
 
@@ -389,11 +396,11 @@ class HeadStore {
   std::vector<std::int64_t> pos_;      // [cap]
   std::vector<float> score_;           // [cap]
   std::vector<std::int64_t> key_sum_;  // [dk] or empty: KeyDiff's running sum
-  bool key_sum_valid_ = false;
-  std::vector<std::uint8_t> alive_;  // [cap]
-  std::vector<Slot> order_;          // live slots, ascending position
-  std::vector<Slot> window_;         // rows retained before the current call, ascending position
-  std::vector<Slot> holes_;          // slots made dead since the last compaction
+  std::vector<std::uint8_t> alive_;    // [cap]
+  std::vector<Slot> order_;            // live slots, ascending position
+  std::vector<Slot> window_;           // rows retained before the current call, ascending position
+  std::vector<Slot> holes_;            // slots made dead since the last compaction
+  bool key_sum_valid_ = false;         // key_sum_ is the sum over the live rows
 };
 
 }  // namespace veloxquant::cache::detail

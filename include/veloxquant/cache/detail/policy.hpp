@@ -175,8 +175,7 @@ void rebudget(HeadStore<T>& head, int budget, int n_sink, int g, Scratch& sc,
   const Index n = head.live();
   if (n <= budget) return;
   const Slot* ord = head.order().data();
-  Index sinks = 0;
-  while (sinks < n && head.position(ord[sinks]) < n_sink) ++sinks;
+  const Index sinks = head.leading_sinks(n_sink);
   const Index hi = std::max(sinks, n - g);
   const Index keep = std::max<Index>(0, budget - sinks - (n - hi));
   const Index m = hi - sinks;
@@ -203,8 +202,7 @@ template <class T>
 Index worst_live(const HeadStore<T>& head, int n_sink, int g, float* buf) {
   const Slot* ord = head.order().data();
   const Index n = head.live(), n_phys = head.physical();
-  Index sinks = 0;
-  while (sinks < n && head.position(ord[sinks]) < n_sink) ++sinks;
+  const Index sinks = head.leading_sinks(n_sink);
   if (n - g <= sinks) return -1;
   const float inf = std::numeric_limits<float>::infinity();
   const float* score = head.scores_data_const();
@@ -440,8 +438,7 @@ void absorb_proxy(HeadStore<T>& head, const Rule& rule, Index count, Scratch& sc
     if (!rule.budget || head.live() <= *rule.budget) continue;
     const Index n = head.live();
     const Slot* ord = head.order().data();
-    Index sinks = 0;
-    while (sinks < n && head.position(ord[sinks]) < rule.n_sink) ++sinks;
+    const Index sinks = head.leading_sinks(rule.n_sink);
     if (n - g <= sinks) continue;
     const float* rank =
         keydiff ? keydiff_rank_head(head, sinks, n - g, sc) : head.scores_data_const();
@@ -577,8 +574,7 @@ void absorb_head(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, Ind
     case RuleKind::window: {
       for (Index i = 0; i < count; ++i) head.push_live(static_cast<Slot>(first + i));
       const Slot* ord = head.order().data();
-      Index sinks = 0;
-      while (sinks < head.live() && head.position(ord[sinks]) < rule.n_sink) ++sinks;
+      const Index sinks = head.leading_sinks(rule.n_sink);
       const Index excess = head.live() - sinks - rule.window;
       if (excess > 0) {
         for (Index i = sinks; i < sinks + excess; ++i) head.mark_dead(ord[i]);
