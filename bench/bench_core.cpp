@@ -10,6 +10,9 @@
 //   BM_AttentionF16Dot/rows       the same over fp16 rows with F16C conversion + FMA dots
 //   BM_DecodeViewThreads/budget   BM_DecodeView with the heads on 2 threads (the engine's
 //                                 parallel-for; here a small persistent pool)
+//   BM_DecodeViewKeyDiff/budget   BM_DecodeView scored by KeyDiff (proxy_scoring = "keydiff",
+//                                 docs/design.md 4.7)
+//   BM_DecodeViewKNorm/budget     BM_DecodeView scored by the key norm ("knorm")
 //   BM_PrefillView/S              an S-token prompt into budget 512 (key-as-query, H = 32)
 //   BM_PrefillViewQueries/S       the same scored with the engine's queries (G = 4: 32 query heads,
 //                                 H = 8 KV heads)
@@ -136,9 +139,11 @@ class Pool {
 
 // ---- decode ------------------------------------------------------------------------------------
 
-void decode_view(benchmark::State& state, int threads) {
+void decode_view(benchmark::State& state, int threads, const char* scorer = "key_as_query") {
   const int budget = static_cast<int>(state.range(0));
-  vc::H2OCache<Eigen::half> cache(h2o_config(budget));
+  vc::KVCacheConfig cfg = h2o_config(budget);
+  cfg.proxy_scoring = scorer;
+  vc::H2OCache<Eigen::half> cache(cfg);
   std::unique_ptr<Pool> pool;
   if (threads > 1) {
     pool = std::make_unique<Pool>(threads);
@@ -159,6 +164,8 @@ void decode_view(benchmark::State& state, int threads) {
 }
 void BM_DecodeView(benchmark::State& state) { decode_view(state, 1); }
 void BM_DecodeViewThreads(benchmark::State& state) { decode_view(state, 2); }
+void BM_DecodeViewKeyDiff(benchmark::State& state) { decode_view(state, 1, "keydiff"); }
+void BM_DecodeViewKNorm(benchmark::State& state) { decode_view(state, 1, "knorm"); }
 
 // Softmax in place with Eigen's vectorised exp (the build's flags).
 void softmax(float* x, Index n) {
@@ -276,6 +283,8 @@ BENCHMARK(BM_AttentionF16Dot)->Arg(513)->Arg(2049)->Unit(benchmark::kMicrosecond
 BENCHMARK(BM_DecodeView)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AttentionF32Gemv)->Arg(513)->Arg(2049)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodeViewThreads)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_DecodeViewKeyDiff)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DecodeViewKNorm)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond);
 
 // ---- attend: decode ----------------------------------------------------------------------------
 
