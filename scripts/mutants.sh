@@ -33,11 +33,16 @@ rm -rf "$tree"
 mkdir -p "$tree"
 cp -r CMakeLists.txt cmake include src examples tests fuzz "$tree"/
 if [ -n "$suite" ]; then
-  # The other suite's test files, oracles, support headers and fuzzer headers; this tree's build.
+  # The other suite's test files, oracles, support code and fuzzer headers; this tree's build.
   rm -rf "$tree"/tests/test_*.cpp "$tree"/tests/reference
   cp "$suite"/tests/test_*.cpp "$tree"/tests/
   cp -r "$suite"/tests/reference "$tree"/tests/
-  for f in "$suite"/tests/support/*.hpp; do cp "$f" "$tree"/tests/support/; done
+  for f in "$suite"/tests/support/*.hpp "$suite"/tests/support/*.cpp; do
+    cp "$f" "$tree"/tests/support/
+  done
+  # A suite from before issue 16's support TU defines its helpers in the header: this tree's
+  # tests/CMakeLists.txt still compiles support/test_support.cpp, so it must be empty there.
+  [ -f "$suite"/tests/support/test_support.cpp ] || : >"$tree"/tests/support/test_support.cpp
   for f in "$suite"/fuzz/*.hpp; do cp "$f" "$tree"/fuzz/; done
 fi
 build=$work/build

@@ -1,7 +1,8 @@
 // The precompiled header of the test TUs (tests/CMakeLists.txt, VELOXQUANT_TEST_PCH): the checked
 // assertions first, as the force-included prelude of the other test TUs puts them, then the
 // headers nearly every test includes. A test still includes what it uses itself; this only saves
-// parsing them 30 times.
+// parsing them 30 times. It must not include support/test_support.hpp (or anything that reads
+// VELOXQUANT_TEST_KEY_BITS / VALUE_BITS): test_contract_q84 shares it with other values.
 #pragma once
 
 // clang-format off

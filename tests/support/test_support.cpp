@@ -2,6 +2,9 @@
 // conversion to a storage type, the element-by-element checks of what a call returned), compiled
 // once with the library's instances (tests/CMakeLists.txt; -O1 in scripts/test.sh) instead of at
 // -O0 in every test TU. Declared, with their contracts, in support/test_support.hpp.
+//
+// It is linked into test_contract_q84, whose TU sees other VELOXQUANT_TEST_KEY_BITS / VALUE_BITS:
+// nothing defined here may use kKeyBits, kValueBits, kQuantized, dim() or bad_calls().
 #include "support/test_support.hpp"
 
 namespace veloxquant::test {
