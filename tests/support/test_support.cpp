@@ -25,10 +25,7 @@ cache::Tensor4<T> converted(const cache::Tensor4<double>& t) {
 
 template <class T>
 cache::Tensor4<T> random_tensor(std::mt19937& rng, Index B, Index H, Index S, Index D) {
-  std::normal_distribution<double> dist(0.0, 1.0);
-  cache::Tensor4<T> t(B, H, S, D);
-  for (Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<T>(dist(rng));
-  return t;
+  return converted<T>(random_doubles(rng, B, H, S, D));
 }
 
 template <class T>
