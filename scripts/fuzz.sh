@@ -75,7 +75,7 @@ if [ "$BUILD_ONLY" = 1 ]; then
 fi
 
 # --- run: each target on a copy of its corpus, the two side by side ------------------------------
-export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1}
+export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:detect_stack_use_after_return=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 KEEP=()
 cleanup() {
