@@ -329,6 +329,15 @@ void BM_DecodeAttendQuant(benchmark::State& state) {
   config.quant_group = 32;
   decode_attend(state, config, budget);
 }
+// BM_DecodeAttend ranking the evictions by score * |v|^2 (value_norm_power, docs/design.md 4.8).
+void BM_DecodeAttendValueNorm(benchmark::State& state) {
+  const int budget = static_cast<int>(state.range(0));
+  vc::KVCacheConfig config = squeeze_config(budget);
+  config.value_norm_power = 2.0;
+  decode_attend(state, config, budget);
+}
+BENCHMARK(BM_DecodeAttendValueNorm)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond);
+
 BENCHMARK(BM_DecodeAttendQuant)
     ->Args({512, 8})
     ->Args({512, 4})

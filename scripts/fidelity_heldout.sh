@@ -37,6 +37,10 @@ RUNS=(
   "keydiff_ratio0.75|--methods squeeze --scoring proxy --set proxy_scoring=keydiff --set squeeze_recent_ratio=0.75"
   "keydiff_ratio0.9|--methods squeeze --scoring proxy --set proxy_scoring=keydiff --set squeeze_recent_ratio=0.9"
   "knorm_ratio0.9|--methods squeeze --scoring proxy --set proxy_scoring=knorm --set squeeze_recent_ratio=0.9"
+  "vnorm1|--methods squeeze --scoring queries --set value_norm_power=1"
+  "vnorm2|--methods squeeze,h2o,pyramidkv --scoring queries --set value_norm_power=2"
+  "vnorm2_decay0.95|--methods squeeze,h2o --scoring queries --set value_norm_power=2 --set squeeze_decay=0.95 --set h2o_decay=0.95"
+  "vnorm1.5_decay0.95|--methods squeeze --scoring queries --set value_norm_power=1.5 --set squeeze_decay=0.95"
 )
 run_half() {  # half range
   local half=$1 range=$2 entry name args

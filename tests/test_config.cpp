@@ -447,6 +447,38 @@ TEST(KVCacheConfigTest, ProxyScoringNamesAScorerOfTheH2OCore) {
   }
 }
 
+/// value_norm_power (docs/design.md 4.8): 0 by default (SPEC 4.6: rank by score alone); [0, 4]
+/// is valid for the H2O-core methods, anything else (NaN included) refused naming the field and
+/// the value, by those methods only.
+TEST(KVCacheConfigTest, ValueNormPowerIsBetweenZeroAndFourForTheH2OCore) {
+  EXPECT_EQ(KVCacheConfig{}.value_norm_power, 0.0);
+  for (const std::string& m : kAllMethods) {
+    const bool core = m == "squeeze" || m == "h2o" || m == "pyramidkv";
+    for (const double ok : {0.0, 0.5, 2.0, 4.0}) {
+      KVCacheConfig c = WithMethod(m);
+      c.value_norm_power = ok;
+      EXPECT_NO_THROW(c.validate()) << m << " " << ok;
+    }
+    for (const double bad : {-1e-9, -2.0, 4.0000001, 1e300, std::numeric_limits<double>::infinity(),
+                             std::numeric_limits<double>::quiet_NaN()}) {
+      KVCacheConfig c = WithMethod(m);
+      c.value_norm_power = bad;
+      if (!core) {
+        EXPECT_NO_THROW(c.validate()) << m;
+        continue;
+      }
+      try {
+        c.validate();
+        ADD_FAILURE() << m << ": " << bad << " accepted";
+      } catch (const std::invalid_argument& e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find("value_norm_power"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("[0, 4]"), std::string::npos) << msg;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Cache constructors validate the config as their own method
 // ---------------------------------------------------------------------------------------------

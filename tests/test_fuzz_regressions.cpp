@@ -94,38 +94,48 @@ TEST(FuzzRegressions, SeedCorpusReplaysCleanAndReachesEveryPolicy) {
 }
 
 // The loader's fuzz corpus (fuzz/corpus_load/): real files of the current format version saved
-// from every policy, storage type and width (fuzz/fuzz_load.hpp), and the version-1 files of the
-// same sets (v1-seed-*, written before proxy_scoring). Each one loads (with its checksums
-// verified), saves back to its own bytes and goes on with valid calls; and this build still writes
-// exactly these bytes, so the format cannot drift without a new version (docs/design.md G).
+// from every policy, storage type and width (fuzz/fuzz_load.hpp), and the files of the same sets
+// in the older versions (v1-seed-*, written before proxy_scoring; v2-seed-*, before
+// value_norm_power). Each one loads (with its checksums verified), saves back to its own bytes
+// and goes on with valid calls; an older file loads the fields it predates at their defaults; and
+// this build still writes exactly the current files' bytes, so the format cannot drift without a
+// new version (docs/design.md G).
 TEST(FuzzRegressions, LoadCorpusLoadsGoesOnAndIsWhatThisBuildWrites) {
   const fs::path dir = fuzz_dir() / "corpus_load";
   const std::vector<fs::path> files = inputs_in(dir);
   ASSERT_GE(files.size(), 10u) << "the loader's corpus at " << dir.string() << " looks incomplete";
   const std::map<std::string, std::string> seeds = veloxquant::fuzz::make_seeds();
-  std::size_t compared = 0, version1 = 0;
+  std::size_t compared = 0, version1 = 0, version2 = 0;
   for (const fs::path& p : files) {
     const std::vector<std::uint8_t> data = read_bytes(p);
     ASSERT_FALSE(data.empty()) << p.string();
     EXPECT_EQ(veloxquant::fuzz::run_load(data.data(), data.size()), "") << p.string();
     const std::string name = p.stem().string();
-    if (name.rfind("v1-seed-", 0) == 0) {
-      // Version 1 (before proxy_scoring): loads with the key-as-query proxy (and, above, saves
-      // in the current version and goes on).
-      const auto scorers = [&](auto tag) {
+    const bool v1 = name.rfind("v1-seed-", 0) == 0, v2 = name.rfind("v2-seed-", 0) == 0;
+    if (v1 || v2) {
+      // Version 1 (before proxy_scoring) loads with the key-as-query proxy, versions 1 and 2
+      // (before value_norm_power) rank by score alone (and, above, save in the current version
+      // and go on).
+      const auto configs = [&](auto tag) {
         using T = decltype(tag);
         std::istringstream in(std::string(data.begin() + 1, data.end()));
-        std::vector<std::string> out;
+        std::vector<veloxquant::cache::KVCacheConfig> out;
         for (const auto& c : veloxquant::cache::load_prompt_cache<T>(in).caches) {
-          out.push_back(c->config().proxy_scoring);
+          out.push_back(c->config());
         }
         return out;
       };
-      const std::vector<std::string> got = data[0] % 3 == 0   ? scorers(Eigen::half{})
-                                           : data[0] % 3 == 1 ? scorers(Eigen::bfloat16{})
-                                                              : scorers(float{});
-      for (const std::string& s : got) EXPECT_EQ(s, "key_as_query") << name;
-      ++version1;
+      const std::vector<veloxquant::cache::KVCacheConfig> got =
+          data[0] % 3 == 0   ? configs(Eigen::half{})
+          : data[0] % 3 == 1 ? configs(Eigen::bfloat16{})
+                             : configs(float{});
+      for (const auto& c : got) {
+        if (v1) {
+          EXPECT_EQ(c.proxy_scoring, "key_as_query") << name;
+        }
+        EXPECT_EQ(c.value_norm_power, 0.0) << name;
+      }
+      ++(v1 ? version1 : version2);
       continue;
     }
     if (name.rfind("seed-", 0) != 0) continue;
@@ -138,6 +148,7 @@ TEST(FuzzRegressions, LoadCorpusLoadsGoesOnAndIsWhatThisBuildWrites) {
   }
   EXPECT_EQ(compared, seeds.size());
   EXPECT_GE(version1, 15u) << "the version-1 files of fuzz/corpus_load (v1-seed-*) are missing";
+  EXPECT_GE(version2, 17u) << "the version-2 files of fuzz/corpus_load (v2-seed-*) are missing";
 }
 
 TEST(FuzzRegressions, LoadHarnessRefusesGarbageAndShortInputs) {

@@ -769,36 +769,43 @@ TEST(PromptCacheLoad, NewerVersionsAndOtherStorageTypesAreNamed) {
             std::string::npos);
 }
 
-/// `bytes` (this library's format, version 2) as format version 1 holds the same set: every
-/// cache's proxy_scoring field taken out (version 1 has no such field), the version set to 1 and
-/// the checksums sealed again, by the independent reader of the format.
+/// `bytes` (this library's format) as format `version` holds the same set: every cache's config
+/// fields newer than `version` taken out (config_field_since), the version set and the checksums
+/// sealed again, by the independent reader of the format.
 template <class T>
-std::string as_version1(const std::string& bytes) {
+std::string as_version(const std::string& bytes, std::uint32_t version) {
   std::string out = bytes;
   const fmt::FileMap map = fmt::walk<T>(out);
   std::uint32_t caches = 0;
   std::memcpy(&caches, out.data() + map.at("header.caches").offset, 4);
   fmt::FileMap moved;  // the sections where they lie once the fields are out
   moved.sections = map.sections;
-  for (std::uint32_t i = caches; i-- > 0;) {  // the last first: earlier offsets stay valid
+  // The fields that came after version 1, the last in a config first: earlier offsets stay valid.
+  const char* newer[] = {"value_norm_power", "proxy_scoring"};
+  for (std::uint32_t i = caches; i-- > 0;) {  // the last cache first, for the same reason
     const std::string p = "cache" + std::to_string(i);
-    const fmt::Field type = map.at(p + ".config.proxy_scoring.type");
-    const fmt::Field value = map.at(p + ".config.proxy_scoring");
-    const std::size_t begin = type.offset - 1 - std::strlen("proxy_scoring");
-    const std::size_t len = value.offset + value.size - begin;
-    out.erase(begin, len);
-    std::uint32_t fields = 0;
-    std::memcpy(&fields, out.data() + map.at(p + ".config_fields").offset, 4);
-    fmt::patch(out, map.at(p + ".config_fields"), fields - 1);
-    for (fmt::Field& sec : moved.sections) {
-      if (sec.offset > begin) {
-        sec.offset -= len;
-      } else if (sec.offset + sec.size > begin) {
-        sec.size -= len;
+    std::uint32_t removed = 0;
+    for (const char* name : newer) {
+      if (vc::detail::config_field_since(name) <= version) continue;
+      const fmt::Field type = map.at(p + ".config." + name + ".type");
+      const fmt::Field value = map.at(p + ".config." + name);
+      const std::size_t begin = type.offset - 1 - std::strlen(name);
+      const std::size_t len = value.offset + value.size - begin;
+      out.erase(begin, len);
+      ++removed;
+      for (fmt::Field& sec : moved.sections) {
+        if (sec.offset > begin) {
+          sec.offset -= len;
+        } else if (sec.offset + sec.size > begin) {
+          sec.size -= len;
+        }
       }
     }
+    std::uint32_t fields = 0;
+    std::memcpy(&fields, out.data() + map.at(p + ".config_fields").offset, 4);
+    fmt::patch(out, map.at(p + ".config_fields"), fields - removed);
   }
-  fmt::patch(out, map.at("header.version"), std::uint32_t{1});
+  fmt::patch(out, map.at("header.version"), version);
   fmt::reseal(out, moved);
   (void)fmt::walk<T>(out);  // the independent reader finds every checksum right
   return out;
@@ -806,23 +813,55 @@ std::string as_version1(const std::string& bytes) {
 
 /// A version-1 file (written before proxy_scoring existed) loads with the key-as-query proxy, the
 /// behaviour that wrote it (docs/design.md G, 4.7), and is the very set: saved again, it is the
-/// version-2 file byte for byte. A version-1 file may not hold the newer field.
+/// current file byte for byte. A version-1 file may not hold the newer field.
 TEST(PromptCacheLoad, Version1FilesLoadWithTheKeyAsQueryProxy) {
-  const std::string v2 = save_to_string(rich_set<Eigen::half>(), {{"k", "v"}});
-  const std::string v1 = as_version1<Eigen::half>(v2);
-  ASSERT_LT(v1.size(), v2.size());
+  ASSERT_EQ(vc::detail::kPromptCacheVersion, 3U);
+  const std::string v3 = save_to_string(rich_set<Eigen::half>(), {{"k", "v"}});
+  const std::string v1 = as_version<Eigen::half>(v3, 1);
+  ASSERT_LT(v1.size(), v3.size());
   vc::PromptCache<Eigen::half> loaded = load_from_string<Eigen::half>(v1);
   ASSERT_EQ(loaded.caches.size(), 4U);
-  for (const auto& c : loaded.caches) EXPECT_EQ(c->config().proxy_scoring, "key_as_query");
-  EXPECT_EQ(save_to_string(loaded.caches, loaded.metadata), v2);
+  for (const auto& c : loaded.caches) {
+    EXPECT_EQ(c->config().proxy_scoring, "key_as_query");
+    EXPECT_EQ(c->config().value_norm_power, 0.0);
+  }
+  EXPECT_EQ(save_to_string(loaded.caches, loaded.metadata), v3);
 
-  std::string mixed = v2;  // a version-1 header over version-2 configs
+  std::string mixed = as_version<Eigen::half>(v3, 2);  // a version-1 header over version-2 configs
   const fmt::FileMap map = fmt::walk<Eigen::half>(mixed);
   fmt::patch(mixed, map.at("header.version"), std::uint32_t{1});
   fmt::reseal(mixed, map);
   const std::string msg = load_error<Eigen::half>(mixed);
   EXPECT_NE(msg.find("config field 'proxy_scoring' is not in format version 1"), std::string::npos)
       << msg;
+}
+
+/// A version-2 file (written before value_norm_power existed) ranks by score alone, the behaviour
+/// that wrote it (docs/design.md G, 4.8), and saved again is the current file byte for byte; a
+/// version-2 file may not hold the newer field. value_norm_power itself round-trips.
+TEST(PromptCacheLoad, Version2FilesLoadRankingByScoreAlone) {
+  const std::string v3 = save_to_string(rich_set<Eigen::half>(), {{"k", "v"}});
+  const std::string v2 = as_version<Eigen::half>(v3, 2);
+  ASSERT_LT(v2.size(), v3.size());
+  vc::PromptCache<Eigen::half> loaded = load_from_string<Eigen::half>(v2);
+  ASSERT_EQ(loaded.caches.size(), 4U);
+  for (const auto& c : loaded.caches) EXPECT_EQ(c->config().value_norm_power, 0.0);
+  EXPECT_EQ(save_to_string(loaded.caches, loaded.metadata), v3);
+
+  std::string mixed = v3;  // a version-2 header over version-3 configs
+  const fmt::FileMap map = fmt::walk<Eigen::half>(mixed);
+  fmt::patch(mixed, map.at("header.version"), std::uint32_t{2});
+  fmt::reseal(mixed, map);
+  const std::string msg = load_error<Eigen::half>(mixed);
+  EXPECT_NE(msg.find("config field 'value_norm_power' is not in format version 2"),
+            std::string::npos)
+      << msg;
+
+  vc::KVCacheConfig c = small_config();
+  c.value_norm_power = 1.5;
+  Caches<float> a = vc::KVCacheBuilder::for_model<float>(2, c);
+  const vc::PromptCache<float> back = load_from_string<float>(save_to_string(a, {}));
+  for (const auto& cache : back.caches) EXPECT_EQ(cache->config().value_norm_power, 1.5);
 }
 
 /// The query-free scorers round-trip with their scores (K-norm's are negative) and go on bitwise;

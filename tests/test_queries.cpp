@@ -151,6 +151,10 @@ class CoreOracle {
   void reset() {
     for (auto& h : heads_) h.reset();
   }
+  /// KVCacheConfig::value_norm_power of the cache under test.
+  void set_value_power(double p) {
+    for (auto& h : heads_) h.set_value_power(p);
+  }
 
  private:
   std::vector<ref::H2OHeadOracle> heads_;
@@ -578,13 +582,15 @@ struct CoreRun {
   int grace = 4;
   int layer = 0;          // pyramid: which of 3 layers
   bool resolved = false;  // squeeze: budget through squeeze_resolved_budget
+  double value_power = 0.0;  // KVCacheConfig::value_norm_power
 
   std::string describe() const {
     std::ostringstream os;
     os << core_name(kind) << " seed=" << seed << " B=" << dims.B << " H=" << dims.H
        << " D=" << dims.D << " Dv=" << dims.Dv << " G=" << (vary_g ? "varying" : std::to_string(G))
        << " budget=" << budget << " n_sink=" << n_sink << " decay=" << decay
-       << " ratio=" << ratio << " grace=" << grace << " layer=" << layer;
+       << " ratio=" << ratio << " grace=" << grace << " layer=" << layer
+       << " value_power=" << value_power;
     return os.str();
   }
 };
@@ -613,6 +619,10 @@ CoreRun random_core_run(CoreKind kind, unsigned seed) {
   r.grace = pick(0, 12);
   r.layer = pick(0, 2);
   r.resolved = pick(0, 1) == 1;
+  // Not drawn (the draws above stay as they were): seeds 3-5 rank by score * |v|^2, 6-8 by
+  // score * |v|^1.5 (docs/design.md 4.8), each with every G.
+  const double powers[] = {0.0, 2.0, 1.5};
+  r.value_power = powers[seed / 3 % 3];
   return r;
 }
 
@@ -625,6 +635,7 @@ Subject<T> make_core_subject(const CoreRun& r, int& budget, std::function<int(in
   switch (r.kind) {
     case CoreKind::kSqueeze: {
       vc::KVCacheConfig c = squeeze_config(r.budget, r.n_sink, r.ratio, r.decay);
+      c.value_norm_power = r.value_power;
       if (r.resolved) {
         c.squeeze_budget = 64;
         c.squeeze_resolved_budget = r.budget;
@@ -636,7 +647,9 @@ Subject<T> make_core_subject(const CoreRun& r, int& budget, std::function<int(in
       return Subject<T>{nullptr, std::move(cache)};
     }
     case CoreKind::kH2O: {
-      auto cache = std::make_unique<vc::H2OCache<T>>(h2o_config(r.budget, r.n_sink, r.grace, r.decay));
+      vc::KVCacheConfig c = h2o_config(r.budget, r.n_sink, r.grace, r.decay);
+      c.value_norm_power = r.value_power;
+      auto cache = std::make_unique<vc::H2OCache<T>>(c);
       budget = r.budget;
       grace = [n_sink, fixed](int b) { return ref::protected_recent_fixed(fixed, b, n_sink); };
       return Subject<T>{nullptr, std::move(cache)};
@@ -644,7 +657,8 @@ Subject<T> make_core_subject(const CoreRun& r, int& budget, std::function<int(in
     case CoreKind::kPyramid: {
       // Three layers from the builder; the run drives layer r.layer, whose budget is its share of
       // the pyramid (possibly the floor n_sink + 1).
-      const vc::KVCacheConfig c = pyramid_config(r.budget, r.n_sink, r.ratio, r.decay);
+      vc::KVCacheConfig c = pyramid_config(r.budget, r.n_sink, r.ratio, r.decay);
+      c.value_norm_power = r.value_power;
       std::vector<std::unique_ptr<vc::KVCache<T>>> model = vc::KVCacheBuilder::for_model<T>(3, c);
       Subject<T> s;
       s.cache = std::move(model[static_cast<std::size_t>(r.layer)]);
@@ -687,6 +701,7 @@ TYPED_TEST(QueryCoreTest, MatchesOracleOnRandomCallSequences) {
       ASSERT_TRUE(visit_core(*subject.cache, [](const auto&) {}));
       CoreOracle oracle(static_cast<std::size_t>(r.dims.B * r.dims.H), r.n_sink, r.decay, grace,
                         budget);
+      oracle.set_value_power(r.value_power);
       std::mt19937 rng(seed * 7919u + 11u);
       const std::vector<CallPlan> plan = random_plan(rng, 22, 150, r.G, r.vary_g);
       run_differential(subject, oracle, r.dims, plan, rng, r.describe());
@@ -784,7 +799,9 @@ TYPED_TEST(QueryCoreTest, LargeGroupsAndTinyBudgetsMatchOracles) {
 TYPED_TEST(QueryCoreTest, SqueezeWithCoordinatorAdoptsBudgetsBetweenQueryCalls) {
   using T = TypeParam;
   for (const bool defer : {false, true}) {
-    SCOPED_TRACE(defer ? "squeeze_defer" : "no deferral");
+   for (const double value_power : {0.0, 2.0}) {
+    SCOPED_TRACE(std::string(defer ? "squeeze_defer" : "no deferral") +
+                 ", value_norm_power " + std::to_string(value_power));
     const int n_sink = 2, avg = 16, fallback = 30;
     const double ratio = 0.5, decay = 0.95;
     const Dims dm{2, 2, 8, 3};
@@ -793,11 +810,13 @@ TYPED_TEST(QueryCoreTest, SqueezeWithCoordinatorAdoptsBudgetsBetweenQueryCalls) 
     auto coordinator = std::make_shared<vc::SqueezeCoordinator>(2, avg, n_sink, 1.0);
     vc::KVCacheConfig c = squeeze_config(fallback, n_sink, ratio, decay);
     c.squeeze_defer = defer;
+    c.value_norm_power = value_power;
     std::vector<Subject<T>> layers;
     std::vector<CoreOracle> oracles;
     for (int l = 0; l < 2; ++l) {
       layers.push_back(Subject<T>{coordinator, std::make_unique<vc::SqueezeAttentionCache<T>>(c, l, coordinator)});
       oracles.emplace_back(4, n_sink, decay, grace, defer ? std::nullopt : std::optional<int>(fallback));
+      oracles.back().set_value_power(value_power);
     }
     const auto concentration_of = [](const vc::Tensor4<T>& keys) {
       double sum = 0.0;
@@ -842,6 +861,51 @@ TYPED_TEST(QueryCoreTest, SqueezeWithCoordinatorAdoptsBudgetsBetweenQueryCalls) 
     EXPECT_TRUE(sq0->budget_adopted());
     EXPECT_EQ(sq0->layer_budget(), budgets[0]);
     EXPECT_EQ(layers[0].cache->tokens_kept(), budgets[0]);
+   }
+  }
+}
+
+// value_norm_power (docs/design.md 4.8) by hand: H2O, budget 2, no sinks, no protected rows,
+// decay 1, three tokens of one key attending with that key as their query. The masses are
+// 1 + 1/2 + 1/3, 1/2 + 1/3 and 1/3 (the later tokens see more rows), the values 1, 0.1 and 10.
+// By score the third row goes; by score * |v|^2 (1.83, 0.0083, 33.3) the second, and at power 0.5
+// (1.83, 0.26, 1.05) the second too; the same through update_and_fetch with queries in every
+// storage type.
+TEST(QueryValueNormTest, SmallValuesGoFirstAmongSimilarAttention) {
+  const auto kept_values = [](double power) {
+    vc::KVCacheConfig c = h2o_config(2, 0, 0, 1.0);
+    c.value_norm_power = power;
+    vc::H2OCache<float> cache(c);
+    vc::Tensor4<float> k(1, 1, 3, 2), v(1, 1, 3, 1);
+    for (Index s = 0; s < 3; ++s) {
+      k(0, 0, s, 0) = 1.0f;
+      k(0, 0, s, 1) = 0.0f;
+    }
+    v(0, 0, 0, 0) = 1.0f;
+    v(0, 0, 1, 0) = 0.1f;
+    v(0, 0, 2, 0) = 10.0f;
+    const vc::Tensor4<float> q = k;
+    (void)cache.update_and_fetch(k, v, q);
+    const vc::KVPair<float> st = cache.state();
+    std::vector<float> out;
+    for (Index r = 0; r < st.second.dimension(2); ++r) out.push_back(st.second(0, 0, r, 0));
+    return out;
+  };
+  EXPECT_EQ(kept_values(0.0), (std::vector<float>{1.0f, 0.1f}));
+  EXPECT_EQ(kept_values(2.0), (std::vector<float>{1.0f, 10.0f}));
+  EXPECT_EQ(kept_values(0.5), (std::vector<float>{1.0f, 10.0f}));
+  // Without queries the field changes nothing (the key-as-query proxy evicts token by token).
+  for (const double power : {0.0, 2.0}) {
+    vc::KVCacheConfig c = h2o_config(2, 0, 0, 1.0);
+    c.value_norm_power = power;
+    vc::H2OCache<float> with(c), without(h2o_config(2, 0, 0, 1.0));
+    std::mt19937 rng(5u);
+    const vc::Tensor4<float> k = random_tensor<float>(rng, 1, 2, 7, 4);
+    const vc::Tensor4<float> v = random_tensor<float>(rng, 1, 2, 7, 3);
+    (void)with.update_and_fetch(k, v);
+    (void)without.update_and_fetch(k, v);
+    EXPECT_TRUE(shape_of(with.state().second) == shape_of(without.state().second));
+    for (Index h = 0; h < 2; ++h) EXPECT_EQ(policy_positions(with, 0, h), policy_positions(without, 0, h));
   }
 }
 

@@ -480,6 +480,11 @@ public:
     /// Choose absorb's scorer (key_as_query unless set).
     void set_scorer(Scorer s) { scorer_ = s; }
 
+    /// KVCacheConfig::value_norm_power (docs/design.md 4.8): when p > 0, the evictions of
+    /// absorb_call (a call with queries) and of set_budget (which then stands for the re-budget
+    /// at the start of a call with queries) rank by score * |v|^p, |v| the L2 norm of the value.
+    void set_value_power(double p) { value_power_ = p; }
+
     /// What an eviction ranks by, per row (lowest goes first): the scores, or under keydiff
     /// -(u_r . m), computed from the keys (not from the scores). The library's ranking divides
     /// that by |m| + 1e-8, a positive factor common to all rows that changes no order; left out
@@ -527,7 +532,12 @@ public:
         const std::size_t n = rows_.size();
         const std::size_t budget_sz = static_cast<std::size_t>(budget);
         if (n <= budget_sz) return;  // a larger (or sufficient) budget is just stamped
-        const std::vector<double> score = rank();
+        std::vector<double> score = rank();
+        if (value_power_ > 0.0) {  // set_value_power: a re-budget at the start of a call with queries
+            for (std::size_t i = 0; i < n; ++i) {
+                score[i] = rows_[i].score * std::pow(norm_of(rows_[i].value), value_power_);
+            }
+        }
 
         // Protected: sinks and the newest g rows.
         const std::size_t g = static_cast<std::size_t>(grace(budget));
@@ -599,8 +609,9 @@ public:
         // Step 2: token by token; token i's window is rows_[0 .. n_before + i] (the token included).
         for (std::size_t i = 0; i < s; ++i) accumulate(mean_head_weights(window_keys(n_before + i + 1), queries[i]));
 
-        // Step 3: once per call, evict one row at a time until within a known budget.
-        while (over_budget() && evict_one()) {
+        // Step 3: once per call, evict one row at a time until within a known budget (by score,
+        // or by score * |v|^p under set_value_power).
+        while (over_budget() && evict_one(value_power_ > 0.0)) {
         }
     }
 
@@ -622,10 +633,15 @@ private:
 
     /// Evict the lowest-score row that is neither a sink nor among the newest g(budget) rows (ties: the
     /// earliest position); false if there is none. Requires a known budget.
-    bool evict_one() {
+    bool evict_one(bool value_weighted = false) {
         const std::size_t n = rows_.size();
         const std::size_t g = static_cast<std::size_t>(grace(*budget_));
-        const std::vector<double> score = rank();
+        std::vector<double> score = rank();
+        if (value_weighted) {
+            for (std::size_t i = 0; i < n; ++i) {
+                score[i] = rows_[i].score * std::pow(norm_of(rows_[i].value), value_power_);
+            }
+        }
         std::optional<std::size_t> victim;
         for (std::size_t i = 0; i < n; ++i) {
             const bool is_sink = rows_[i].position < n_sink_;
@@ -650,6 +666,7 @@ private:
     std::function<int(int)> grace_for_budget_;
     std::optional<int> budget_;
     Scorer scorer_ = Scorer::key_as_query;
+    double value_power_ = 0.0;
 };
 
 /// The Python reference's per-token algorithm (docs/design.md 4.3, 9.1): no decay, no protected window, fixed budget.

@@ -36,6 +36,7 @@ class H2OCache : public KVCache<T> {
     r.grace = config.h2o_grace;
     r.decay = static_cast<float>(config.h2o_decay);
     r.proxy = detail::proxy_scoring_of(config.proxy_scoring);
+    r.value_power = config.value_norm_power;
     return r;
   }
 };

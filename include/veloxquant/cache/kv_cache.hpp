@@ -581,8 +581,10 @@ class KVCache {
         }
       }
     }
-    const detail::ScratchSize size{plan.rows, live_rows() + S, detail::padded_dim(keys.dim),
-                                   plan.gather, plan.packed};
+    // The head dim of the scratch rows: a value row passes through them too (value_rank.hpp).
+    const detail::ScratchSize size{plan.rows, live_rows() + S,
+                                   detail::padded_dim(std::max(keys.dim, values.dim)), plan.gather,
+                                   plan.packed};
     const auto workers = static_cast<std::size_t>(tasks_for(keys.batch * keys.heads, size));
     if (scratch_.size() < workers) scratch_.resize(workers);
     for (auto& s : scratch_) s.fit(size);
@@ -607,8 +609,9 @@ class KVCache {
                     bool copy, const detail::AttendOut* att) noexcept {
     const Index S = keys.seq;
     const Index n_heads = dims_.batch * dims_.heads;
-    const detail::ScratchSize size{plan.rows, live_rows() + S, detail::padded_dim(keys.dim),
-                                   plan.gather, plan.packed};
+    const detail::ScratchSize size{plan.rows, live_rows() + S,
+                                   detail::padded_dim(std::max(keys.dim, values.dim)), plan.gather,
+                                   plan.packed};
     const auto one = [&](Index i, detail::Scratch& sc) {
       auto& head = heads_[static_cast<std::size_t>(i)];
       const Index b = i / dims_.heads, h = i % dims_.heads;
@@ -616,10 +619,13 @@ class KVCache {
       if (rebudget_ && rule_.budget) {
         // KeyDiff ranks the rows it holds now, in a call without queries (with queries, the
         // scores are attention mass, docs/design.md 4.7).
+        // With queries and value_norm_power, the value-weighted scores (docs/design.md 4.8).
         const float* rank = nullptr;
         if (rule_.proxy == detail::ProxyScoring::keydiff && queries == nullptr &&
             head.live() > *rule_.budget) {
           rank = detail::keydiff_rank_head(head, 0, head.live(), sc);
+        } else if (rule_.value_power > 0.0 && queries != nullptr && head.live() > *rule_.budget) {
+          rank = detail::value_rank_head(head, rule_.value_power, sc);
         }
         detail::rebudget(head, *rule_.budget, rule_.n_sink, rule_.protected_recent(), sc, rank);
       }

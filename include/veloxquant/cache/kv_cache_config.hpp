@@ -62,6 +62,10 @@ template <class V>
 /// infinity turns into NaN); every beta this large already gives the bottom layer everything.
 inline constexpr double kMaxPyramidBeta = 1e6;
 
+/// Largest accepted KVCacheConfig::value_norm_power: keeps |v|^p and score * |v|^p within what
+/// the ranking can order (docs/design.md 4.8).
+inline constexpr double kMaxValueNormPower = 4.0;
+
 inline void check_budget(const char* field, long long v) {
   if (v < 1) config_error(field, v, "must be >= 1");
 }
@@ -146,6 +150,13 @@ struct KVCacheConfig {
   /// lowest-norm keys). Calls with queries are scored by them whatever this says.
   std::string proxy_scoring = "key_as_query";
 
+  /// How SqueezeAttention, H2O and PyramidKV rank rows for eviction in a call with queries
+  /// (docs/design.md 4.8): by score * |v|^p, |v| the L2 norm of the stored value row (a row whose
+  /// value is small moves the output little, whatever its attention). 0 (the default) ranks by the
+  /// score alone (SPEC 4.6); 2 with squeeze_decay 0.95 is the measured best (docs/fidelity.md).
+  /// In [0, 4]. Calls without queries ignore it.
+  double value_norm_power = 0.0;
+
   /// Sets the rows-per-head budget of every method (docs/design.md 2.1): squeeze_budget,
   /// h2o_budget, pyramid_budget, tova_budget, snap_budget, and stream_window_size = rows -
   /// stream_n_sink. Checks nothing: validate() (or the cache that is built) does.
@@ -172,6 +183,9 @@ struct KVCacheConfig {
       if (proxy_scoring_index(proxy_scoring) < 0) {
         throw std::invalid_argument("KVCacheConfig: proxy_scoring '" + proxy_scoring +
                                     "' is unknown; valid: " + name_list(kProxyScorings));
+      }
+      if (!(value_norm_power >= 0.0 && value_norm_power <= kMaxValueNormPower)) {
+        config_error("value_norm_power", value_norm_power, "must be in [0, 4]");
       }
     }
     if (method == "squeeze") {
@@ -268,14 +282,16 @@ void for_each_config_field(Config& c, F&& f) {
   f("key_bits", c.key_bits);
   f("value_bits", c.value_bits);
   f("quant_group", c.quant_group);
-  f("proxy_scoring", c.proxy_scoring);  // since prompt-cache format version 2
+  f("proxy_scoring", c.proxy_scoring);        // since prompt-cache format version 2
+  f("value_norm_power", c.value_norm_power);  // since prompt-cache format version 3
 }
 
 /// The prompt-cache format version that first stored config field `name` (docs/design.md G): a
 /// file of an older version lacks it and loads with the field's default (the behaviour of the
 /// library that wrote the file).
 inline unsigned config_field_since(const char* name) {
-  return std::string(name) == "proxy_scoring" ? 2U : 1U;
+  const std::string n(name);
+  return n == "value_norm_power" ? 3U : n == "proxy_scoring" ? 2U : 1U;
 }
 
 /// `config` with `method` in place of its own.

@@ -46,6 +46,7 @@ class PyramidKVCache : public KVCache<T> {
     r.recent_ratio = config.pyramid_recent_ratio;
     r.decay = static_cast<float>(config.pyramid_decay);
     r.proxy = detail::proxy_scoring_of(config.proxy_scoring);
+    r.value_power = config.value_norm_power;
     return r;
   }
 };

@@ -181,6 +181,7 @@ class SqueezeAttentionCache : public KVCache<T> {
     r.recent_ratio = config.squeeze_recent_ratio;
     r.decay = static_cast<float>(config.squeeze_decay);
     r.proxy = detail::proxy_scoring_of(config.proxy_scoring);
+    r.value_power = config.value_norm_power;
     return r;
   }
   bool coordinated() const { return coordinator_ && layer_id_; }

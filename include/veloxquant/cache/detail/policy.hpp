@@ -22,6 +22,7 @@
 #include "input.hpp"
 #include "proxy_scores.hpp"
 #include "scratch.hpp"
+#include "value_rank.hpp"
 #include "select.hpp"
 #include "simd_kernels.hpp"
 
@@ -47,6 +48,7 @@ struct Rule {
   int grace = 0;
   float decay = 1.0f;
   ProxyScoring proxy = ProxyScoring::key_as_query;  ///< cumulative: calls without queries
+  double value_power = 0.0;  ///< cumulative, calls with queries: rank by score * |v|^p (> 0)
   int window = 0;           ///< window: rows kept besides the sinks
   int obs_window = 0;       ///< prompt: query tokens that rank the prompt
   bool compressed = false;  ///< prompt: a call has been ranked (until reset)
@@ -165,6 +167,16 @@ struct HeadAttend {
   }
   Index stride() const { return out->stride_j; }
 };
+
+/// The value-weighted ranking (docs/design.md 4.8) of every live row of `head`, by slot: score *
+/// |v|^power. Returns it (in sc.logits; sc.keys holds a value row on the way).
+template <class T>
+const float* value_rank_head(const HeadStore<T>& head, double power, Scratch& sc) {
+  float* rank = sc.logits.data();
+  value_weighted_rank(head.value_rows(), head.value_dim(), head.scores_data_const(),
+                      head.order().data(), head.live(), power, rank, sc.keys.data());
+  return rank;
+}
 
 /// Re-budget (docs/design.md 4.5): keeps the sinks, the newest `g` rows and the highest-score
 /// others up to `budget`; among equal scores the later positions survive. `rank` (by slot; null:
@@ -377,7 +389,11 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
       head.assign_order(order, n);
     }
   }
-  if (once_per_call && rule.budget) rebudget(head, *rule.budget, rule.n_sink, g, sc);
+  if (once_per_call && rule.budget) {
+    const bool weighted = rule.value_power > 0.0 && head.live() > *rule.budget;
+    rebudget(head, *rule.budget, rule.n_sink, g, sc,
+             weighted ? value_rank_head(head, rule.value_power, sc) : nullptr);
+  }
 }
 
 /// KeyDiff's ranking (docs/design.md 4.7) of the live rows of `head` at order[lo, hi) (the
