@@ -618,8 +618,8 @@ class KVCache {
       head.begin_window(copy);
       if (rebudget_ && rule_.budget) {
         // KeyDiff ranks the rows it holds now, in a call without queries (with queries, the
-        // scores are attention mass, docs/design.md 4.7).
-        // With queries and value_norm_power, the value-weighted scores (docs/design.md 4.8).
+        // scores are attention mass, docs/design.md 4.7, weighted by |v|^p under
+        // value_norm_power, 4.8).
         const float* rank = nullptr;
         if (rule_.proxy == detail::ProxyScoring::keydiff && queries == nullptr &&
             head.live() > *rule_.budget) {

@@ -22,9 +22,9 @@
 #include "input.hpp"
 #include "proxy_scores.hpp"
 #include "scratch.hpp"
-#include "value_rank.hpp"
 #include "select.hpp"
 #include "simd_kernels.hpp"
+#include "value_rank.hpp"
 
 namespace veloxquant::cache::detail {
 
