@@ -864,6 +864,42 @@ TEST(PromptCacheLoad, Version2FilesLoadRankingByScoreAlone) {
   for (const auto& cache : back.caches) EXPECT_EQ(cache->config().value_norm_power, 1.5);
 }
 
+/// Value-weighted eviction (docs/design.md 4.8) after a load: each row's |v|^p is recomputed from
+/// its stored value when the head is restored, so a loaded set of caches, driven with queries,
+/// evicts exactly as the set that never left memory (float rows and 8-bit values, squeeze and
+/// H2O); with the weights of restored rows missing, the next re-budget would rank them by 0.
+TEST(PromptCacheLoad, ValueWeightedCachesContinueBitIdenticallyAfterALoad) {
+  for (const int value_bits : {16, 8}) {
+    for (const char* method : {"squeeze", "h2o"}) {
+      SCOPED_TRACE(std::string(method) + ", value bits " + std::to_string(value_bits));
+      vc::KVCacheConfig c = small_config();
+      c.method = method;
+      c.value_norm_power = 2.0;
+      c.value_bits = value_bits;
+      c.quant_group = 8;
+      c.squeeze_calibration_tokens = 4;
+      Caches<float> a = vc::KVCacheBuilder::for_model<float>(2, c);
+      Caches<float> b = vc::KVCacheBuilder::for_model<float>(2, c);
+      std::mt19937 rng(9u);
+      const auto both = [&](Caches<float>& x, Caches<float>& y, Index S) {
+        for (std::size_t l = 0; l < x.size(); ++l) {
+          const auto k = random_doubles(rng, 1, 2, S, 8), v = random_doubles(rng, 1, 2, S, 8);
+          const auto q = random_doubles(rng, 1, 4, S, 8);  // G = 2
+          (void)x[l]->update_and_fetch(k, v, q);
+          (void)y[l]->update_and_fetch(k, v, q);
+        }
+      };
+      both(a, b, 20);
+      for (int step = 0; step < 5; ++step) both(a, b, 1);
+      vc::PromptCache<float> loaded = load_from_string<float>(save_to_string(a));
+      EXPECT_EQ(loaded.caches[0]->config().value_norm_power, 2.0);
+      for (int step = 0; step < 12; ++step) both(loaded.caches, b, step % 5 == 0 ? 3 : 1);
+      EXPECT_EQ(save_to_string(loaded.caches), save_to_string(b));
+      EXPECT_LT(b[0]->tokens_kept(), b[0]->offset());  // it evicted
+    }
+  }
+}
+
 /// The query-free scorers round-trip with their scores (K-norm's are negative) and go on bitwise;
 /// a scorer name the library does not know is refused with the name.
 TEST(PromptCacheLoad, QueryFreeScorersRoundTripAndUnknownOnesAreRefused) {

@@ -362,11 +362,11 @@ TYPED_TEST(SimdKernelsTest, KeyDiffRunningSumIsExactWhateverTheOrder) {
   }
 }
 
-/// The value-weighted ranking (docs/design.md 4.8): score * |v|^p against a double reference over
-/// the listed slots only (the others untouched), exactly |v|^2 at p = 2, the products clamped to
-/// the float range (never NaN: a zero score times the largest weight is 0) and a negative score
-/// kept negative.
-TYPED_TEST(SimdKernelsTest, ValueWeightedRankMatchesADoubleReference) {
+/// The value-weighted ranking (docs/design.md 4.8): a row's weight |v|^p against a double
+/// reference (exactly |v|^2 at p = 2, saturated at the largest float), and the rank score * weight
+/// over the listed slots only (the others untouched), clamped to the float range (never NaN: a
+/// zero score times the largest weight is 0) with a negative score kept negative.
+TYPED_TEST(SimdKernelsTest, ValueWeightsAndRankMatchADoubleReference) {
   using T = TypeParam;
   std::mt19937 rng(93);
   for (const Index d : {Index{1}, Index{7}, Index{64}}) {
@@ -377,42 +377,56 @@ TYPED_TEST(SimdKernelsTest, ValueWeightedRankMatchesADoubleReference) {
     for (Index j = 0; j < n; ++j) score[j] = 0.25f * static_cast<float>(j) - 0.5f;  // one < 0
     const std::vector<std::int32_t> cand = {8, 1, 4, 0, 2};
     for (const double p : {0.5, 1.5, 2.0, 4.0}) {
-      std::vector<float> rank(static_cast<std::size_t>(n), -7.0f), row(static_cast<std::size_t>(dp));
-      vd::value_weighted_rank(rows, d, score.data(), cand.data(), static_cast<Index>(cand.size()),
-                              p, rank.data(), row.data());
+      std::vector<float> weight(static_cast<std::size_t>(n)), row(static_cast<std::size_t>(dp));
+      std::vector<double> want_w(static_cast<std::size_t>(n));
+      for (Index j = 0; j < n; ++j) {
+        weight[j] = vd::value_norm_weight(rows, j, d, p, row.data());
+        double ss = 0.0;
+        for (Index k = 0; k < d; ++k) {
+          const double x = static_cast<double>(values[static_cast<std::size_t>(j * d + k)]);
+          ss += x * x;
+        }
+        want_w[j] = std::pow(ss, p / 2.0);
+        EXPECT_NEAR(weight[j], want_w[j], 1e-6 * want_w[j]) << "p=" << p << " d=" << d;
+        if (p == 2.0) {
+          EXPECT_EQ(weight[j], static_cast<float>(ss)) << "d=" << d;
+        }
+      }
+      std::vector<float> rank(static_cast<std::size_t>(n), -7.0f);
+      vd::value_weighted_rank(score.data(), weight.data(), cand.data(),
+                              static_cast<Index>(cand.size()), rank.data());
       for (Index j = 0; j < n; ++j) {
         const bool listed = std::find(cand.begin(), cand.end(), j) != cand.end();
         if (!listed) {
           EXPECT_EQ(rank[j], -7.0f) << "slot " << j << " is not a candidate";
           continue;
         }
-        double ss = 0.0;
-        for (Index k = 0; k < d; ++k) {
-          const double x = static_cast<double>(values[static_cast<std::size_t>(j * d + k)]);
-          ss += x * x;
-        }
-        const double want = static_cast<double>(score[j]) * std::pow(ss, p / 2.0);
-        EXPECT_NEAR(rank[j], want, 1e-6 * std::abs(want) + 1e-30) << "p=" << p << " d=" << d;
-        if (p == 2.0) {
-          EXPECT_EQ(rank[j], static_cast<float>(want)) << "d=" << d;
-        }
+        const double want = static_cast<double>(score[j]) * want_w[j];
+        EXPECT_NEAR(rank[j], want, 2e-6 * std::abs(want) + 1e-30) << "p=" << p << " d=" << d;
+        EXPECT_EQ(rank[j], static_cast<float>(static_cast<double>(score[j]) * weight[j]));
       }
     }
   }
-  // Saturation: a float row near the largest float at p = 4 has a weight beyond the float range.
-  const float big = 1e30f;
-  const std::vector<float> huge = {big, big, 0.0f, 0.0f};  // two rows of D = 2: |v| = 1.4e30, 0
+  // Saturation: a float row near 1e30 at p = 4 weighs beyond the float range.
+  const std::vector<float> huge = {1e30f, 1e30f, 0.0f, 0.0f};  // two rows of D = 2
   const vd::StoredRows<float> rows{huge.data(), 2, vd::RowFormat{16, 2, 0}};
-  const std::vector<float> score = {0.5f, 3.0f};
+  std::vector<float> row(static_cast<std::size_t>(vd::padded_dim(2)));
+  const std::vector<float> weight = {vd::value_norm_weight(rows, 0, 2, 4.0, row.data()),
+                                     vd::value_norm_weight(rows, 1, 2, 4.0, row.data())};
+  EXPECT_EQ(weight[0], std::numeric_limits<float>::max());
+  EXPECT_EQ(weight[1], 0.0f);
   const std::vector<std::int32_t> both = {0, 1};
-  std::vector<float> rank(2), row(static_cast<std::size_t>(vd::padded_dim(2)));
-  vd::value_weighted_rank(rows, 2, score.data(), both.data(), 2, 4.0, rank.data(), row.data());
-  EXPECT_EQ(rank[0], std::numeric_limits<float>::max());
-  EXPECT_EQ(rank[1], 0.0f);
-  const std::vector<float> negative = {-0.5f, 0.0f};
-  vd::value_weighted_rank(rows, 2, negative.data(), both.data(), 2, 4.0, rank.data(), row.data());
+  std::vector<float> rank(2);
+  for (const float s0 : {3.0f, -0.5f}) {
+    const std::vector<float> score = {s0, 2.0f};
+    vd::value_weighted_rank(score.data(), weight.data(), both.data(), 2, rank.data());
+    EXPECT_EQ(rank[0], s0 > 0 ? std::numeric_limits<float>::max()
+                              : -0.5f * std::numeric_limits<float>::max());
+    EXPECT_EQ(rank[1], 0.0f);
+  }
+  const std::vector<float> big_score = {-1e30f, 0.0f};
+  vd::value_weighted_rank(big_score.data(), weight.data(), both.data(), 2, rank.data());
   EXPECT_EQ(rank[0], std::numeric_limits<float>::lowest());
-  EXPECT_EQ(rank[1], 0.0f);
 }
 
 /// KeyDiff's ranking: -cos(k, mean unit key) against a double reference on every path, the same

@@ -532,12 +532,8 @@ public:
         const std::size_t n = rows_.size();
         const std::size_t budget_sz = static_cast<std::size_t>(budget);
         if (n <= budget_sz) return;  // a larger (or sufficient) budget is just stamped
-        std::vector<double> score = rank();
-        if (value_power_ > 0.0) {  // set_value_power: a re-budget at the start of a call with queries
-            for (std::size_t i = 0; i < n; ++i) {
-                score[i] = rows_[i].score * std::pow(norm_of(rows_[i].value), value_power_);
-            }
-        }
+        // Under set_value_power this is a re-budget at the start of a call with queries.
+        const std::vector<double> score = eviction_rank(value_power_ > 0.0);
 
         // Protected: sinks and the newest g rows.
         const std::size_t g = static_cast<std::size_t>(grace(budget));
@@ -628,6 +624,14 @@ private:
         for (std::size_t r = 0; r < a.size(); ++r) rows_[r].score = rows_[r].score * decay_ + a[r];
     }
 
+    /// What an eviction ranks by: rank(), or score * |v|^p (set_value_power) when value-weighted.
+    std::vector<double> eviction_rank(bool value_weighted) const {
+        if (!value_weighted) return rank();
+        std::vector<double> out;
+        for (const auto& r : rows_) out.push_back(r.score * std::pow(norm_of(r.value), value_power_));
+        return out;
+    }
+
     /// True if the budget is known and the head holds more rows.
     bool over_budget() const { return budget_ && rows_.size() > static_cast<std::size_t>(*budget_); }
 
@@ -636,12 +640,7 @@ private:
     bool evict_one(bool value_weighted = false) {
         const std::size_t n = rows_.size();
         const std::size_t g = static_cast<std::size_t>(grace(*budget_));
-        std::vector<double> score = rank();
-        if (value_weighted) {
-            for (std::size_t i = 0; i < n; ++i) {
-                score[i] = rows_[i].score * std::pow(norm_of(rows_[i].value), value_power_);
-            }
-        }
+        const std::vector<double> score = eviction_rank(value_weighted);
         std::optional<std::size_t> victim;
         for (std::size_t i = 0; i < n; ++i) {
             const bool is_sink = rows_[i].position < n_sink_;

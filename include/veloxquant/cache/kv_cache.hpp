@@ -566,6 +566,7 @@ class KVCache {
       fresh.reserve(static_cast<std::size_t>(n));
       for (Index i = 0; i < n; ++i) {
         fresh.emplace_back(key_format(keys.dim), value_format(values.dim));
+        if (rule_.value_power > 0.0) fresh.back().enable_value_weights(rule_.value_power);
         fresh.back().reserve(S);
         if (rule_.proxy == detail::ProxyScoring::keydiff) fresh.back().reserve_key_sum();
       }
@@ -581,10 +582,8 @@ class KVCache {
         }
       }
     }
-    // The head dim of the scratch rows: a value row passes through them too (value_rank.hpp).
-    const detail::ScratchSize size{plan.rows, live_rows() + S,
-                                   detail::padded_dim(std::max(keys.dim, values.dim)), plan.gather,
-                                   plan.packed};
+    const detail::ScratchSize size{plan.rows, live_rows() + S, detail::padded_dim(keys.dim),
+                                   plan.gather, plan.packed};
     const auto workers = static_cast<std::size_t>(tasks_for(keys.batch * keys.heads, size));
     if (scratch_.size() < workers) scratch_.resize(workers);
     for (auto& s : scratch_) s.fit(size);
@@ -609,9 +608,8 @@ class KVCache {
                     bool copy, const detail::AttendOut* att) noexcept {
     const Index S = keys.seq;
     const Index n_heads = dims_.batch * dims_.heads;
-    const detail::ScratchSize size{plan.rows, live_rows() + S,
-                                   detail::padded_dim(std::max(keys.dim, values.dim)), plan.gather,
-                                   plan.packed};
+    const detail::ScratchSize size{plan.rows, live_rows() + S, detail::padded_dim(keys.dim),
+                                   plan.gather, plan.packed};
     const auto one = [&](Index i, detail::Scratch& sc) {
       auto& head = heads_[static_cast<std::size_t>(i)];
       const Index b = i / dims_.heads, h = i % dims_.heads;
@@ -625,7 +623,7 @@ class KVCache {
             head.live() > *rule_.budget) {
           rank = detail::keydiff_rank_head(head, 0, head.live(), sc);
         } else if (rule_.value_power > 0.0 && queries != nullptr && head.live() > *rule_.budget) {
-          rank = detail::value_rank_head(head, rule_.value_power, sc);
+          rank = detail::value_rank_head(head, sc);
         }
         detail::rebudget(head, *rule_.budget, rule_.n_sink, rule_.protected_recent(), sc, rank);
       }

@@ -888,6 +888,7 @@ class PromptCacheIO {
           sum_rows = r.i64();
         }
         HeadStore<T> head(kf, vf);
+        if (rule.value_power > 0.0) head.enable_value_weights(rule.value_power);  // restore weighs
         read_rows(r, head, n, true);
         read_rows(r, head, n, false);
         r.end_section();

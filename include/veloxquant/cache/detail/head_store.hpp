@@ -22,6 +22,7 @@
 
 #include "assert.hpp"
 #include "simd_kernels.hpp"
+#include "value_rank.hpp"
 
 namespace veloxquant::cache::detail {
 
@@ -149,6 +150,7 @@ class HeadStore {
     call_begin_ = n;
     holes_.clear();
     key_sum_valid_ = false;
+    for (Index s = 0; s < n; ++s) set_value_weight(s);
     return true;
   }
   /// Elements of T one stored key (value) row takes.
@@ -175,6 +177,7 @@ class HeadStore {
     pos_[at(s)] = position;
     score_[at(s)] = 0.0f;
     alive_[at(s)] = kAlive;
+    set_value_weight(s);
     return static_cast<Slot>(s);
   }
 
@@ -218,6 +221,21 @@ class HeadStore {
     if (key_sum_.empty() && dk_ > 0) key_sum_.assign(static_cast<std::size_t>(dk_), 0);
   }
   std::int64_t* key_sum() { return key_sum_.data(); }
+
+  /// The value-weighted ranking (docs/design.md 4.8, KVCacheConfig::value_norm_power): from now
+  /// on every slot holds |v|^power of its stored value row, computed once when the row is stored
+  /// (append, restore) and moved with it. Call on a head holding no row; strong exception
+  /// guarantee. power > 0.
+  void enable_value_weights(double power) {
+    VELOXQUANT_ASSERT(n_phys_ == 0 && power > 0.0, "value weights on a head in use");
+    std::vector<float> weight(static_cast<std::size_t>(cap_));
+    std::vector<float> row(static_cast<std::size_t>(padded_dim(dv_)));
+    value_weight_.swap(weight);
+    value_row_.swap(row);
+    value_power_ = power;
+  }
+  /// |v|^power by slot ([physical()]); only after enable_value_weights.
+  const float* value_weights_data() const { return value_weight_.data(); }
   bool key_sum_valid() const { return key_sum_valid_; }
   void set_key_sum_valid() noexcept { key_sum_valid_ = true; }
 
@@ -287,6 +305,7 @@ class HeadStore {
            row_buf_.capacity() * sizeof(float) + pos_.capacity() * sizeof(std::int64_t) +
            score_.capacity() * sizeof(float) + alive_.capacity() +
            key_sum_.capacity() * sizeof(std::int64_t) +
+           (value_weight_.capacity() + value_row_.capacity()) * sizeof(float) +
            (order_.capacity() + window_.capacity() + holes_.capacity()) * sizeof(Slot);
   }
 
@@ -335,7 +354,15 @@ class HeadStore {
     std::memcpy(value_ptr(to), value_ptr(from), sizeof(T) * static_cast<std::size_t>(vs_));
     pos_[at(to)] = pos_[at(from)];
     score_[at(to)] = score_[at(from)];
+    if (value_power_ > 0.0) value_weight_[at(to)] = value_weight_[at(from)];
     alive_[at(to)] = kAlive;
+  }
+
+  // The weight of the value row stored in slot s (enable_value_weights; else nothing).
+  void set_value_weight(Index s) noexcept {
+    if (value_power_ > 0.0) {
+      value_weight_[at(s)] = value_norm_weight(value_rows(), s, dv_, value_power_, value_row_.data());
+    }
   }
 
   // Allocates every buffer at exactly `rows` slots, copies the first `keep` slots (those in use),
@@ -348,6 +375,7 @@ class HeadStore {
     std::vector<T> v(r * static_cast<std::size_t>(vs_));
     std::vector<std::int64_t> pos(r);
     std::vector<float> score(r);
+    std::vector<float> value_weight(value_power_ > 0.0 ? r : 0);
     std::vector<std::uint8_t> alive(r, kDead);
     std::vector<Slot> order;
     order.reserve(r);
@@ -366,6 +394,7 @@ class HeadStore {
     std::copy_n(v_.begin(), used * static_cast<std::size_t>(vs_), v.begin());
     std::copy_n(pos_.begin(), used, pos.begin());
     std::copy_n(score_.begin(), used, score.begin());
+    if (!value_weight.empty()) std::copy_n(value_weight_.begin(), used, value_weight.begin());
     std::copy_n(alive_.begin(), used, alive.begin());
     order.assign(order_.begin(), order_.end());
     holes.assign(holes_.begin(), holes_.end());
@@ -375,6 +404,7 @@ class HeadStore {
     v_.swap(v);
     pos_.swap(pos);
     score_.swap(score);
+    value_weight_.swap(value_weight);
     alive_.swap(alive);
     order_.swap(order);
     window_.swap(window);
@@ -396,11 +426,14 @@ class HeadStore {
   std::vector<std::int64_t> pos_;      // [cap]
   std::vector<float> score_;           // [cap]
   std::vector<std::int64_t> key_sum_;  // [dk] or empty: KeyDiff's running sum
+  std::vector<float> value_weight_;    // [cap] or empty: |v|^value_power_ per slot
+  std::vector<float> value_row_;       // [padded_dim(dv)] or empty: a value row being weighed
   std::vector<std::uint8_t> alive_;    // [cap]
   std::vector<Slot> order_;            // live slots, ascending position
   std::vector<Slot> window_;           // rows retained before the current call, ascending position
   std::vector<Slot> holes_;            // slots made dead since the last compaction
   bool key_sum_valid_ = false;         // key_sum_ is the sum over the live rows
+  double value_power_ = 0.0;           // > 0: value_weight_ is kept (enable_value_weights)
 };
 
 }  // namespace veloxquant::cache::detail

@@ -168,13 +168,13 @@ struct HeadAttend {
   Index stride() const { return out->stride_j; }
 };
 
-/// The value-weighted ranking (docs/design.md 4.8) of every live row of `head`, by slot: score *
-/// |v|^power. Returns it (in sc.logits; sc.keys holds a value row on the way).
+/// The value-weighted ranking (docs/design.md 4.8) of every live row of `head` (whose value
+/// weights are on), by slot: score * |v|^p. Returns it (in sc.logits).
 template <class T>
-const float* value_rank_head(const HeadStore<T>& head, double power, Scratch& sc) {
+const float* value_rank_head(const HeadStore<T>& head, Scratch& sc) {
   float* rank = sc.logits.data();
-  value_weighted_rank(head.value_rows(), head.value_dim(), head.scores_data_const(),
-                      head.order().data(), head.live(), power, rank, sc.keys.data());
+  value_weighted_rank(head.scores_data_const(), head.value_weights_data(), head.order().data(),
+                      head.live(), rank);
   return rank;
 }
 
@@ -392,7 +392,7 @@ void absorb_scored(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, I
   if (once_per_call && rule.budget) {
     const bool weighted = rule.value_power > 0.0 && head.live() > *rule.budget;
     rebudget(head, *rule.budget, rule.n_sink, g, sc,
-             weighted ? value_rank_head(head, rule.value_power, sc) : nullptr);
+             weighted ? value_rank_head(head, sc) : nullptr);
   }
 }
 
