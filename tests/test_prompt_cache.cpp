@@ -1138,6 +1138,24 @@ TEST(PromptCacheLoad, HugeCountsAllocateNothingTheFileDoesNotHold) {
     fmt::reseal(f, map);
     files.push_back(f);
   }
+  {
+    // An H2O head weighing its values (value_norm_power) claiming 2^31 - 1 value dims: its
+    // weight buffers come after its rows, so nothing is allocated for them.
+    vc::KVCacheConfig c = small_config();
+    c.method = "h2o";
+    c.value_norm_power = 2.0;
+    Caches<T> h2o;
+    h2o.push_back(vc::KVCacheFactory::create<T>(c));
+    (void)h2o.front()->update_and_fetch(random_doubles(rng, 1, 2, 3, 8),
+                                        random_doubles(rng, 1, 2, 3, 8),
+                                        random_doubles(rng, 1, 2, 3, 8));
+    const std::string hb = save_to_string(h2o);
+    const fmt::FileMap hm = fmt::walk<T>(hb);
+    std::string f = hb;
+    fmt::patch(f, hm.at("cache0.value_dim"), std::int64_t{0x7FFFFFFF});
+    fmt::reseal(f, hm);
+    files.push_back(f);
+  }
   for (std::size_t i = 0; i < files.size(); ++i) {
     std::string msg;
     const long long peak = peak_heap_of([&] {

@@ -888,9 +888,11 @@ class PromptCacheIO {
           sum_rows = r.i64();
         }
         HeadStore<T> head(kf, vf);
-        if (rule.value_power > 0.0) head.enable_value_weights(rule.value_power);  // restore weighs
         read_rows(r, head, n, true);
         read_rows(r, head, n, false);
+        // After the rows: its buffers (one weight per slot, one value row) are then no larger
+        // than what the file has already paid for; restore computes the weights.
+        if (rule.value_power > 0.0) head.enable_value_weights(rule.value_power);
         r.end_section();
         check_head(r, d, rule, head, pos, with_scores ? &score : nullptr);
         if (d.has_sums) {

@@ -18,7 +18,7 @@
 namespace veloxquant::cache::detail {
 
 /// |v_j|^power of stored value row j ([dv], dequantized as the attention sees it), in float,
-/// at most the largest float. row: [padded_dim(dv)] scratch, left holding the row as float32.
+/// at most the largest float (NaN for a NaN value). row: [padded_dim(dv)] scratch, left holding the row as float32.
 /// power > 0 (the config allows (0, 4]).
 template <class T>
 float value_norm_weight(const StoredRows<T>& values, Index j, Index dv, double power, float* row) {
@@ -32,8 +32,10 @@ float value_norm_weight(const StoredRows<T>& values, Index j, Index dv, double p
 }
 
 /// rank[s] = score[s] * weight[s] for each slot s in cand[0, n_cand), computed in double and
-/// saturated to the float range (a finite score times a finite weight is never NaN; a score is
-/// negative only where a query-free K-norm call left -|k|). score, weight, rank: by slot.
+/// saturated to the float range (no float conversion out of range). NaN only from a NaN score or
+/// weight (keys or values that overflowed, docs/design.md E) or from a K-norm score of -inf times
+/// a weight of 0; the selection evicts NaN first, as it does for NaN scores. A score is negative
+/// only where a query-free K-norm call left -|k|. score, weight, rank: by slot.
 inline void value_weighted_rank(const float* score, const float* weight, const std::int32_t* cand,
                                 Index n_cand, float* rank) {
   constexpr double kMaxFloat = static_cast<double>(std::numeric_limits<float>::max());
