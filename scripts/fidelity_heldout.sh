@@ -41,6 +41,8 @@ RUNS=(
   "vnorm2|--methods squeeze,h2o,pyramidkv --scoring queries --set value_norm_power=2"
   "vnorm2_decay0.95|--methods squeeze,h2o --scoring queries --set value_norm_power=2 --set squeeze_decay=0.95 --set h2o_decay=0.95"
   "vnorm1.5_decay0.95|--methods squeeze --scoring queries --set value_norm_power=1.5 --set squeeze_decay=0.95"
+  "vnorm2_decay0.95_sink1|--methods squeeze --scoring queries --set value_norm_power=2 --set squeeze_decay=0.95 --set squeeze_n_sink=1"
+  "vnorm2_decay0.95_sink0|--methods squeeze,h2o --scoring queries --set value_norm_power=2 --set squeeze_decay=0.95 --set h2o_decay=0.95 --set squeeze_n_sink=0 --set h2o_n_sink=0"
 )
 run_half() {  # half range
   local half=$1 range=$2 entry name args

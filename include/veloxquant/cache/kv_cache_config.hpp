@@ -153,7 +153,8 @@ struct KVCacheConfig {
   /// How SqueezeAttention, H2O and PyramidKV rank rows for eviction in a call with queries
   /// (docs/design.md 4.8): by score * |v|^p, |v| the L2 norm of the stored value row (a row whose
   /// value is small moves the output little, whatever its attention). 0 (the default) ranks by the
-  /// score alone (SPEC 4.6); 2 with squeeze_decay 0.95 is the measured best (docs/fidelity.md).
+  /// score alone (SPEC 4.6); 2 with squeeze_decay 0.95 and squeeze_n_sink 0 is the measured best
+  /// (docs/fidelity.md).
   /// In [0, 4]. Calls without queries ignore it.
   double value_norm_power = 0.0;
 
