@@ -3,8 +3,8 @@
 #pragma once
 
 #include <array>
-#include <cstddef>
 #include <cmath>
+#include <cstddef>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -154,8 +154,7 @@ struct KVCacheConfig {
   /// (docs/design.md 4.8): by score * |v|^p, |v| the L2 norm of the stored value row (a row whose
   /// value is small moves the output little, whatever its attention). 0 (the default) ranks by the
   /// score alone (SPEC 4.6); 2 with squeeze_decay 0.95 and squeeze_n_sink 0 is the measured best
-  /// (docs/fidelity.md).
-  /// In [0, 4]. Calls without queries ignore it.
+  /// (docs/fidelity.md). In [0, 4]. Calls without queries ignore it.
   double value_norm_power = 0.0;
 
   /// Sets the rows-per-head budget of every method (docs/design.md 2.1): squeeze_budget,

@@ -361,7 +361,8 @@ class HeadStore {
   // The weight of the value row stored in slot s (enable_value_weights; else nothing).
   void set_value_weight(Index s) noexcept {
     if (value_power_ > 0.0) {
-      value_weight_[at(s)] = value_norm_weight(value_rows(), s, dv_, value_power_, value_row_.data());
+      value_weight_[at(s)] =
+          value_norm_weight(value_rows(), s, dv_, value_power_, value_row_.data());
     }
   }
 

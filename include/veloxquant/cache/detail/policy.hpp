@@ -49,9 +49,9 @@ struct Rule {
   float decay = 1.0f;
   ProxyScoring proxy = ProxyScoring::key_as_query;  ///< cumulative: calls without queries
   double value_power = 0.0;  ///< cumulative, calls with queries: rank by score * |v|^p (> 0)
-  int window = 0;           ///< window: rows kept besides the sinks
-  int obs_window = 0;       ///< prompt: query tokens that rank the prompt
-  bool compressed = false;  ///< prompt: a call has been ranked (until reset)
+  int window = 0;            ///< window: rows kept besides the sinks
+  int obs_window = 0;        ///< prompt: query tokens that rank the prompt
+  bool compressed = false;   ///< prompt: a call has been ranked (until reset)
 
   /// g for the budget in force, clamped to [0, budget - n_sink - 1] so one row stays evictable;
   /// 0 while the budget is unknown.

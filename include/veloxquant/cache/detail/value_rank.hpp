@@ -18,8 +18,8 @@
 namespace veloxquant::cache::detail {
 
 /// |v_j|^power of stored value row j ([dv], dequantized as the attention sees it), in float,
-/// at most the largest float (NaN for a NaN value). row: [padded_dim(dv)] scratch, left holding the row as float32.
-/// power > 0 (the config allows (0, 4]).
+/// at most the largest float (NaN for a NaN value). row: [padded_dim(dv)] scratch, left holding the
+/// row as float32. power > 0 (the config allows (0, 4]).
 template <class T>
 float value_norm_weight(const StoredRows<T>& values, Index j, Index dv, double power, float* row) {
   load_stored_row(values, j, dv, row);
