@@ -486,6 +486,7 @@ class Harness {
          << " n_sink=" << n_sink_ << " g=" << model_grace();
     }
     const auto& c = cfg_;
+    if (core_policy() && c.value_norm_power > 0.0) os << " value_norm_power=" << c.value_norm_power;
     switch (policy_) {
       case Policy::SqueezeSingle:
       case Policy::SqueezeBuilder:
@@ -627,6 +628,10 @@ class Harness {
                 : proxy == 2 ? ref::H2OHeadOracle::Scorer::knorm
                              : ref::H2OHeadOracle::Scorer::key_as_query;
       c.proxy_scoring = proxy == 1 ? "keydiff" : proxy == 2 ? "knorm" : "key_as_query";
+      // Flag bit 7: value-weighted eviction in calls with queries (docs/design.md 4.8), p = 2
+      // (squared norms) or, with bit 4 (SnapKV's alone otherwise), p = 0.5 (through pow).
+      value_power_ = (flags & 128) ? ((flags & 16) ? 0.5 : 2.0) : 0.0;
+      c.value_norm_power = value_power_;
     }
     const bool builder = policy_ == Policy::SqueezeBuilder || policy_ == Policy::PyramidBuilder;
     via_ = builder ? "builder" : direct ? "constructor" : "factory";
@@ -1010,7 +1015,8 @@ class Harness {
       for (auto* o : {hm.h2o ? &*hm.h2o : nullptr, hm.h2oq ? &*hm.h2oq : nullptr}) {
         if (o == nullptr) continue;
         const Positions before = o->positions();
-        // What the re-budget ranks by (KeyDiff: its ranking, not the scores).
+        // What the re-budget ranks by (KeyDiff: its ranking, not the scores; under
+        // value_norm_power, the weighted ranks of a call with queries, whose start it is).
         std::vector<Candidate> cands = trim_candidates(ranked_rows(*o), b);
         o->set_budget(b);
         const bool keydiff =
@@ -1024,7 +1030,7 @@ class Harness {
   /// ranking; the scores themselves for every other scorer).
   static std::vector<ref::OracleRow> ranked_rows(const ref::H2OHeadOracle& o) {
     std::vector<ref::OracleRow> rows = o.rows();
-    const std::vector<double> rank = o.rank();
+    const std::vector<double> rank = o.eviction_rank(o.value_power() > 0.0);
     for (std::size_t i = 0; i < rows.size(); ++i) rows[i].score = rank[i];
     return rows;
   }
@@ -1135,6 +1141,7 @@ class Harness {
           } else if (qmode_ == QueryMode::Always) {
             // Calls with queries ignore the scorer, and so do their re-budgets.
             hm.h2oq.emplace(n_sink_, decay_, grace_fn());
+            hm.h2oq->set_value_power(value_power_);
             if (model_budget_) hm.h2oq->set_budget(*model_budget_);
           }
           break;
@@ -1876,7 +1883,7 @@ class Harness {
         all.set_budget(std::numeric_limits<int>::max());
         all.absorb_call(keys, values, queries);
         hm.h2oq->absorb_call(keys, values, queries);
-        note_decision(hm, evict_candidates(all.rows(), *hm.h2oq->budget()),
+        note_decision(hm, evict_candidates(ranked_rows(all), *hm.h2oq->budget()),
                       minus(all.positions(), hm.h2oq->positions()));
       }
     }
@@ -2262,6 +2269,7 @@ class Harness {
   int n_sink_ = 0;
   double decay_ = 1.0;
   ref::H2OHeadOracle::Scorer scorer_ = ref::H2OHeadOracle::Scorer::key_as_query;
+  double value_power_ = 0.0;  // KVCacheConfig::value_norm_power of the H2O core (flag bit 7)
   bool ratio_grace_ = true;
   double ratio_ = 0.5;
   int grace_ = 0;

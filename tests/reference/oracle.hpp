@@ -484,6 +484,16 @@ public:
     /// absorb_call (a call with queries) and of set_budget (which then stands for the re-budget
     /// at the start of a call with queries) rank by score * |v|^p, |v| the L2 norm of the value.
     void set_value_power(double p) { value_power_ = p; }
+    double value_power() const { return value_power_; }
+
+    /// What an eviction ranks by, per row: rank(), or score * |v|^p (set_value_power) when
+    /// value-weighted (the evictions of a call with queries).
+    std::vector<double> eviction_rank(bool value_weighted) const {
+        if (!value_weighted) return rank();
+        std::vector<double> out;
+        for (const auto& r : rows_) out.push_back(r.score * std::pow(norm_of(r.value), value_power_));
+        return out;
+    }
 
     /// What an eviction ranks by, per row (lowest goes first): the scores, or under keydiff
     /// -(u_r . m), computed from the keys (not from the scores). The library's ranking divides
@@ -622,14 +632,6 @@ private:
     // a: [window]
     void accumulate(const std::vector<double>& a) {
         for (std::size_t r = 0; r < a.size(); ++r) rows_[r].score = rows_[r].score * decay_ + a[r];
-    }
-
-    /// What an eviction ranks by: rank(), or score * |v|^p (set_value_power) when value-weighted.
-    std::vector<double> eviction_rank(bool value_weighted) const {
-        if (!value_weighted) return rank();
-        std::vector<double> out;
-        for (const auto& r : rows_) out.push_back(r.score * std::pow(norm_of(r.value), value_power_));
-        return out;
     }
 
     /// True if the budget is known and the head holds more rows.
