@@ -89,10 +89,11 @@ void keydiff_rank(const StoredRows<T>& keys, Index d, const std::int64_t* sum, c
   const float inv_m = 1.0f / (static_cast<float>(std::sqrt(mm)) + kUnitEps);
   if (whole) {
     logits(anchor, 1, dp, keys, nullptr, n_phys, d, 1.0f, rank, n_phys, kbuf);
-    for (Index j = 0; j < n_cand; ++j) {
-      const std::int32_t c = cand[j];
-      rank[c] = -(rank[c] * weight[c]) * inv_m;
-    }
+    // Every slot, candidate or not, in one contiguous pass that vectorises at any -O level
+    // (Eigen's packets; the per-element operations are the candidate loop's below, so each
+    // candidate's rank is bit-identical to it). Dead slots' ranks are never read.
+    Eigen::Map<Eigen::ArrayXf> r(rank, n_phys);
+    r = -(r * Eigen::Map<const Eigen::ArrayXf>(weight, n_phys)) * inv_m;
     return;
   }
   logits(anchor, 1, dp, keys, cand, n_cand, d, 1.0f, dots, n_cand, kbuf);
