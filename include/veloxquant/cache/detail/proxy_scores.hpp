@@ -90,10 +90,12 @@ void keydiff_rank(const StoredRows<T>& keys, Index d, const std::int64_t* sum, c
   if (whole) {
     logits(anchor, 1, dp, keys, nullptr, n_phys, d, 1.0f, rank, n_phys, kbuf);
     // Every slot, candidate or not, in one contiguous pass that vectorises at any -O level
-    // (Eigen's packets; the per-element operations are the candidate loop's below, so each
-    // candidate's rank is bit-identical to it). Dead slots' ranks are never read.
+    // (Eigen's packets). The sign goes on the factor, not through a negation (Eigen's packet
+    // negation is 0 - x, which turns -0 into +0): x * (-f) equals -(x * f) bit for bit for every
+    // non-NaN x, so each candidate's rank is the candidate loop's below. Dead slots' ranks are
+    // never read.
     Eigen::Map<Eigen::ArrayXf> r(rank, n_phys);
-    r = -(r * Eigen::Map<const Eigen::ArrayXf>(weight, n_phys)) * inv_m;
+    r = (r * Eigen::Map<const Eigen::ArrayXf>(weight, n_phys)) * (-inv_m);
     return;
   }
   logits(anchor, 1, dp, keys, cand, n_cand, d, 1.0f, dots, n_cand, kbuf);
