@@ -99,6 +99,7 @@
 // clang-format on
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -646,6 +647,10 @@ class Harness {
       log("invalid " + bad_field + " belongs to another method than " + c.method);
       bad_field.clear();
     }
+    if ((bad_field == "proxy_scoring" || bad_field == "value_norm_power") && !core_policy()) {
+      log("invalid " + bad_field + " is read by the H2O-core methods only, not " + c.method);
+      bad_field.clear();
+    }
     if (!bad_field.empty()) {
       if (opt_.stats) ++opt_.stats->invalid_configs;
       log("construct with invalid " + bad_field);
@@ -693,7 +698,7 @@ class Harness {
     vc::KVCacheConfig& c = cfg_;
     const double nan = std::numeric_limits<double>::quiet_NaN();
     const double inf = std::numeric_limits<double>::infinity();
-    switch (in.pick(25)) {
+    switch (in.pick(27)) {
       case 0:
         c.squeeze_budget = -in.range(0, 3);
         return "squeeze_budget";
@@ -799,6 +804,12 @@ class Harness {
             return "";  // standard and streaming_llm have no such rule
         }
       }
+      case 25:  // the H2O core's own common fields (validated for squeeze, h2o, pyramidkv)
+        c.proxy_scoring = std::array<const char*, 4>{"bogus", "KeyDiff", "", "knorm "}[in.pick(4)];
+        return "proxy_scoring";
+      case 26:
+        c.value_norm_power = pick_from(in, {nan, -0.5, 4.5, inf});
+        return "value_norm_power";
       default:  // an unknown method, only through the factory or the builder
         if (direct) return "";
         c.method = in.pick(2) ? "bogus" : "SQUEEZE";
