@@ -631,8 +631,7 @@ class Harness {
       c.proxy_scoring = proxy == 1 ? "keydiff" : proxy == 2 ? "knorm" : "key_as_query";
       // Flag bit 7: value-weighted eviction in calls with queries (docs/design.md 4.8), p = 2
       // (squared norms) or, with bit 4 (SnapKV's alone otherwise), p = 0.5 (through pow).
-      value_power_ = (flags & 128) ? ((flags & 16) ? 0.5 : 2.0) : 0.0;
-      c.value_norm_power = value_power_;
+      c.value_norm_power = (flags & 128) ? ((flags & 16) ? 0.5 : 2.0) : 0.0;
     }
     const bool builder = policy_ == Policy::SqueezeBuilder || policy_ == Policy::PyramidBuilder;
     via_ = builder ? "builder" : direct ? "constructor" : "factory";
@@ -640,15 +639,9 @@ class Harness {
     // 1 time in 12: exactly one invalid field, which validate() must name.
     std::string bad_field;
     if (in.pick(12) == 0) bad_field = break_config(in, direct && !builder);
-    // validate() checks the common fields and those of the method in use only (docs/design.md
-    // 2.1): another method's broken field leaves the config valid.
-    const std::string owner = method_of_field(bad_field);
-    if (!bad_field.empty() && !owner.empty() && owner != c.method) {
-      log("invalid " + bad_field + " belongs to another method than " + c.method);
-      bad_field.clear();
-    }
-    if ((bad_field == "proxy_scoring" || bad_field == "value_norm_power") && !core_policy()) {
-      log("invalid " + bad_field + " is read by the H2O-core methods only, not " + c.method);
+    // A field that validate() does not check for the method in use leaves the config valid.
+    if (!bad_field.empty() && !validated_for(bad_field, c.method)) {
+      log("invalid " + bad_field + " is not checked for method " + c.method);
       bad_field.clear();
     }
     if (!bad_field.empty()) {
@@ -678,22 +671,27 @@ class Harness {
     return true;
   }
 
-  /// Makes one field invalid; returns the field's name (the message must contain it), or "" when
-  /// the chosen breakage does not apply.
-  /// The method whose fields `field` belongs to, by its prefix ("" for a common field).
-  static std::string method_of_field(const std::string& field) {
-    for (const auto& [prefix, method] :
+  /// Whether validate() checks `field` in a config of `method` (docs/design.md 2.1): a method's
+  /// own fields (by their prefix) for that method only, the H2O core's proxy_scoring and
+  /// value_norm_power for squeeze, h2o and pyramidkv, the common fields always.
+  static bool validated_for(const std::string& field, const std::string& method) {
+    if (field == "proxy_scoring" || field == "value_norm_power") {
+      return method == "squeeze" || method == "h2o" || method == "pyramidkv";
+    }
+    for (const auto& [prefix, owner] :
          std::initializer_list<std::pair<const char*, const char*>>{{"squeeze_", "squeeze"},
                                                                     {"h2o_", "h2o"},
                                                                     {"pyramid_", "pyramidkv"},
                                                                     {"tova_", "tova"},
                                                                     {"stream_", "streaming_llm"},
                                                                     {"snap_", "snapkv"}}) {
-      if (field.rfind(prefix, 0) == 0) return method;
+      if (field.rfind(prefix, 0) == 0) return owner == method;
     }
-    return "";
+    return true;
   }
 
+  /// Makes one field invalid; returns the field's name (the message must contain it), or "" when
+  /// the chosen breakage does not apply.
   std::string break_config(Bytes& in, bool direct) {
     vc::KVCacheConfig& c = cfg_;
     const double nan = std::numeric_limits<double>::quiet_NaN();
@@ -1152,7 +1150,7 @@ class Harness {
           } else if (qmode_ == QueryMode::Always) {
             // Calls with queries ignore the scorer, and so do their re-budgets.
             hm.h2oq.emplace(n_sink_, decay_, grace_fn());
-            hm.h2oq->set_value_power(value_power_);
+            hm.h2oq->set_value_power(cfg_.value_norm_power);
             if (model_budget_) hm.h2oq->set_budget(*model_budget_);
           }
           break;
@@ -2280,7 +2278,6 @@ class Harness {
   int n_sink_ = 0;
   double decay_ = 1.0;
   ref::H2OHeadOracle::Scorer scorer_ = ref::H2OHeadOracle::Scorer::key_as_query;
-  double value_power_ = 0.0;  // KVCacheConfig::value_norm_power of the H2O core (flag bit 7)
   bool ratio_grace_ = true;
   double ratio_ = 0.5;
   int grace_ = 0;
