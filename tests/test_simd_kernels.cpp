@@ -24,6 +24,8 @@ namespace vd = veloxquant::cache::detail;
 using Index = Eigen::Index;
 
 using veloxquant::test::for_each_level;
+using veloxquant::test::kAllLevels;
+using veloxquant::test::same_bits_as_scalar;
 
 template <class T>
 std::vector<T> random_rows(std::mt19937& rng, Index n, Index d, float sigma = 1.0f) {
@@ -274,17 +276,21 @@ TYPED_TEST(SimdKernelsTest, StoreRowEqualsEigenConversion) {
   }
 }
 
-/// The scalar path performs exactly the AVX2 path's operations: logits, softmax and decay are
-/// bitwise equal (run only where AVX2 is available).
-TEST(SimdPathsTest, ScalarIsBitIdenticalToAvx2) {
-  if (!vc::simd_level_supported(vc::SimdLevel::avx2)) GTEST_SKIP() << "this CPU has no AVX2";
+/// The scalar path performs exactly the AVX2 and NEON paths' operations: logits, softmax and decay
+/// are bitwise equal (run where either is available).
+TEST(SimdPathsTest, ScalarIsBitIdenticalToAvx2AndNeon) {
+  std::vector<vc::SimdLevel> levels;
+  for (const vc::SimdLevel l : kAllLevels) {
+    if (same_bits_as_scalar(l) && vc::simd_level_supported(l)) levels.push_back(l);
+  }
+  if (levels.size() < 2) GTEST_SKIP() << "this CPU has neither AVX2 nor NEON";
   const vc::SimdLevel saved = vc::simd_level();
   std::mt19937 rng(16);
   const Index d = 72, n = 45, m = 6;
   const std::vector<Eigen::half> keys = random_rows<Eigen::half>(rng, n, d);
   const std::vector<float> q = padded_queries(rng, m, d);
   std::vector<std::vector<float>> outs, ws;
-  for (const vc::SimdLevel l : {vc::SimdLevel::scalar, vc::SimdLevel::avx2}) {
+  for (const vc::SimdLevel l : levels) {
     vc::set_simd_level(l);
     std::vector<float> lg = run_logits(q, m, keys, nullptr, n, d, 0.11f);
     std::vector<float> w(static_cast<std::size_t>(n));
@@ -294,8 +300,11 @@ TEST(SimdPathsTest, ScalarIsBitIdenticalToAvx2) {
     ws.push_back(w);
   }
   vc::set_simd_level(saved);
-  EXPECT_EQ(std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * sizeof(float)), 0);
-  EXPECT_EQ(std::memcmp(ws[0].data(), ws[1].data(), ws[0].size() * sizeof(float)), 0);
+  for (std::size_t i = 1; i < levels.size(); ++i) {
+    SCOPED_TRACE(vc::simd_level_name(levels[i]));
+    EXPECT_EQ(std::memcmp(outs[0].data(), outs[i].data(), outs[0].size() * sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(ws[0].data(), ws[i].data(), ws[0].size() * sizeof(float)), 0);
+  }
 }
 
 /// The public level switch: every supported level can be chosen and reports its name; the
@@ -307,6 +316,14 @@ TEST(SimdPathsTest, LevelsCanBeChosenAndReported) {
   for_each_level([](vc::SimdLevel l) { EXPECT_EQ(vc::simd_level(), l); });
   EXPECT_STREQ(vc::simd_level_name(vc::SimdLevel::avx512), "avx512");
   EXPECT_STREQ(vc::simd_level_name(vc::SimdLevel::sse2), "sse2");
+  EXPECT_STREQ(vc::simd_level_name(vc::SimdLevel::neon), "neon");
+#if defined(__aarch64__)
+  EXPECT_TRUE(vc::simd_level_supported(vc::SimdLevel::neon));
+  EXPECT_EQ(vc::best_simd_level(), vc::SimdLevel::neon);
+#else
+  EXPECT_FALSE(vc::simd_level_supported(vc::SimdLevel::neon));
+  EXPECT_THROW(vc::set_simd_level(vc::SimdLevel::neon), std::invalid_argument);
+#endif
   EXPECT_THROW(vc::set_simd_level(static_cast<vc::SimdLevel>(7)), std::invalid_argument);
   EXPECT_EQ(vc::simd_level(), saved) << "a rejected level must change nothing";
 }

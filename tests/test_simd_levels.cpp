@@ -1,7 +1,7 @@
 // Every policy at every SIMD path this CPU runs (docs/design.md 7.2), through the public API: the
 // same call sequence keeps the same rows at every path, with scores within float32 rounding of
-// each other; the scalar path is bitwise equal to the AVX2 path. (The oracle tests run at the best
-// path; this ties the other paths to it.)
+// each other; the scalar path is bitwise equal to the AVX2 and NEON paths. (The oracle tests run at
+// the best path; this ties the other paths to it.)
 #include "support/checked_asserts.hpp"  // must precede every veloxquant header
 
 #include <gtest/gtest.h>
@@ -13,15 +13,13 @@
 #include <vector>
 #include <veloxquant/cache.hpp>
 
+#include "support/simd_levels.hpp"
 #include "support/subjects.hpp"
 
 namespace {
 
 namespace vc = veloxquant::cache;
 using namespace veloxquant::test;
-
-constexpr vc::SimdLevel kLevels[] = {vc::SimdLevel::scalar, vc::SimdLevel::sse2,
-                                     vc::SimdLevel::avx2, vc::SimdLevel::avx512};
 
 /// What one run leaves: every call's return and the snapshot after it.
 template <class T>
@@ -84,8 +82,8 @@ TYPED_TEST(SimdLevelsTest, EveryPathKeepsTheSameRowsAsTheBestPath) {
       const std::string ctx = std::string(kind_name(kind)) + ", " + api_name(api);
       vc::set_simd_level(vc::best_simd_level());
       const Run<T> best = run_sequence<T>(kind, api);
-      std::vector<Run<T>> runs;
-      for (const vc::SimdLevel l : kLevels) {
+      std::vector<std::pair<vc::SimdLevel, Run<T>>> runs;  // the paths with the scalar bits
+      for (const vc::SimdLevel l : kAllLevels) {
         if (!vc::simd_level_supported(l)) continue;
         vc::set_simd_level(l);
         const Run<T> r = run_sequence<T>(kind, api);
@@ -93,13 +91,18 @@ TYPED_TEST(SimdLevelsTest, EveryPathKeepsTheSameRowsAsTheBestPath) {
           EXPECT_EQ(compare_loosely(best.states[c], r.states[c]), "")
               << ctx << " at " << vc::simd_level_name(l) << ", call " << c;
         }
-        if (l == vc::SimdLevel::scalar || l == vc::SimdLevel::avx2) runs.push_back(r);
+        if (same_bits_as_scalar(l)) runs.emplace_back(l, r);
       }
-      if (runs.size() == 2) {
-        for (std::size_t c = 0; c < runs[0].states.size(); ++c) {
-          EXPECT_TRUE(runs[0].returns[c] == runs[1].returns[c]) << ctx << ", call " << c;
-          EXPECT_TRUE(runs[0].states[c] == runs[1].states[c])
-              << ctx << ": scalar and avx2 differ after call " << c;
+      ASSERT_EQ(runs.front().first, vc::SimdLevel::scalar);
+      for (std::size_t i = 1; i < runs.size(); ++i) {
+        const Run<T>& scalar = runs.front().second;
+        const Run<T>& other = runs[i].second;
+        for (std::size_t c = 0; c < scalar.states.size(); ++c) {
+          EXPECT_TRUE(scalar.returns[c] == other.returns[c])
+              << ctx << ", call " << c << ": " << vc::simd_level_name(runs[i].first);
+          EXPECT_TRUE(scalar.states[c] == other.states[c])
+              << ctx << ": scalar and " << vc::simd_level_name(runs[i].first)
+              << " differ after call " << c;
         }
       }
     }

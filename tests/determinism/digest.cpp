@@ -1,7 +1,10 @@
-// Bit-identity across builds (docs/design.md 7.2): the same call sequence on every policy, with and
-// without queries, at every SIMD path this CPU supports; prints one digest of every returned row,
-// score and position per path. tests/determinism/CMakeLists.txt builds this file with several sets
-// of flags and CTest checks that they print the same digests.
+// Bit-identity across builds and machines (docs/design.md 7.2): the same call sequence on every
+// policy, with and without queries, at every SIMD path this CPU supports; prints one digest of
+// every returned row, score and position per path, and fails unless the paths that compute the
+// scalar path's bits (avx2 on x86-64, neon on aarch64) print the scalar path's digest.
+// tests/determinism/CMakeLists.txt builds this file with several sets of flags and CTest checks
+// that they print the same digests, and that the scalar digest is the one recorded in
+// expected_scalar_digest.txt, which x86-64 and aarch64 must both reproduce.
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -67,8 +70,10 @@ void run(const char* method, bool queries, Digest& digest, const char* proxy = "
 }  // namespace
 
 int main() {
+  std::uint64_t scalar = 0;
+  int status = 0;
   for (const vc::SimdLevel l : {vc::SimdLevel::scalar, vc::SimdLevel::sse2, vc::SimdLevel::avx2,
-                                vc::SimdLevel::avx512}) {
+                                vc::SimdLevel::avx512, vc::SimdLevel::neon}) {
     if (!vc::simd_level_supported(l)) continue;
     vc::set_simd_level(l);
     Digest d;
@@ -84,6 +89,12 @@ int main() {
       run<float>("h2o", false, d, proxy);
     }
     std::printf("%s %016llx\n", vc::simd_level_name(l), static_cast<unsigned long long>(d.h));
+    if (l == vc::SimdLevel::scalar) scalar = d.h;
+    const bool scalar_bits = l == vc::SimdLevel::avx2 || l == vc::SimdLevel::neon;
+    if (scalar_bits && d.h != scalar) {
+      std::fprintf(stderr, "%s differs from the scalar path\n", vc::simd_level_name(l));
+      status = 1;
+    }
   }
-  return 0;
+  return status;
 }

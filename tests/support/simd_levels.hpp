@@ -9,13 +9,26 @@
 
 namespace veloxquant::test {
 
+/// Every kernel path of the library, supported here or not.
+inline constexpr veloxquant::cache::SimdLevel kAllLevels[] = {
+    veloxquant::cache::SimdLevel::scalar, veloxquant::cache::SimdLevel::sse2,
+    veloxquant::cache::SimdLevel::avx2, veloxquant::cache::SimdLevel::avx512,
+    veloxquant::cache::SimdLevel::neon};
+
+/// The paths whose results are bit-identical to the scalar path's (docs/design.md 7.2): the same
+/// eight lanes, fused multiply-adds and reduction trees. sse2 (no FMA) and avx512 (sixteen lanes)
+/// round differently.
+inline bool same_bits_as_scalar(veloxquant::cache::SimdLevel l) {
+  namespace vc = veloxquant::cache;
+  return l == vc::SimdLevel::scalar || l == vc::SimdLevel::avx2 || l == vc::SimdLevel::neon;
+}
+
 /// Runs f(level) at every level this CPU supports, restoring the level in force afterwards.
 template <class F>
 void for_each_level(F f) {
   namespace vc = veloxquant::cache;
   const vc::SimdLevel saved = vc::simd_level();
-  for (const vc::SimdLevel l :
-       {vc::SimdLevel::scalar, vc::SimdLevel::sse2, vc::SimdLevel::avx2, vc::SimdLevel::avx512}) {
+  for (const vc::SimdLevel l : kAllLevels) {
     if (!vc::simd_level_supported(l)) continue;
     vc::set_simd_level(l);
     SCOPED_TRACE(vc::simd_level_name(l));

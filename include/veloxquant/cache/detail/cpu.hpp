@@ -1,6 +1,7 @@
 // veloxquant — which SIMD instruction set the kernels run on (docs/design.md 7.2): CPU detection
 // at run time, so a binary built for baseline x86-64 still runs the AVX2/F16C/AVX-512 kernels where
-// the CPU has them, and a process-wide choice that tests and benchmarks may override.
+// the CPU has them (NEON is part of every aarch64 CPU), and a process-wide choice that tests and
+// benchmarks may override.
 #pragma once
 
 #include <atomic>
@@ -11,17 +12,30 @@
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #include <cpuid.h>
 #endif
+#if defined(__aarch64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#include <sys/auxv.h>
+#endif
 
 namespace veloxquant::cache::detail {
 
-/// The kernel paths, slowest first. scalar: portable C++ (every CPU); sse2: x86-64 baseline;
-/// avx2: AVX2 + FMA + F16C (x86-64-v3); avx512: AVX-512F on top of avx2.
-enum class SimdLevel : int { scalar = 0, sse2 = 1, avx2 = 2, avx512 = 3 };
+/// The kernel paths. scalar: portable C++ (every CPU); sse2: x86-64 baseline; avx2: AVX2 + FMA +
+/// F16C (x86-64-v3); avx512: AVX-512F on top of avx2; neon: AdvSIMD with FMA and fp16 conversion
+/// (every aarch64 CPU). The x86 levels are numbered slowest first; neon comes after them only
+/// because it was added later.
+enum class SimdLevel : int { scalar = 0, sse2 = 1, avx2 = 2, avx512 = 3, neon = 4 };
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define VELOXQUANT_DETAIL_X86 1
 #else
 #define VELOXQUANT_DETAIL_X86 0
+#endif
+
+// The NEON path: little-endian aarch64 with GCC or Clang (Linux, macOS, Android).
+#if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__)) && \
+    defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define VELOXQUANT_DETAIL_ARM64 1
+#else
+#define VELOXQUANT_DETAIL_ARM64 0
 #endif
 
 inline const char* simd_level_name(SimdLevel level) {
@@ -34,6 +48,8 @@ inline const char* simd_level_name(SimdLevel level) {
       return "avx2";
     case SimdLevel::avx512:
       return "avx512";
+    case SimdLevel::neon:
+      return "neon";
   }
   return "unknown";
 }
@@ -73,8 +89,24 @@ inline const X86Features& x86_features() {
 }
 #endif
 
-/// True when this CPU (and this build: the x86 paths exist only on x86-64 with GCC or Clang) can
-/// run the kernels of `level`.
+#if VELOXQUANT_DETAIL_ARM64
+/// True when the CPU has the ARMv8 CRC32 instructions (the prompt-cache checksum, crc32c.hpp):
+/// read from the kernel's hardware capabilities on Linux and Android, assumed on Apple (every
+/// Apple CPU has them), else known from the compiler's target.
+inline bool arm64_has_crc32() {
+#if defined(__APPLE__) || defined(__ARM_FEATURE_CRC32)
+  return true;
+#elif defined(__linux__)
+  static const bool has = (getauxval(AT_HWCAP) & (1ul << 7)) != 0;  // HWCAP_CRC32
+  return has;
+#else
+  return false;
+#endif
+}
+#endif
+
+/// True when this CPU (and this build: the x86 paths exist only on x86-64, the NEON path only on
+/// aarch64, each with GCC or Clang) can run the kernels of `level`.
 inline bool cpu_supports(SimdLevel level) {
   switch (level) {
     case SimdLevel::scalar:
@@ -92,13 +124,16 @@ inline bool cpu_supports(SimdLevel level) {
     case SimdLevel::avx512:
       return false;
 #endif
+    case SimdLevel::neon:
+      return VELOXQUANT_DETAIL_ARM64 != 0;  // part of every aarch64 CPU
   }
   return false;
 }
 
 /// The fastest level this CPU supports.
 inline SimdLevel best_simd_level() {
-  for (const SimdLevel l : {SimdLevel::avx512, SimdLevel::avx2, SimdLevel::sse2}) {
+  for (const SimdLevel l :
+       {SimdLevel::neon, SimdLevel::avx512, SimdLevel::avx2, SimdLevel::sse2}) {
     if (cpu_supports(l)) return l;
   }
   return SimdLevel::scalar;
@@ -124,7 +159,7 @@ inline SimdLevel active_simd_level() {
 /// std::invalid_argument (and changes nothing) when this CPU or build cannot run it.
 inline void set_simd_level(SimdLevel level) {
   const int v = static_cast<int>(level);
-  if (v < 0 || v > static_cast<int>(SimdLevel::avx512)) {
+  if (v < 0 || v > static_cast<int>(SimdLevel::neon)) {
     throw std::invalid_argument("set_simd_level: unknown level " + std::to_string(v));
   }
   if (!cpu_supports(level)) {

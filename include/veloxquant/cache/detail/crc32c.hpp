@@ -3,13 +3,15 @@
 // The polynomial 0x1EDC6F41 (reflected: 0x82F63B78), register preset to all ones and inverted at
 // the end: crc32c(0, "123456789", 9) == 0xE3069283. crc32c(crc32c(0, a), b) is the CRC of a then b.
 //
-// Two paths, the same value: the SSE4.2 `crc32` instruction where the kernels run AVX2 or AVX-512
-// and the CPU reports SSE4.2 (set_simd_level(sse2 or scalar) selects the table path), and eight
-// 256-entry tables (one table lookup per byte, eight bytes at a time) everywhere else. The
-// instruction has a latency of three cycles and a throughput of one, so long inputs run three
-// independent streams over consecutive blocks and join them: the register after a block B from
-// state s is A_|B|(s) xor crc_raw(0, B), where A_n (n zero bytes fed to the register) is linear
-// over GF(2) and is applied through four byte-indexed tables built once for the block length.
+// Two paths, the same value: a CRC-32C instruction — SSE4.2 `crc32` where the kernels run AVX2 or
+// AVX-512 and the CPU reports SSE4.2, ARMv8 `crc32cx` where they run NEON and the CPU has the CRC
+// extension (read from the hardware capabilities on Linux, assumed on Apple) — and eight 256-entry
+// tables (one table lookup per byte, eight bytes at a time) everywhere else
+// (set_simd_level(scalar), or sse2, selects the table path). The instructions have a latency of
+// three cycles and a throughput of one, so long inputs run three independent streams over
+// consecutive blocks and join them: the register after a block B from state s is
+// A_|B|(s) xor crc_raw(0, B), where A_n (n zero bytes fed to the register) is linear over GF(2)
+// and is applied through four byte-indexed tables built once for the block length.
 #pragma once
 
 #include <array>
@@ -21,6 +23,9 @@
 
 #if VELOXQUANT_DETAIL_X86
 #include <nmmintrin.h>
+#endif
+#if VELOXQUANT_DETAIL_ARM64
+#include <arm_acle.h>
 #endif
 
 namespace veloxquant::cache::detail {
@@ -62,7 +67,36 @@ inline std::uint32_t crc32c_raw_tables(std::uint32_t s, const unsigned char* p, 
   return s;
 }
 
+#if VELOXQUANT_DETAIL_X86 || VELOXQUANT_DETAIL_ARM64
+
+// The CPU's CRC-32C step over 8 bytes and over one byte, in a target region of its own.
 #if VELOXQUANT_DETAIL_X86
+#define VELOXQUANT_DETAIL_CRC_TARGET __attribute__((target("sse4.2")))
+VELOXQUANT_DETAIL_CRC_TARGET inline std::uint32_t crc32c_step8(std::uint32_t r, std::uint64_t w) {
+  return static_cast<std::uint32_t>(_mm_crc32_u64(r, w));
+}
+VELOXQUANT_DETAIL_CRC_TARGET inline std::uint32_t crc32c_step1(std::uint32_t r, unsigned char b) {
+  return _mm_crc32_u8(r, b);
+}
+#else
+#if defined(__clang__)
+#define VELOXQUANT_DETAIL_CRC_TARGET __attribute__((target("crc")))
+#define VELOXQUANT_DETAIL_CRC32CD __builtin_arm_crc32cd
+#define VELOXQUANT_DETAIL_CRC32CB __builtin_arm_crc32cb
+#else
+#define VELOXQUANT_DETAIL_CRC_TARGET __attribute__((target("+crc")))
+#define VELOXQUANT_DETAIL_CRC32CD __crc32cd
+#define VELOXQUANT_DETAIL_CRC32CB __crc32cb
+#endif
+VELOXQUANT_DETAIL_CRC_TARGET inline std::uint32_t crc32c_step8(std::uint32_t r, std::uint64_t w) {
+  return VELOXQUANT_DETAIL_CRC32CD(r, w);
+}
+VELOXQUANT_DETAIL_CRC_TARGET inline std::uint32_t crc32c_step1(std::uint32_t r, unsigned char b) {
+  return VELOXQUANT_DETAIL_CRC32CB(r, b);
+}
+#undef VELOXQUANT_DETAIL_CRC32CD
+#undef VELOXQUANT_DETAIL_CRC32CB
+#endif
 
 /// Bytes per stream and block of the three-stream path.
 inline constexpr std::size_t kCrc32cBlock = 4096;
@@ -72,18 +106,16 @@ struct Crc32cShift {
   std::uint32_t t[4][256];
 };
 
-__attribute__((target("sse4.2"))) inline std::uint32_t crc32c_raw_hw(std::uint32_t s,
-                                                                     const unsigned char* p,
-                                                                     std::size_t n) {
-  std::uint64_t r = s;
+VELOXQUANT_DETAIL_CRC_TARGET inline std::uint32_t crc32c_raw_hw(std::uint32_t s,
+                                                                const unsigned char* p,
+                                                                std::size_t n) {
   for (; n >= 8; n -= 8, p += 8) {
     std::uint64_t w;
     std::memcpy(&w, p, 8);
-    r = _mm_crc32_u64(r, w);
+    s = crc32c_step8(s, w);
   }
-  auto r32 = static_cast<std::uint32_t>(r);
-  for (; n > 0; --n, ++p) r32 = _mm_crc32_u8(r32, *p);
-  return r32;
+  for (; n > 0; --n, ++p) s = crc32c_step1(s, *p);
+  return s;
 }
 
 /// The tables of A_kCrc32cBlock, built once: column j is the register after the block of zeros
@@ -113,38 +145,41 @@ inline std::uint32_t crc32c_apply(const Crc32cShift& a, std::uint32_t s) {
 }
 
 /// Three streams over each run of 3 * kCrc32cBlock bytes, joined; the rest in one stream.
-__attribute__((target("sse4.2"))) inline std::uint32_t crc32c_raw_hw3(std::uint32_t s,
-                                                                      const unsigned char* p,
-                                                                      std::size_t n) {
+VELOXQUANT_DETAIL_CRC_TARGET inline std::uint32_t crc32c_raw_hw3(std::uint32_t s,
+                                                                 const unsigned char* p,
+                                                                 std::size_t n) {
   constexpr std::size_t L = kCrc32cBlock;
   if (n >= 3 * L) {
     const Crc32cShift& a = crc32c_block_shift();
     for (; n >= 3 * L; n -= 3 * L, p += 3 * L) {
-      std::uint64_t r0 = s, r1 = 0, r2 = 0;
+      std::uint32_t r0 = s, r1 = 0, r2 = 0;
       for (std::size_t i = 0; i < L; i += 8) {
         std::uint64_t w0, w1, w2;
         std::memcpy(&w0, p + i, 8);
         std::memcpy(&w1, p + L + i, 8);
         std::memcpy(&w2, p + 2 * L + i, 8);
-        r0 = _mm_crc32_u64(r0, w0);
-        r1 = _mm_crc32_u64(r1, w1);
-        r2 = _mm_crc32_u64(r2, w2);
+        r0 = crc32c_step8(r0, w0);
+        r1 = crc32c_step8(r1, w1);
+        r2 = crc32c_step8(r2, w2);
       }
-      s = crc32c_apply(
-              a, crc32c_apply(a, static_cast<std::uint32_t>(r0)) ^ static_cast<std::uint32_t>(r1)) ^
-          static_cast<std::uint32_t>(r2);
+      s = crc32c_apply(a, crc32c_apply(a, r0) ^ r1) ^ r2;
     }
   }
   return crc32c_raw_hw(s, p, n);
 }
 
-#endif  // VELOXQUANT_DETAIL_X86
+#undef VELOXQUANT_DETAIL_CRC_TARGET
+#endif  // VELOXQUANT_DETAIL_X86 || VELOXQUANT_DETAIL_ARM64
 
-/// True when crc32c() uses the SSE4.2 instruction: the kernels run AVX2 or AVX-512 and the CPU
-/// reports SSE4.2 (every such CPU has it; a virtual machine might hide it).
+/// True when crc32c() uses a CRC-32C instruction: the kernels run AVX2 or AVX-512 and the CPU
+/// reports SSE4.2 (every such CPU has it; a virtual machine might hide it), or they run NEON and
+/// the CPU has the ARMv8 CRC extension (optional in ARMv8.0, required from ARMv8.1).
 inline bool crc32c_hardware() {
 #if VELOXQUANT_DETAIL_X86
-  return active_simd_level() >= SimdLevel::avx2 && x86_features().sse42;
+  const SimdLevel l = active_simd_level();
+  return (l == SimdLevel::avx2 || l == SimdLevel::avx512) && x86_features().sse42;
+#elif VELOXQUANT_DETAIL_ARM64
+  return active_simd_level() == SimdLevel::neon && arm64_has_crc32();
 #else
   return false;
 #endif
@@ -153,7 +188,7 @@ inline bool crc32c_hardware() {
 /// The CRC-32C of `n` bytes at `data` following a message whose CRC-32C is `crc` (0: none).
 inline std::uint32_t crc32c(std::uint32_t crc, const void* data, std::size_t n) {
   const auto* p = static_cast<const unsigned char*>(data);
-#if VELOXQUANT_DETAIL_X86
+#if VELOXQUANT_DETAIL_X86 || VELOXQUANT_DETAIL_ARM64
   if (crc32c_hardware()) return ~crc32c_raw_hw3(~crc, p, n);
 #endif
   return ~crc32c_raw_tables(~crc, p, n);

@@ -2,8 +2,9 @@
 // instruction set the build can target and chosen at run time (cpu.hpp): scaled dot products of
 // query rows with stored key rows, softmax with the mean over several rows, score decay, and row
 // conversion. The x86 paths carry GCC/Clang target attributes, so they exist whatever -march the
-// consumer builds with, and their arithmetic is explicit (no contraction left to the compiler):
-// results are bit-identical across builds that run the same path.
+// consumer builds with; the NEON path (aarch64) needs none. Their arithmetic is explicit (no
+// contraction left to the compiler): results are bit-identical across builds that run the same
+// path, and scalar, avx2 and neon give the same bits.
 #pragma once
 
 #include <Eigen/Core>
@@ -55,6 +56,13 @@ VELOXQUANT_DETAIL_TARGET_AVX512_END
 
 #endif  // VELOXQUANT_DETAIL_X86
 
+#if VELOXQUANT_DETAIL_ARM64
+#include "simd_neon.hpp"
+namespace veloxquant::cache::detail::neon {
+#include "simd_kernels.inl"
+}  // namespace veloxquant::cache::detail::neon
+#endif  // VELOXQUANT_DETAIL_ARM64
+
 namespace veloxquant::cache::detail {
 
 #if VELOXQUANT_DETAIL_X86
@@ -67,8 +75,13 @@ namespace veloxquant::cache::detail {
     case SimdLevel::sse2:                \
       return sse2::call;                 \
     case SimdLevel::scalar:              \
+    case SimdLevel::neon:                \
       break;                             \
   }                                      \
+  return scalar::call
+#elif VELOXQUANT_DETAIL_ARM64
+#define VELOXQUANT_DETAIL_DISPATCH(call)                           \
+  if (active_simd_level() == SimdLevel::neon) return neon::call; \
   return scalar::call
 #else
 #define VELOXQUANT_DETAIL_DISPATCH(call) return scalar::call
@@ -208,7 +221,13 @@ inline void dequantize_row(const QuantRows& rows, Index j, float* out) {
       sse2::qload_padded_row(rows, j, out);
       return pad();
     case SimdLevel::scalar:
+    case SimdLevel::neon:
       break;
+  }
+#elif VELOXQUANT_DETAIL_ARM64
+  if (active_simd_level() == SimdLevel::neon) {
+    neon::qload_padded_row(rows, j, out);
+    return pad();
   }
 #endif
   scalar::qload_padded_row(rows, j, out);
