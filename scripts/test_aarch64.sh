@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The test suite on aarch64 (SPEC 16, docs/testing.md "ARM64"): cross-built with
+# g++-aarch64-linux-gnu (GoogleTest from /usr/src/googletest) and run under qemu-user. The NEON
+# path is the default there, and the tests that sweep the kernel paths run it against the scalar
+# path. Then the determinism digest once more with Clang 14 for aarch64 (--target), under qemu: it
+# must be the recorded one (tests/determinism/expected_scalar_digest.txt), as on x86-64.
+#
+#   bash scripts/test_aarch64.sh           the CI's selection (below), then the Clang build
+#   bash scripts/test_aarch64.sh --full    every test of the suite through CTest (examples and
+#                                          packaging aside), then the Clang build
+#   bash scripts/test_aarch64.sh --setup   only install what is missing
+#
+# The CI's selection: under emulation the library runs about 20x slower than natively, and the
+# whole suite takes ~840 test-seconds there (~420 s on 2 cores), more than the CI's 12 minutes
+# leave. The CI runs every test of the kernel, quantized, prompt-cache, path-sweep, unit,
+# configuration, bad-input, attend, fetch-into and real-model TUs, the contract suite over every
+# policy and API (its six long sweeps and attend's state sweep on half rows only: the other
+# storage types differ from half in the row conversions, which the kernel tests cover) and over
+# quantized rows, the determinism digests, and the -O3 warnings build. The policy-oracle sweeps,
+# the threading tests and the fuzz regressions compute the same bits as on x86-64 (where they run
+# under the sanitizers) and run with --full.
+#
+# Environment: BUILD_DIR (default build-aarch64), JOBS (default nproc), VELOXQUANT_FIXTURES.
+# No sanitizers (they stay on x86-64: scripts/test.sh, tsan.sh, fuzz.sh). Timings under qemu are
+# emulation: use them only as ratios between paths (BENCHMARKS.md section 12).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/deps.sh
+need=()
+command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 || need+=(g++-aarch64-linux-gnu)
+command -v qemu-aarch64 >/dev/null 2>&1 || need+=(qemu-user)
+[ -f /usr/src/googletest/CMakeLists.txt ] || need+=(googletest)
+command -v ninja >/dev/null 2>&1 || need+=(ninja-build)
+command -v clang++ >/dev/null 2>&1 || need+=(clang)
+if [ ${#need[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  echo "[aarch64] installing: ${need[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}"
+fi
+[ "${1:-}" = "--setup" ] && exit 0
+
+MODE=${1:-ci}
+BUILD=${BUILD_DIR:-build-aarch64}
+JOBS=${JOBS:-$(nproc)}
+QEMU=(qemu-aarch64 -L /usr/aarch64-linux-gnu)
+start=$(date +%s)
+stamp() { echo "[aarch64] $1: $(( $(date +%s) - start )) s"; }
+
+CI_TESTS="test_simd_kernels|test_simd_levels|test_kernel_checks|test_quant|test_prompt_cache|\
+test_contract|test_attend|test_fetch_into|test_kv_cache|test_squeeze_cache|\
+test_squeeze_coordinator|test_budgets|test_select|test_config|test_bad_inputs|test_llama2c"
+selection=""
+examples=ON
+if [ "$MODE" != "--full" ]; then
+  selection="${CI_TESTS//|/.cpp|}.cpp"
+  examples=OFF
+fi
+
+# The layout of scripts/test.sh without the sanitizers: the tests at -O0, the library's instances
+# at -O2 (the NEON kernels optimised, as users build them), the two heavy TUs at -O1. The consumer
+# packaging checks are architecture-independent and stay in the x86-64 suite.
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/toolchains/aarch64-linux-gnu.cmake \
+  -DCMAKE_BUILD_TYPE=Check -DCMAKE_CXX_FLAGS_CHECK="-O0" \
+  -DVELOXQUANT_TEST_LIBRARY_FLAGS="-O2" -DVELOXQUANT_TEST_HEAVY_FLAGS="-O1" \
+  -DVELOXQUANT_PACKAGING_TESTS=OFF -DVELOXQUANT_BUILD_TESTS=ON \
+  -DVELOXQUANT_BUILD_EXAMPLES="$examples" -DVELOXQUANT_TEST_SELECTION="$selection" >/dev/null
+
+if [ "$MODE" = "--full" ]; then
+  cmake --build "$BUILD" -j"$JOBS"
+  stamp "build"
+  ctest --test-dir "$BUILD" --output-on-failure -j"$JOBS" --timeout 900
+  stamp "tests"
+else
+  targets=$(echo "$CI_TESTS" | tr '|' ' ')
+  cmake --build "$BUILD" -j"$JOBS" --target $targets test_contract_q84 library_optimised_warnings \
+    determinism_digest_0 determinism_digest_1 determinism_digest_2
+  stamp "build"
+  # Each test binary runs once, whole (GoogleTest's own runner: no process per test case), two at
+  # a time; a failing binary's output is printed.
+  slow="ParallelHeads*:TheSharedBadCallList*:ShapeErrors*:HeapStaysBounded*:NonFiniteKey*"
+  slow="$slow:QueriesOfEveryElementType*"
+  filter="-"
+  for t in 1 2; do
+    for name in ${slow//:/ }; do filter="$filter:ContractTest/$t.$name"; done
+    filter="$filter:AttendTest/$t.SameState*"
+  done
+  logs="$BUILD/aarch64-logs"
+  mkdir -p "$logs"
+  export QEMU_LD_PREFIX=/usr/aarch64-linux-gnu
+  printf '%s\n' $targets test_contract_q84 | xargs -P "$JOBS" -I{} sh -c \
+    'if qemu-aarch64 "$1/tests/$2" --gtest_filter="$3" >"$4/$2.log" 2>&1; then
+       echo "[aarch64] $2: $(grep -E "^\[  PASSED  \]|tests? ran" "$4/$2.log" | tr "\n" " ")"
+     else
+       cat "$4/$2.log"; echo "[aarch64] $2 FAILED"; exit 1
+     fi' _ "$BUILD" {} "$filter" "$logs"
+  ctest --test-dir "$BUILD" --output-on-failure -R '^determinism\.' --timeout 900
+  stamp "tests"
+fi
+# Clang for aarch64: the headers and the kernels compile with it (warnings as errors) and give
+# the recorded digest on the NEON and scalar paths.
+clang_bin="$BUILD/digest-clang"
+clang++ --target=aarch64-linux-gnu -std=c++17 -O2 -DNDEBUG -Wall -Wextra -Wpedantic -Wshadow \
+  -Wconversion -Werror -Iinclude -isystem /usr/include/eigen3 tests/determinism/digest.cpp \
+  -o "$clang_bin"
+out=$("${QEMU[@]}" "$clang_bin")
+echo "$out" | sed 's/^/[aarch64, clang] /'
+want=$(grep -E '^[0-9a-f]+$' tests/determinism/expected_scalar_digest.txt)
+for path in scalar neon; do
+  if ! grep -qx "$path $want" <<<"$out"; then
+    echo "[aarch64] clang build: the $path digest is not the recorded $want" >&2
+    exit 1
+  fi
+done
+echo "[aarch64] total: $(( $(date +%s) - start )) s"
