@@ -20,6 +20,10 @@ set(CMAKE_FIND_ROOT_PATH_MODE_PROGRAM NEVER)
 set(CMAKE_FIND_ROOT_PATH_MODE_LIBRARY ONLY)
 set(CMAKE_FIND_ROOT_PATH_MODE_INCLUDE BOTH)
 set(CMAKE_FIND_ROOT_PATH_MODE_PACKAGE BOTH)  # Eigen3Config.cmake (header-only) from the host
-set(CMAKE_CROSSCOMPILING_EMULATOR qemu-aarch64 -L /usr/${VELOXQUANT_CROSS_TRIPLE})
+# The guest's library path names the cross libraries first: on a host that also has arm64
+# multiarch packages, the loader's cache lists /usr/lib/aarch64-linux-gnu too, and a program that
+# mixed the two C libraries hung in its first pthread_create.
+set(CMAKE_CROSSCOMPILING_EMULATOR qemu-aarch64 -L /usr/${VELOXQUANT_CROSS_TRIPLE}
+    -E LD_LIBRARY_PATH=/usr/${VELOXQUANT_CROSS_TRIPLE}/lib)
 set(VELOXQUANT_GTEST_SOURCE_DIR /usr/src/googletest CACHE PATH
     "GoogleTest sources built for the target")

@@ -69,11 +69,14 @@ inline std::uint32_t crc32c_raw_tables(std::uint32_t s, const unsigned char* p, 
 
 #if VELOXQUANT_DETAIL_X86 || VELOXQUANT_DETAIL_ARM64
 
-// The CPU's CRC-32C step over 8 bytes and over one byte, in a target region of its own.
+// The CPU's CRC-32C step over 8 bytes (on a register of CrcReg: x86's instruction reads and
+// writes 64 bits, so the register stays 64-bit between steps, with no zero-extension in the chain)
+// and over one byte, in a target region of their own.
 #if VELOXQUANT_DETAIL_X86
 #define VELOXQUANT_DETAIL_CRC_TARGET __attribute__((target("sse4.2")))
-VELOXQUANT_DETAIL_CRC_TARGET inline std::uint32_t crc32c_step8(std::uint32_t r, std::uint64_t w) {
-  return static_cast<std::uint32_t>(_mm_crc32_u64(r, w));
+using CrcReg = std::uint64_t;
+VELOXQUANT_DETAIL_CRC_TARGET inline CrcReg crc32c_step8(CrcReg r, std::uint64_t w) {
+  return _mm_crc32_u64(r, w);
 }
 VELOXQUANT_DETAIL_CRC_TARGET inline std::uint32_t crc32c_step1(std::uint32_t r, unsigned char b) {
   return _mm_crc32_u8(r, b);
@@ -88,7 +91,8 @@ VELOXQUANT_DETAIL_CRC_TARGET inline std::uint32_t crc32c_step1(std::uint32_t r, 
 #define VELOXQUANT_DETAIL_CRC32CD __crc32cd
 #define VELOXQUANT_DETAIL_CRC32CB __crc32cb
 #endif
-VELOXQUANT_DETAIL_CRC_TARGET inline std::uint32_t crc32c_step8(std::uint32_t r, std::uint64_t w) {
+using CrcReg = std::uint32_t;
+VELOXQUANT_DETAIL_CRC_TARGET inline CrcReg crc32c_step8(CrcReg r, std::uint64_t w) {
   return VELOXQUANT_DETAIL_CRC32CD(r, w);
 }
 VELOXQUANT_DETAIL_CRC_TARGET inline std::uint32_t crc32c_step1(std::uint32_t r, unsigned char b) {
@@ -109,13 +113,15 @@ struct Crc32cShift {
 VELOXQUANT_DETAIL_CRC_TARGET inline std::uint32_t crc32c_raw_hw(std::uint32_t s,
                                                                 const unsigned char* p,
                                                                 std::size_t n) {
+  CrcReg r = s;
   for (; n >= 8; n -= 8, p += 8) {
     std::uint64_t w;
     std::memcpy(&w, p, 8);
-    s = crc32c_step8(s, w);
+    r = crc32c_step8(r, w);
   }
-  for (; n > 0; --n, ++p) s = crc32c_step1(s, *p);
-  return s;
+  auto r32 = static_cast<std::uint32_t>(r);
+  for (; n > 0; --n, ++p) r32 = crc32c_step1(r32, *p);
+  return r32;
 }
 
 /// The tables of A_kCrc32cBlock, built once: column j is the register after the block of zeros
@@ -152,7 +158,7 @@ VELOXQUANT_DETAIL_CRC_TARGET inline std::uint32_t crc32c_raw_hw3(std::uint32_t s
   if (n >= 3 * L) {
     const Crc32cShift& a = crc32c_block_shift();
     for (; n >= 3 * L; n -= 3 * L, p += 3 * L) {
-      std::uint32_t r0 = s, r1 = 0, r2 = 0;
+      CrcReg r0 = s, r1 = 0, r2 = 0;
       for (std::size_t i = 0; i < L; i += 8) {
         std::uint64_t w0, w1, w2;
         std::memcpy(&w0, p + i, 8);
@@ -162,7 +168,9 @@ VELOXQUANT_DETAIL_CRC_TARGET inline std::uint32_t crc32c_raw_hw3(std::uint32_t s
         r1 = crc32c_step8(r1, w1);
         r2 = crc32c_step8(r2, w2);
       }
-      s = crc32c_apply(a, crc32c_apply(a, r0) ^ r1) ^ r2;
+      s = crc32c_apply(
+              a, crc32c_apply(a, static_cast<std::uint32_t>(r0)) ^ static_cast<std::uint32_t>(r1)) ^
+          static_cast<std::uint32_t>(r2);
     }
   }
   return crc32c_raw_hw(s, p, n);
