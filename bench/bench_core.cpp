@@ -1,13 +1,15 @@
 // veloxquant — the core's speed against the engine's own attention over the same rows, in one
 // binary built with one set of flags (scripts/bench.sh builds it at each of -O2/-O3 x
-// -march=x86-64/x86-64-v3/native; BENCHMARKS.md section 1). Single thread unless the name says
+// -march=x86-64/x86-64-v3/native, or -O2/-O3 x -march=armv8-a/-mcpu=native on aarch64;
+// BENCHMARKS.md section 1). Single thread unless the name says
 // otherwise. Shapes: B = 1, H = 32 KV heads, D = 128, half storage.
 //
 //   BM_DecodeView/budget          one decode step through update_and_view (key-as-query H2O core,
 //                                 evicting every step: budget + 1 rows attended)
 //   BM_AttentionF32Gemv/rows      the engine's decode attention over `rows` fp32 rows per head:
 //                                 Eigen GEMV q.K^T, softmax, GEMV p.V
-//   BM_AttentionF16Dot/rows       the same over fp16 rows with F16C conversion + FMA dots
+//   BM_AttentionF16Dot/rows       the same over fp16 rows with hardware fp16 conversion + FMA dots
+//                                 (AVX2 + F16C on x86-64, NEON on aarch64)
 //   BM_DecodeViewThreads/budget   BM_DecodeView with the heads on 2 threads (the engine's
 //                                 parallel-for; here a small persistent pool)
 //   BM_DecodeViewKeyDiff/budget   BM_DecodeView scored by KeyDiff (proxy_scoring = "keydiff",
@@ -24,9 +26,12 @@
 //   BM_DecodeAttend/budget        one decode step through attend() on a SqueezeAttention layer at
 //                                 `budget` (evicting every step: budget + 1 rows attended)
 //   BM_DecodeGQAF16/rows          the engine's dense GQA decode attention over fp16 rows: per KV
-//                                 head its 4 query rows meet each key and value row once (F16C)
+//                                 head its 4 query rows meet each key and value row once (F16C;
+//                                 NEON on aarch64)
 //   BM_DecodeGQAF32Gemm/rows      the same over fp32 rows with Eigen: [4, D] x [D, n], softmax,
 //                                 [4, n] x [n, D]
+//   BM_DecodeAttendPath/budget/level  BM_DecodeAttend on the kernel path `level` (0 scalar, 1 sse2,
+//                                 2 avx2, 3 avx512, 4 neon; others skipped)
 //   BM_DecodeAttendQuant/budget/bits  BM_DecodeAttend over quantized rows (docs/design.md 2.9):
 //                                 keys and values at `bits` (8 or 4), group 32; its comparison
 //                                 point is BM_DecodeAttend (half rows) at the same budget
@@ -48,8 +53,10 @@
 
 #include <veloxquant/cache.hpp>
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#include <arm_neon.h>
 #endif
 
 namespace vc = veloxquant::cache;
@@ -196,69 +203,97 @@ void BM_AttentionF32Gemv(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations());
 }
 
+// The engine's own fp16 attention is written with the CPU's vector instructions: AVX2 + FMA + F16C
+// on x86-64 (eight lanes), NEON with its fp16 conversion on aarch64 (four lanes). A few helpers
+// give both ISAs one body.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define VQ_BENCH_F16C __attribute__((target("avx2,fma,f16c")))
-// Decode attention over fp16 rows: F16C conversion and FMA dots, four rows at a time; the weighted
-// sum of values accumulates in eight float32 vectors.
-VQ_BENCH_F16C float hsum8(__m256 a) {
+#define VQ_BENCH_F16 __attribute__((target("avx2,fma,f16c")))
+using EV = __m256;
+constexpr Index kEL = 8;
+bool engine_f16_supported() { return vc::simd_level_supported(vc::SimdLevel::avx2); }
+VQ_BENCH_F16 inline EV ev_zero() { return _mm256_setzero_ps(); }
+VQ_BENCH_F16 inline EV ev_set1(float a) { return _mm256_set1_ps(a); }
+VQ_BENCH_F16 inline EV ev_loadf(const float* p) { return _mm256_loadu_ps(p); }
+VQ_BENCH_F16 inline EV load(const Eigen::half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+VQ_BENCH_F16 inline EV ev_fmadd(EV a, EV b, EV c) { return _mm256_fmadd_ps(a, b, c); }
+VQ_BENCH_F16 inline void ev_store(float* p, EV a) { _mm256_storeu_ps(p, a); }
+VQ_BENCH_F16 float hsum(EV a) {
   const __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 h = _mm_hadd_ps(t, t);
   return _mm_cvtss_f32(_mm_hadd_ps(h, h));
 }
-VQ_BENCH_F16C inline __m256 load(const Eigen::half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#define VQ_BENCH_F16
+using EV = float32x4_t;
+constexpr Index kEL = 4;
+bool engine_f16_supported() { return true; }
+inline EV ev_zero() { return vdupq_n_f32(0.0f); }
+inline EV ev_set1(float a) { return vdupq_n_f32(a); }
+inline EV ev_loadf(const float* p) { return vld1q_f32(p); }
+inline EV load(const Eigen::half* p) {
+  return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const std::uint16_t*>(p))));
 }
-VQ_BENCH_F16C void attention_f16(const Eigen::half* k, const Eigen::half* v, const float* q,
-                                 Index n, float scale, float* logits, float* out) {
+inline EV ev_fmadd(EV a, EV b, EV c) { return vfmaq_f32(c, a, b); }
+inline void ev_store(float* p, EV a) { vst1q_f32(p, a); }
+inline float hsum(EV a) { return vaddvq_f32(a); }
+#endif
+
+#if defined(VQ_BENCH_F16)
+// Decode attention over fp16 rows: hardware fp16 conversion and FMA dots, four rows at a time; the
+// weighted sum of values accumulates in eight vectors.
+VQ_BENCH_F16 void attention_f16(const Eigen::half* k, const Eigen::half* v, const float* q,
+                                Index n, float scale, float* logits, float* out) {
   Index r = 0;
   for (; r + 4 <= n; r += 4) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (Index d = 0; d < kDim; d += 8) {
-      const __m256 x = _mm256_loadu_ps(q + d);
-      a0 = _mm256_fmadd_ps(x, load(k + r * kDim + d), a0);
-      a1 = _mm256_fmadd_ps(x, load(k + (r + 1) * kDim + d), a1);
-      a2 = _mm256_fmadd_ps(x, load(k + (r + 2) * kDim + d), a2);
-      a3 = _mm256_fmadd_ps(x, load(k + (r + 3) * kDim + d), a3);
+    EV a0 = ev_zero(), a1 = a0, a2 = a0, a3 = a0;
+    for (Index d = 0; d < kDim; d += kEL) {
+      const EV x = ev_loadf(q + d);
+      a0 = ev_fmadd(x, load(k + r * kDim + d), a0);
+      a1 = ev_fmadd(x, load(k + (r + 1) * kDim + d), a1);
+      a2 = ev_fmadd(x, load(k + (r + 2) * kDim + d), a2);
+      a3 = ev_fmadd(x, load(k + (r + 3) * kDim + d), a3);
     }
-    logits[r] = hsum8(a0) * scale;
-    logits[r + 1] = hsum8(a1) * scale;
-    logits[r + 2] = hsum8(a2) * scale;
-    logits[r + 3] = hsum8(a3) * scale;
+    logits[r] = hsum(a0) * scale;
+    logits[r + 1] = hsum(a1) * scale;
+    logits[r + 2] = hsum(a2) * scale;
+    logits[r + 3] = hsum(a3) * scale;
   }
   for (; r < n; ++r) {
-    __m256 a = _mm256_setzero_ps();
-    for (Index d = 0; d < kDim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load(k + r * kDim + d), a);
-    logits[r] = hsum8(a) * scale;
+    EV a = ev_zero();
+    for (Index d = 0; d < kDim; d += kEL) a = ev_fmadd(ev_loadf(q + d), load(k + r * kDim + d), a);
+    logits[r] = hsum(a) * scale;
   }
   softmax(logits, n);
-  // p.V in two passes of 64 columns (128 bytes of each row; named accumulators: no spills at -O2).
-  for (Index d = 0; d < kDim; d += 64) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  // p.V in passes of eight vectors of columns (named accumulators: no spills at -O2).
+  for (Index d = 0; d < kDim; d += 8 * kEL) {
+    EV a0 = ev_zero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (Index i = 0; i < n; ++i) {
-      const __m256 p = _mm256_set1_ps(logits[i]);
+      const EV p = ev_set1(logits[i]);
       const Eigen::half* row = v + i * kDim + d;
-      a0 = _mm256_fmadd_ps(p, load(row), a0);
-      a1 = _mm256_fmadd_ps(p, load(row + 8), a1);
-      a2 = _mm256_fmadd_ps(p, load(row + 16), a2);
-      a3 = _mm256_fmadd_ps(p, load(row + 24), a3);
-      a4 = _mm256_fmadd_ps(p, load(row + 32), a4);
-      a5 = _mm256_fmadd_ps(p, load(row + 40), a5);
-      a6 = _mm256_fmadd_ps(p, load(row + 48), a6);
-      a7 = _mm256_fmadd_ps(p, load(row + 56), a7);
+      a0 = ev_fmadd(p, load(row), a0);
+      a1 = ev_fmadd(p, load(row + kEL), a1);
+      a2 = ev_fmadd(p, load(row + 2 * kEL), a2);
+      a3 = ev_fmadd(p, load(row + 3 * kEL), a3);
+      a4 = ev_fmadd(p, load(row + 4 * kEL), a4);
+      a5 = ev_fmadd(p, load(row + 5 * kEL), a5);
+      a6 = ev_fmadd(p, load(row + 6 * kEL), a6);
+      a7 = ev_fmadd(p, load(row + 7 * kEL), a7);
     }
-    _mm256_storeu_ps(out + d, a0);
-    _mm256_storeu_ps(out + d + 8, a1);
-    _mm256_storeu_ps(out + d + 16, a2);
-    _mm256_storeu_ps(out + d + 24, a3);
-    _mm256_storeu_ps(out + d + 32, a4);
-    _mm256_storeu_ps(out + d + 40, a5);
-    _mm256_storeu_ps(out + d + 48, a6);
-    _mm256_storeu_ps(out + d + 56, a7);
+    ev_store(out + d, a0);
+    ev_store(out + d + kEL, a1);
+    ev_store(out + d + 2 * kEL, a2);
+    ev_store(out + d + 3 * kEL, a3);
+    ev_store(out + d + 4 * kEL, a4);
+    ev_store(out + d + 5 * kEL, a5);
+    ev_store(out + d + 6 * kEL, a6);
+    ev_store(out + d + 7 * kEL, a7);
   }
 }
 
 void BM_AttentionF16Dot(benchmark::State& state) {
-  if (!vc::simd_level_supported(vc::SimdLevel::avx2)) {
+  if (!engine_f16_supported()) {
     state.SkipWithError("no F16C/AVX2 on this CPU");
     return;
   }
@@ -338,6 +373,25 @@ void BM_DecodeAttendValueNorm(benchmark::State& state) {
 }
 BENCHMARK(BM_DecodeAttendValueNorm)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond);
 
+// BM_DecodeAttend on one kernel path (second argument: the SimdLevel's number; paths this CPU
+// cannot run are skipped): the paths side by side in one binary (BENCHMARKS.md section 12).
+void BM_DecodeAttendPath(benchmark::State& state) {
+  const auto level = static_cast<vc::SimdLevel>(state.range(1));
+  if (!vc::simd_level_supported(level)) {
+    state.SkipWithError("this CPU cannot run the path");
+    return;
+  }
+  const vc::SimdLevel saved = vc::simd_level();
+  vc::set_simd_level(level);
+  const int budget = static_cast<int>(state.range(0));
+  decode_attend(state, squeeze_config(budget), budget);
+  vc::set_simd_level(saved);
+  state.SetLabel(vc::simd_level_name(level));
+}
+BENCHMARK(BM_DecodeAttendPath)
+    ->ArgsProduct({{512, 2048}, {0, 1, 2, 3, 4}})
+    ->Unit(benchmark::kMicrosecond);
+
 BENCHMARK(BM_DecodeAttendQuant)
     ->Args({512, 8})
     ->Args({512, 4})
@@ -368,56 +422,56 @@ void BM_DecodeGQAF32Gemm(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations());
 }
 
-#if defined(VQ_BENCH_F16C)
+#if defined(VQ_BENCH_F16)
 // Dense GQA decode attention over fp16 rows: each key row is converted once and met by the four
 // query rows; each value row is converted once and accumulated into the four outputs (two
-// 8-float column slices per pass: 8 accumulators).
-VQ_BENCH_F16C void gqa_attention_f16(const Eigen::half* k, const Eigen::half* v, const float* q,
-                                     Index n, float scale, float* logits, float* out) {
+// column vectors per pass: 8 accumulators).
+VQ_BENCH_F16 void gqa_attention_f16(const Eigen::half* k, const Eigen::half* v, const float* q,
+                                    Index n, float scale, float* logits, float* out) {
   for (Index r = 0; r < n; ++r) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (Index d = 0; d < kDim; d += 8) {
-      const __m256 x = load(k + r * kDim + d);
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), x, a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + kDim + d), x, a1);
-      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * kDim + d), x, a2);
-      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * kDim + d), x, a3);
+    EV a0 = ev_zero(), a1 = a0, a2 = a0, a3 = a0;
+    for (Index d = 0; d < kDim; d += kEL) {
+      const EV x = load(k + r * kDim + d);
+      a0 = ev_fmadd(ev_loadf(q + d), x, a0);
+      a1 = ev_fmadd(ev_loadf(q + kDim + d), x, a1);
+      a2 = ev_fmadd(ev_loadf(q + 2 * kDim + d), x, a2);
+      a3 = ev_fmadd(ev_loadf(q + 3 * kDim + d), x, a3);
     }
-    logits[r] = hsum8(a0) * scale;
-    logits[n + r] = hsum8(a1) * scale;
-    logits[2 * n + r] = hsum8(a2) * scale;
-    logits[3 * n + r] = hsum8(a3) * scale;
+    logits[r] = hsum(a0) * scale;
+    logits[n + r] = hsum(a1) * scale;
+    logits[2 * n + r] = hsum(a2) * scale;
+    logits[3 * n + r] = hsum(a3) * scale;
   }
   for (Index g = 0; g < kAttendGroups; ++g) softmax(logits + g * n, n);
-  for (Index d = 0; d < kDim; d += 16) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, e0 = a0, e1 = a0;
+  for (Index d = 0; d < kDim; d += 2 * kEL) {
+    EV a0 = ev_zero(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, e0 = a0, e1 = a0;
     for (Index i = 0; i < n; ++i) {
       const Eigen::half* row = v + i * kDim + d;
-      const __m256 x0 = load(row), x1 = load(row + 8);
-      const __m256 p0 = _mm256_set1_ps(logits[i]), p1 = _mm256_set1_ps(logits[n + i]);
-      const __m256 p2 = _mm256_set1_ps(logits[2 * n + i]), p3 = _mm256_set1_ps(logits[3 * n + i]);
-      a0 = _mm256_fmadd_ps(p0, x0, a0);
-      a1 = _mm256_fmadd_ps(p0, x1, a1);
-      b0 = _mm256_fmadd_ps(p1, x0, b0);
-      b1 = _mm256_fmadd_ps(p1, x1, b1);
-      c0 = _mm256_fmadd_ps(p2, x0, c0);
-      c1 = _mm256_fmadd_ps(p2, x1, c1);
-      e0 = _mm256_fmadd_ps(p3, x0, e0);
-      e1 = _mm256_fmadd_ps(p3, x1, e1);
+      const EV x0 = load(row), x1 = load(row + kEL);
+      const EV p0 = ev_set1(logits[i]), p1 = ev_set1(logits[n + i]);
+      const EV p2 = ev_set1(logits[2 * n + i]), p3 = ev_set1(logits[3 * n + i]);
+      a0 = ev_fmadd(p0, x0, a0);
+      a1 = ev_fmadd(p0, x1, a1);
+      b0 = ev_fmadd(p1, x0, b0);
+      b1 = ev_fmadd(p1, x1, b1);
+      c0 = ev_fmadd(p2, x0, c0);
+      c1 = ev_fmadd(p2, x1, c1);
+      e0 = ev_fmadd(p3, x0, e0);
+      e1 = ev_fmadd(p3, x1, e1);
     }
-    _mm256_storeu_ps(out + d, a0);
-    _mm256_storeu_ps(out + d + 8, a1);
-    _mm256_storeu_ps(out + kDim + d, b0);
-    _mm256_storeu_ps(out + kDim + d + 8, b1);
-    _mm256_storeu_ps(out + 2 * kDim + d, c0);
-    _mm256_storeu_ps(out + 2 * kDim + d + 8, c1);
-    _mm256_storeu_ps(out + 3 * kDim + d, e0);
-    _mm256_storeu_ps(out + 3 * kDim + d + 8, e1);
+    ev_store(out + d, a0);
+    ev_store(out + d + kEL, a1);
+    ev_store(out + kDim + d, b0);
+    ev_store(out + kDim + d + kEL, b1);
+    ev_store(out + 2 * kDim + d, c0);
+    ev_store(out + 2 * kDim + d + kEL, c1);
+    ev_store(out + 3 * kDim + d, e0);
+    ev_store(out + 3 * kDim + d + kEL, e1);
   }
 }
 
 void BM_DecodeGQAF16(benchmark::State& state) {
-  if (!vc::simd_level_supported(vc::SimdLevel::avx2)) {
+  if (!engine_f16_supported()) {
     state.SkipWithError("no F16C/AVX2 on this CPU");
     return;
   }

@@ -6,7 +6,9 @@
 #                                         the comparison points; prints the table of medians and
 #                                         ratios, keeps the JSON in build-bench/<flags>.json
 #   bash scripts/bench.sh --suite [ARGS]  the policy / memory / query suite (bench_update.cpp,
-#                                         -O3 -march=native), ARGS passed to the binary
+#                                         -O3 native), ARGS passed to the binary
+#
+# On aarch64 the same commands build the ARM flag sets below (BENCHMARKS.md section 12).
 #   bash scripts/bench.sh --compile       consumer compile times (section 4)
 #   bash scripts/bench.sh --prompt-cache  prompt caches saved and loaded (section 9):
 #                                         bench/bench_prompt_cache.cpp at each flag set, JSON in
@@ -22,14 +24,31 @@ bash scripts/deps.sh
 ROOT=build-bench
 mkdir -p "$ROOT"
 
-declare -A FLAGS=(
-  [O2-x86-64]="-O2 -march=x86-64"
-  [O2-x86-64-v3]="-O2 -march=x86-64-v3"
-  [O3-x86-64-v3]="-O3 -march=x86-64-v3"
-  [O2-native]="-O2 -march=native"
-  [O3-native]="-O3 -march=native"
-)
-ORDER=(O3-native O2-native O3-x86-64-v3 O2-x86-64-v3 O2-x86-64)
+# The flag sets of the machine: baseline and native ISA at -O2 and -O3 (aarch64: the ARMv8.0
+# baseline and -mcpu=native, which GCC and Clang accept there; Apple Silicon, Graviton, phones).
+case "$(uname -m)" in
+  aarch64 | arm64)
+    declare -A FLAGS=(
+      [O2-armv8-a]="-O2 -march=armv8-a"
+      [O3-armv8-a]="-O3 -march=armv8-a"
+      [O2-native]="-O2 -mcpu=native"
+      [O3-native]="-O3 -mcpu=native"
+    )
+    ORDER=(O3-native O2-native O3-armv8-a O2-armv8-a)
+    NATIVE="-O3 -mcpu=native"
+    ;;
+  *)
+    declare -A FLAGS=(
+      [O2-x86-64]="-O2 -march=x86-64"
+      [O2-x86-64-v3]="-O2 -march=x86-64-v3"
+      [O3-x86-64-v3]="-O3 -march=x86-64-v3"
+      [O2-native]="-O2 -march=native"
+      [O3-native]="-O3 -march=native"
+    )
+    ORDER=(O3-native O2-native O3-x86-64-v3 O2-x86-64-v3 O2-x86-64)
+    NATIVE="-O3 -march=native"
+    ;;
+esac
 
 build() {  # build <name> <flags> <target>
   cmake -S . -B "$ROOT/$1" -DCMAKE_BUILD_TYPE=None -DCMAKE_CXX_FLAGS="$2 -DNDEBUG" \
@@ -41,7 +60,7 @@ build() {  # build <name> <flags> <target>
 case "${1:-}" in
   --suite)
     shift
-    build suite "-O3 -march=native" bench_update
+    build suite "$NATIVE" bench_update
     exec "$ROOT/suite/bench/bench_update" "$@"
     ;;
   --compile)

@@ -22,6 +22,10 @@ def medians(path):
     return out
 
 
+# The kernel paths by their SimdLevel number (BM_DecodeAttendPath's second argument).
+PATHS = ("scalar", "sse2", "avx2", "avx512", "neon")
+
+
 def fmt(us):
     return f"{us / 1000:.2f} ms" if us >= 1000 else f"{us:.0f} us"
 
@@ -61,7 +65,7 @@ def main():
                   f" {pq / cq:.2f}x |")
     print()
     print("| build | budget | decode attend (G = 4, H = 8) | dense GQA fp32 (Eigen) |"
-          " dense GQA fp16 (F16C) | ratio to the faster |")
+          " dense GQA fp16 (hardware fp16) | ratio to the faster |")
     print("|---|---:|---:|---:|---:|---:|")
     for n in names:
         m = runs[n]
@@ -86,6 +90,19 @@ def main():
             if a is None or c is None:
                 continue
             print(f"| {n} | {s} | {fmt(a)} | {fmt(c)} | **{a / c:.2f}x** |")
+    print()
+    print("| build | budget | " + " | ".join(f"attend on {p}" for p in PATHS) +
+          " | scalar / best |")
+    print("|---|---:|" + "---:|" * (len(PATHS) + 1))
+    for n in names:
+        m = runs[n]
+        for budget in (512, 2048):
+            t = [m.get(f"BM_DecodeAttendPath/{budget}/{level}") for level in range(len(PATHS))]
+            if t[0] is None:
+                continue
+            best = min(x for x in t if x is not None)
+            cells = " | ".join(fmt(x) if x is not None else "-" for x in t)
+            print(f"| {n} | {budget} | {cells} | {t[0] / best:.1f}x |")
     ref = runs.get("O3-native")
     if ref:
         print()
