@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds and runs the demo (installs missing build dependencies first): a story from the real
-# stories260K model with SqueezeAttention caches when the fixtures are found (../shared/fixtures,
-# VELOXQUANT_FIXTURES, or --fixtures DIR); otherwise it says where to get them and runs the
-# synthetic six-layer demo. Arguments go to the story demo (e.g. --budget 32 --prompt "...").
+# stories260K model with SqueezeAttention caches, read from examples/llama2c/ where it ships (or
+# from DIR/model with --fixtures DIR). If the model files are missing the story demo says where to
+# get them and exits with status 2, and the synthetic six-layer demo runs instead. Arguments go to
+# the story demo (e.g. --budget 32 --prompt "...").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh --demo-only

@@ -39,7 +39,7 @@ int main(int argc, char** argv) {
   std::string model_dir = VELOXQUANT_LLAMA2C_MODEL_DIR;  // the shipped model (examples/llama2c)
   std::string prompt = "Once upon a time, there was a little girl named Lily. She loved to play "
                        "outside in the park with her friends.";
-  int budget = 48;  // average rows per KV head; the prompt alone is ~30 tokens
+  int budget = 48;  // average rows per KV head; the prompt alone is 36 tokens (BOS included)
   int key_bits = 8, value_bits = 4;
   int steps = 200;
   bool queries = true;

@@ -1,7 +1,8 @@
 // veloxquant — H2OCache<T>: Heavy-Hitter Oracle eviction with a uniform, fixed budget
 // (docs/design.md 6). After "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
 // Language Models" (Zhang et al., 2023). Rows are scored with the engine's queries when the call
-// brings them (docs/design.md 4.6), else with the key-as-query proxy (docs/design.md 3).
+// brings them (docs/design.md 4.6), else by the query-free scorer `proxy_scoring` names:
+// key_as_query (the default, docs/design.md 3), keydiff or knorm (docs/design.md 4.7).
 #pragma once
 
 #include <Eigen/Core>

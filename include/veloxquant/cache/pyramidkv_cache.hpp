@@ -1,7 +1,8 @@
 // veloxquant — PyramidKVCache<T>: the H2O core with a fixed per-layer budget that tapers with
 // depth (docs/design.md 6). After "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
 // Information Funneling" (Cai et al., 2024). Rows are scored with the engine's queries when the
-// call brings them (docs/design.md 4.6), else with the key-as-query proxy (docs/design.md 3).
+// call brings them (docs/design.md 4.6), else by the query-free scorer `proxy_scoring` names:
+// key_as_query (the default, docs/design.md 3), keydiff or knorm (docs/design.md 4.7).
 #pragma once
 
 #include <Eigen/Core>

@@ -4,12 +4,16 @@
 // After "SqueezeAttention: 2D Management of KV-Cache in LLM Inference via Layer-wise Optimal
 // Budget" (Wang et al., 2024, arXiv:2404.04793), as adapted by veloxquant_mlx. Adaptation limits,
 // stated once here:
-//   * Without the engine's queries, eviction scores use the key-as-query proxy
-//     (docs/design.md 3). An engine that passes its queries (update_and_fetch(keys, values,
-//     queries)) gets real-query scoring instead (docs/design.md 4.6).
-//   * A layer's concentration is the mean pairwise cosine similarity of its prefill keys, a proxy
-//     for the attention entropy the paper measures on real attention maps.
-//   * The per-layer budget is decided once, at the prefill boundary, and frozen for decoding.
+//   * Without the engine's queries, eviction scores come from a query-free scorer chosen by
+//     `proxy_scoring`: the key-as-query proxy by default (docs/design.md 3), or keydiff or knorm
+//     (docs/design.md 4.7). An engine that passes its queries (update_and_fetch(keys, values,
+//     queries)) gets real-query scoring instead, whatever `proxy_scoring` says
+//     (docs/design.md 4.6).
+//   * A layer's concentration is the mean pairwise cosine similarity of its first
+//     squeeze_calibration_tokens keys (all of the call that reaches that count; docs/design.md
+//     5.2), a proxy for the attention entropy the paper measures on real attention maps.
+//   * The per-layer budget is decided once, when every layer has calibrated (the prefill
+//     boundary for prompts of at least squeeze_calibration_tokens tokens), and then frozen.
 //   * No RoPE position re-mapping after eviction; the engine rotates with offset().
 //   * One budget for all heads of a layer.
 // Deliberate differences from the Python reference are listed in docs/design.md 9.

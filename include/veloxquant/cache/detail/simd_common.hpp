@@ -32,9 +32,6 @@
 
 namespace veloxquant::cache::detail {
 
-/// Weights below exp(-87) (the bottom of float32's normal range) are taken as exactly 0: rows that
-/// receive no attention must not collect a tiny, age-dependent score, or the exact-tie rules of
-/// docs/design.md 4.2/4.5 would be decided by rounding noise.
 /// `p`, with whatever the compiler knows about its alignment forgotten. A local array met by vector
 /// loads or stores goes through it: GCC turns an unaligned vector load of a local it has aligned
 /// to 64 bytes into an aligned one, and AddressSanitizer's fake stack (use-after-return detection)
@@ -67,6 +64,9 @@ inline int last_bit(unsigned m) {
 #endif
 }
 
+/// Weights below exp(-87) (the bottom of float32's normal range) are taken as exactly 0: rows that
+/// receive no attention must not collect a tiny, age-dependent score, or the exact-tie rules of
+/// docs/design.md 4.2/4.5 would be decided by rounding noise.
 inline constexpr float kSoftmaxMinWeight = 1.6458115e-38f;  // exp(-87)
 
 // exp(x) = 2^n * exp(r), n = round(x * log2(e)), r = x - n * ln(2) in two parts, exp(r) from a

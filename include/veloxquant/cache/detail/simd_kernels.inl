@@ -1,8 +1,8 @@
 // veloxquant — the kernel bodies, written once against a vector layer (V, kLanes, vload, vmadd,
 // vexp_flush, vreduce_*, ...) and compiled once per instruction set: simd_kernels.hpp includes
-// this file inside namespace detail::scalar, detail::sse2, detail::avx2 and detail::avx512, each
-// under its own target attribute (docs/design.md 7.2). No include guard, no includes: it is a
-// fragment of those namespaces.
+// this file inside namespace detail::scalar, detail::sse2, detail::avx2 and detail::avx512 on
+// x86-64 (the last two in target regions), detail::scalar and detail::neon on aarch64
+// (docs/design.md 7.2). No include guard, no includes: it is a fragment of those namespaces.
 //
 // Every result element is produced by one fixed sequence of operations that does not depend on
 // where it sits (tails are padded, never handled by other code), so equal inputs give bit-equal
@@ -24,12 +24,6 @@ inline void load_padded_row(const T* row, Index d, float* out) {
   }
 }
 
-/// logits[i][j] = scale * (q_i . k_j) for i < m, j < n: the scaled dot products of m float32
-/// query rows with n stored key rows. Key row j lives at keys + (idx ? idx[j] : j) * key_stride.
-/// Four keys at a time are converted to float32 (kbuf: [4, padded_lanes(d)]) and met by every query
-/// row, two rows at a time; each logit is one chain of multiply-adds over the padded row in
-/// ascending order, reduced by the path's fixed tree. q: [m, ldq] (row i at q + i * ldq, zero from
-/// d to padded_lanes(d)); out: [m, ldo].
 /// logits for one query row when d is a whole number of vectors: keys are converted in registers,
 /// eight at a time (independent multiply-add chains hide their latency). Each logit is the same
 /// chain as in logits() below, so both give bit-identical results. Named accumulators, not
@@ -214,6 +208,14 @@ inline void logits_buffered(const float* q, Index m, Index ldq, const std::int32
   }
 }
 
+/// logits[i][j] = scale * (q_i . k_j) for i < m, j < n: the scaled dot products of m float32
+/// query rows with n stored key rows. Key row j lives at keys + (idx ? idx[j] : j) * key_stride.
+/// When d is a whole number of vectors, one, two or four query rows go to logits_1x8, logits_2x4
+/// or logits_4x2 (keys converted in registers); otherwise four keys at a time are converted to
+/// float32 (kbuf: [4, padded_lanes(d)]) and met by every query row, two rows at a time
+/// (logits_buffered). Either way each logit is one chain of multiply-adds over the padded row in
+/// ascending order, reduced by the path's fixed tree. q: [m, ldq] (row i at q + i * ldq, zero from
+/// d to padded_lanes(d)); out: [m, ldo].
 template <class T>
 inline void logits(const float* q, Index m, Index ldq, const T* keys, Index key_stride,
                    const std::int32_t* idx, Index n, Index d, float scale, float* out, Index ldo,
