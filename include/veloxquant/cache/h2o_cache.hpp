@@ -19,7 +19,7 @@ template <class T = Eigen::half>
 class H2OCache : public KVCache<T> {
  public:
   /// Validates `config` as method "h2o"; throws std::invalid_argument.
-  explicit H2OCache(const KVCacheConfig& config) : KVCache<T>(rule_of(config), config, "h2o") {}
+  explicit H2OCache(const KVCacheConfig& config) : KVCache<T>(rule_of(config), config, detail::Method::h2o) {}
 
   using KVCache<T>::budget;
   using KVCache<T>::n_sink;
@@ -28,7 +28,7 @@ class H2OCache : public KVCache<T> {
 
  private:
   static detail::Rule rule_of(const KVCacheConfig& config) {
-    detail::validate_as(config, "h2o");
+    detail::validate_as(config, detail::Method::h2o);
     detail::Rule r;
     r.kind = detail::RuleKind::cumulative;
     r.budget = config.h2o_budget;

@@ -123,10 +123,10 @@ class KVCache {
   using Index = Eigen::Index;
 
   /// An empty standard cache.
-  KVCache() : config_(detail::with_method(KVCacheConfig{}, "standard")) {}
+  KVCache() : config_(detail::with_method(KVCacheConfig{}, detail::Method::standard)) {}
   /// An empty standard cache; validates `config`.
   explicit KVCache(const KVCacheConfig& config)
-      : config_(detail::with_method(config, "standard")), storage_(checked_storage(config)) {}
+      : config_(detail::with_method(config, detail::Method::standard)), storage_(checked_storage(config)) {}
   virtual ~KVCache() = default;
   // A cache is polymorphic and owns per-call state: it is neither copied nor moved (hold it by
   // std::unique_ptr, as the factory and the builder do).
@@ -385,7 +385,7 @@ class KVCache {
   /// A policy's cache: `rule` says what the calls do with rows (docs/design.md 7.1).
   /// `config` gives the storage of rows (key_bits, value_bits, quant_group; docs/design.md 2.9).
   /// `method` names the policy (config().method).
-  KVCache(const detail::Rule& rule, const KVCacheConfig& config, const char* method)
+  KVCache(const detail::Rule& rule, const KVCacheConfig& config, detail::Method method)
       : rule_(rule), config_(detail::with_method(config, method)), storage_(storage_of(config)) {}
 
   /// Hook: before anything changes; may inspect the call's keys ([B, H, S, Dk], any input type)

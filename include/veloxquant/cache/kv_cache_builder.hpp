@@ -88,13 +88,14 @@ class KVCacheBuilder {
     }
     const int n_attn = static_cast<int>(attention_layers.size());
 
+    const detail::Method method = detail::method_of(config).id;
     std::shared_ptr<SqueezeCoordinator> coordinator;
     std::vector<int> pyramid;
-    if (config.method == "squeeze" && n_attn > 0) {
+    if (method == detail::Method::squeeze && n_attn > 0) {
       coordinator = std::make_shared<SqueezeCoordinator>(n_attn, config.squeeze_budget,
                                                          config.squeeze_n_sink,
                                                          config.squeeze_strength);
-    } else if (config.method == "pyramidkv") {
+    } else if (method == detail::Method::pyramidkv) {
       pyramid = pyramid_budgets(n_attn, config.pyramid_budget, config.pyramid_n_sink,
                                 config.pyramid_beta);
     }
@@ -107,10 +108,10 @@ class KVCacheBuilder {
         caches.push_back(std::make_unique<KVCache<T>>(config));
         continue;
       }
-      if (config.method == "squeeze") {
+      if (method == detail::Method::squeeze) {
         caches.push_back(
             std::make_unique<SqueezeAttentionCache<T>>(config, static_cast<int>(i), coordinator));
-      } else if (config.method == "pyramidkv") {
+      } else if (method == detail::Method::pyramidkv) {
         KVCacheConfig layer_config = config;
         layer_config.pyramid_resolved_budget = pyramid[attn_index];
         caches.push_back(std::make_unique<PyramidKVCache<T>>(layer_config));

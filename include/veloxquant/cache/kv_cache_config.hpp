@@ -5,6 +5,7 @@
 #include <array>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -13,10 +14,6 @@
 namespace veloxquant::cache {
 
 namespace detail {
-
-/// The method names accepted by KVCacheConfig::method, the factory and the builder.
-inline constexpr std::array<const char*, 7> kMethods = {
-    "squeeze", "h2o", "pyramidkv", "tova", "streaming_llm", "snapkv", "standard"};
 
 /// "a, b, c" for error messages.
 template <std::size_t N>
@@ -29,9 +26,6 @@ std::string name_list(const std::array<const char*, N>& names) {
   return out;
 }
 
-/// "squeeze, h2o, ..." for error messages.
-inline std::string method_list() { return name_list(kMethods); }
-
 /// The values of KVCacheConfig::proxy_scoring (docs/design.md 4.7): how the H2O-core policies score
 /// a call that brings no queries; detail::ProxyScoring lists the scorers in this order.
 inline constexpr std::array<const char*, 3> kProxyScorings = {"key_as_query", "keydiff", "knorm"};
@@ -42,13 +36,6 @@ inline int proxy_scoring_index(const std::string& name) {
     if (name == kProxyScorings[i]) return static_cast<int>(i);
   }
   return -1;
-}
-
-inline bool is_known_method(const std::string& m) {
-  for (const char* k : kMethods) {
-    if (m == k) return true;
-  }
-  return false;
 }
 
 template <class V>
@@ -160,91 +147,206 @@ struct KVCacheConfig {
   /// Sets the rows-per-head budget of every method (docs/design.md 2.1): squeeze_budget,
   /// h2o_budget, pyramid_budget, tova_budget, snap_budget, and stream_window_size = rows -
   /// stream_n_sink. Checks nothing: validate() (or the cache that is built) does.
-  void set_budget(int rows) {
-    squeeze_budget = h2o_budget = pyramid_budget = tova_budget = snap_budget = rows;
-    stream_window_size = rows - stream_n_sink;
-  }
+  void set_budget(int rows);
 
   /// Throws std::invalid_argument naming the first bad field and its value (docs/design.md 2.1).
   /// Checks the method name and the fields of `method` only: a StreamingLLM window is not checked
   /// when the method is squeeze.
-  void validate() const {
-    using namespace detail;
-    if (!is_known_method(method)) {
-      throw std::invalid_argument("KVCacheConfig: method '" + method +
-                                  "' is unknown; valid methods: " + method_list());
-    }
-    check_bits("key_bits", key_bits);
-    check_bits("value_bits", value_bits);
-    if (quant_group < 8) {
-      config_error("quant_group", quant_group, "must be >= 8");
-    }
-    if (method == "squeeze" || method == "h2o" || method == "pyramidkv") {
-      if (proxy_scoring_index(proxy_scoring) < 0) {
-        throw std::invalid_argument("KVCacheConfig: proxy_scoring '" + proxy_scoring +
-                                    "' is unknown; valid: " + name_list(kProxyScorings));
-      }
-      if (!(value_norm_power >= 0.0 && value_norm_power <= kMaxValueNormPower)) {
-        config_error("value_norm_power", value_norm_power, "must be in [0, 4]");
-      }
-    }
-    if (method == "squeeze") {
-      check_budget("squeeze_budget", squeeze_budget);
-      check_non_negative("squeeze_n_sink", squeeze_n_sink);
-      check_unit_interval("squeeze_strength", squeeze_strength);
-      if (squeeze_resolved_budget)
-        check_budget("squeeze_resolved_budget", *squeeze_resolved_budget);
-      check_unit_interval("squeeze_recent_ratio", squeeze_recent_ratio);
-      check_decay("squeeze_decay", squeeze_decay);
-      if (squeeze_calibration_tokens < 1) {
-        config_error("squeeze_calibration_tokens", squeeze_calibration_tokens, "must be >= 1");
-      }
-      check_sink_below("squeeze_n_sink", squeeze_n_sink, "squeeze_budget", squeeze_budget);
-      if (squeeze_resolved_budget) {
-        check_sink_below("squeeze_n_sink", squeeze_n_sink, "squeeze_resolved_budget",
-                         *squeeze_resolved_budget);
-      }
-    } else if (method == "h2o") {
-      check_budget("h2o_budget", h2o_budget);
-      check_non_negative("h2o_n_sink", h2o_n_sink);
-      check_non_negative("h2o_grace", h2o_grace);
-      check_decay("h2o_decay", h2o_decay);
-      check_sink_below("h2o_n_sink", h2o_n_sink, "h2o_budget", h2o_budget);
-    } else if (method == "pyramidkv") {
-      check_budget("pyramid_budget", pyramid_budget);
-      check_non_negative("pyramid_n_sink", pyramid_n_sink);
-      if (!(pyramid_beta >= 1.0 && pyramid_beta <= kMaxPyramidBeta)) {
-        config_error("pyramid_beta", pyramid_beta, "must be in [1, 1e6]");
-      }
-      if (pyramid_resolved_budget)
-        check_budget("pyramid_resolved_budget", *pyramid_resolved_budget);
-      check_unit_interval("pyramid_recent_ratio", pyramid_recent_ratio);
-      check_decay("pyramid_decay", pyramid_decay);
-      check_sink_below("pyramid_n_sink", pyramid_n_sink, "pyramid_budget", pyramid_budget);
-      if (pyramid_resolved_budget) {
-        check_sink_below("pyramid_n_sink", pyramid_n_sink, "pyramid_resolved_budget",
-                         *pyramid_resolved_budget);
-      }
-    } else if (method == "tova") {
-      check_budget("tova_budget", tova_budget);
-      check_non_negative("tova_n_sink", tova_n_sink);
-      check_sink_below("tova_n_sink", tova_n_sink, "tova_budget", tova_budget);
-    } else if (method == "streaming_llm") {
-      check_non_negative("stream_n_sink", stream_n_sink);
-      if (stream_window_size < 1)
-        config_error("stream_window_size", stream_window_size, "must be >= 1");
-      if (static_cast<long long>(stream_n_sink) + stream_window_size > 2147483647LL) {
-        config_error("stream_window_size", stream_window_size,
-                     "plus stream_n_sink must fit in an int (rows per head)");
-      }
-    } else if (method == "snapkv") {
-      check_budget("snap_budget", snap_budget);
-      if (snap_obs_window < 1) config_error("snap_obs_window", snap_obs_window, "must be >= 1");
-      check_non_negative("snap_n_sink", snap_n_sink);
-      check_sink_below("snap_n_sink", snap_n_sink, "snap_budget", snap_budget);
-    }
-  }
+  void validate() const;
 };
+
+namespace detail {
+
+// Each method's own checks (its row of kMethodTable), after the checks every method shares.
+
+/// SqueezeAttention, H2O and PyramidKV score calls without queries by proxy_scoring and rank
+/// calls with queries by value_norm_power (docs/design.md 4.7, 4.8).
+inline void validate_h2o_core(const KVCacheConfig& c) {
+  if (proxy_scoring_index(c.proxy_scoring) < 0) {
+    throw std::invalid_argument("KVCacheConfig: proxy_scoring '" + c.proxy_scoring +
+                                "' is unknown; valid: " + name_list(kProxyScorings));
+  }
+  if (!(c.value_norm_power >= 0.0 && c.value_norm_power <= kMaxValueNormPower)) {
+    config_error("value_norm_power", c.value_norm_power, "must be in [0, 4]");
+  }
+}
+
+inline void validate_squeeze(const KVCacheConfig& c) {
+  validate_h2o_core(c);
+  check_budget("squeeze_budget", c.squeeze_budget);
+  check_non_negative("squeeze_n_sink", c.squeeze_n_sink);
+  check_unit_interval("squeeze_strength", c.squeeze_strength);
+  if (c.squeeze_resolved_budget)
+    check_budget("squeeze_resolved_budget", *c.squeeze_resolved_budget);
+  check_unit_interval("squeeze_recent_ratio", c.squeeze_recent_ratio);
+  check_decay("squeeze_decay", c.squeeze_decay);
+  if (c.squeeze_calibration_tokens < 1) {
+    config_error("squeeze_calibration_tokens", c.squeeze_calibration_tokens, "must be >= 1");
+  }
+  check_sink_below("squeeze_n_sink", c.squeeze_n_sink, "squeeze_budget", c.squeeze_budget);
+  if (c.squeeze_resolved_budget) {
+    check_sink_below("squeeze_n_sink", c.squeeze_n_sink, "squeeze_resolved_budget",
+                     *c.squeeze_resolved_budget);
+  }
+}
+
+inline void validate_h2o(const KVCacheConfig& c) {
+  validate_h2o_core(c);
+  check_budget("h2o_budget", c.h2o_budget);
+  check_non_negative("h2o_n_sink", c.h2o_n_sink);
+  check_non_negative("h2o_grace", c.h2o_grace);
+  check_decay("h2o_decay", c.h2o_decay);
+  check_sink_below("h2o_n_sink", c.h2o_n_sink, "h2o_budget", c.h2o_budget);
+}
+
+inline void validate_pyramidkv(const KVCacheConfig& c) {
+  validate_h2o_core(c);
+  check_budget("pyramid_budget", c.pyramid_budget);
+  check_non_negative("pyramid_n_sink", c.pyramid_n_sink);
+  if (!(c.pyramid_beta >= 1.0 && c.pyramid_beta <= kMaxPyramidBeta)) {
+    config_error("pyramid_beta", c.pyramid_beta, "must be in [1, 1e6]");
+  }
+  if (c.pyramid_resolved_budget)
+    check_budget("pyramid_resolved_budget", *c.pyramid_resolved_budget);
+  check_unit_interval("pyramid_recent_ratio", c.pyramid_recent_ratio);
+  check_decay("pyramid_decay", c.pyramid_decay);
+  check_sink_below("pyramid_n_sink", c.pyramid_n_sink, "pyramid_budget", c.pyramid_budget);
+  if (c.pyramid_resolved_budget) {
+    check_sink_below("pyramid_n_sink", c.pyramid_n_sink, "pyramid_resolved_budget",
+                     *c.pyramid_resolved_budget);
+  }
+}
+
+inline void validate_tova(const KVCacheConfig& c) {
+  check_budget("tova_budget", c.tova_budget);
+  check_non_negative("tova_n_sink", c.tova_n_sink);
+  check_sink_below("tova_n_sink", c.tova_n_sink, "tova_budget", c.tova_budget);
+}
+
+inline void validate_streaming_llm(const KVCacheConfig& c) {
+  check_non_negative("stream_n_sink", c.stream_n_sink);
+  if (c.stream_window_size < 1)
+    config_error("stream_window_size", c.stream_window_size, "must be >= 1");
+  if (static_cast<long long>(c.stream_n_sink) + c.stream_window_size > 2147483647LL) {
+    config_error("stream_window_size", c.stream_window_size,
+                 "plus stream_n_sink must fit in an int (rows per head)");
+  }
+}
+
+inline void validate_snapkv(const KVCacheConfig& c) {
+  check_budget("snap_budget", c.snap_budget);
+  if (c.snap_obs_window < 1) config_error("snap_obs_window", c.snap_obs_window, "must be >= 1");
+  check_non_negative("snap_n_sink", c.snap_n_sink);
+  check_sink_below("snap_n_sink", c.snap_n_sink, "snap_budget", c.snap_budget);
+}
+
+inline void validate_standard(const KVCacheConfig&) {}
+
+/// The policies, in the order of kMethodTable.
+enum class Method : std::uint8_t { squeeze, h2o, pyramidkv, tova, streaming_llm, snapkv, standard };
+
+/// One policy as the configuration, the factory, the builder and the prompt-cache file know it
+/// (docs/design.md "Adding a policy"). Its cache class is the one whose constructor passes `id`
+/// to KVCache (KVCacheFactory::create builds it by `id`).
+struct MethodSpec {
+  Method id;
+  /// KVCacheConfig::method; also the tag that names the class in a prompt-cache file (the
+  /// stored config's "method" field).
+  const char* name;
+  /// The config fields it owns and validate() checks begin with this ("": none).
+  const char* field_prefix;
+  /// H2O core: it also owns proxy_scoring and value_norm_power.
+  bool h2o_core;
+  /// Sets its rows-per-head budget (set_budget); null: it has none.
+  void (*set_budget)(KVCacheConfig&, int rows);
+  /// Its own checks (validate() runs the shared ones first).
+  void (*validate)(const KVCacheConfig&);
+};
+
+inline constexpr std::array<MethodSpec, 7> kMethodTable = {{
+    {Method::squeeze, "squeeze", "squeeze_", true,
+     [](KVCacheConfig& c, int rows) { c.squeeze_budget = rows; }, validate_squeeze},
+    {Method::h2o, "h2o", "h2o_", true, [](KVCacheConfig& c, int rows) { c.h2o_budget = rows; },
+     validate_h2o},
+    {Method::pyramidkv, "pyramidkv", "pyramid_", true,
+     [](KVCacheConfig& c, int rows) { c.pyramid_budget = rows; }, validate_pyramidkv},
+    {Method::tova, "tova", "tova_", false, [](KVCacheConfig& c, int rows) { c.tova_budget = rows; },
+     validate_tova},
+    {Method::streaming_llm, "streaming_llm", "stream_", false,
+     [](KVCacheConfig& c, int rows) { c.stream_window_size = rows - c.stream_n_sink; },
+     validate_streaming_llm},
+    {Method::snapkv, "snapkv", "snap_", false,
+     [](KVCacheConfig& c, int rows) { c.snap_budget = rows; }, validate_snapkv},
+    {Method::standard, "standard", "", false, nullptr, validate_standard},
+}};
+
+/// Whether every row of kMethodTable sits at the index of its id (method_spec relies on it).
+constexpr bool method_table_in_order() {
+  for (std::size_t i = 0; i < kMethodTable.size(); ++i) {
+    if (static_cast<std::size_t>(kMethodTable[i].id) != i) return false;
+  }
+  return true;
+}
+static_assert(method_table_in_order(), "kMethodTable: rows in the order of enum Method");
+
+/// The row of `id`.
+inline const MethodSpec& method_spec(Method id) {
+  return kMethodTable[static_cast<std::size_t>(id)];
+}
+
+/// The row named `name`, or null.
+inline const MethodSpec* find_method(const std::string& name) {
+  for (const MethodSpec& m : kMethodTable) {
+    if (name == m.name) return &m;
+  }
+  return nullptr;
+}
+
+/// "squeeze, h2o, ..." for error messages.
+inline std::string method_list() {
+  std::string out;
+  for (const MethodSpec& m : kMethodTable) {
+    if (!out.empty()) out += ", ";
+    out += m.name;
+  }
+  return out;
+}
+
+/// The row of config.method; throws std::invalid_argument for an unknown name.
+inline const MethodSpec& method_of(const KVCacheConfig& config) {
+  const MethodSpec* m = find_method(config.method);
+  if (m == nullptr) {
+    throw std::invalid_argument("KVCacheConfig: method '" + config.method +
+                                "' is unknown; valid methods: " + method_list());
+  }
+  return *m;
+}
+
+/// Whether validate() checks config field `field` for method `m`: the fields every method shares,
+/// the H2O core's two, and the fields with its prefix.
+inline bool config_field_checked(const MethodSpec& m, const std::string& field) {
+  if (field == "key_bits" || field == "value_bits" || field == "quant_group") return true;
+  if (field == "proxy_scoring" || field == "value_norm_power") return m.h2o_core;
+  const std::string prefix = m.field_prefix;
+  return !prefix.empty() && field.compare(0, prefix.size(), prefix) == 0;
+}
+
+}  // namespace detail
+
+inline void KVCacheConfig::set_budget(int rows) {
+  for (const detail::MethodSpec& m : detail::kMethodTable) {
+    if (m.set_budget != nullptr) m.set_budget(*this, rows);
+  }
+}
+
+inline void KVCacheConfig::validate() const {
+  using namespace detail;
+  const MethodSpec& m = method_of(*this);
+  check_bits("key_bits", key_bits);
+  check_bits("value_bits", value_bits);
+  if (quant_group < 8) config_error("quant_group", quant_group, "must be >= 8");
+  m.validate(*this);
+}
 
 namespace detail {
 
@@ -294,15 +396,15 @@ inline unsigned config_field_since(const char* name) {
   return n == "value_norm_power" ? 3U : n == "proxy_scoring" ? 2U : 1U;
 }
 
-/// `config` with `method` in place of its own.
-inline KVCacheConfig with_method(KVCacheConfig config, const char* method) {
-  config.method = method;
+/// `config` with method `id` in place of its own.
+inline KVCacheConfig with_method(KVCacheConfig config, Method id) {
+  config.method = method_spec(id).name;
   return config;
 }
 
-/// Validates `config` as if `method` were in use (a cache class knows its own method).
-inline void validate_as(const KVCacheConfig& config, const char* method) {
-  with_method(config, method).validate();
+/// Validates `config` as if method `id` were in use (a cache class knows its own method).
+inline void validate_as(const KVCacheConfig& config, Method id) {
+  with_method(config, id).validate();
 }
 
 }  // namespace detail

@@ -2,8 +2,6 @@
 #pragma once
 
 #include <memory>
-#include <stdexcept>
-#include <string>
 
 #include <Eigen/Core>
 
@@ -26,17 +24,24 @@ class KVCacheFactory {
   template <class T = Eigen::half>
   static std::unique_ptr<KVCache<T>> create(const KVCacheConfig& config) {
     config.validate();
-    const std::string& m = config.method;
-    if (m == "squeeze") return std::make_unique<SqueezeAttentionCache<T>>(config);
-    if (m == "h2o") return std::make_unique<H2OCache<T>>(config);
-    if (m == "pyramidkv") return std::make_unique<PyramidKVCache<T>>(config);
-    if (m == "tova") return std::make_unique<TOVACache<T>>(config);
-    if (m == "streaming_llm") return std::make_unique<StreamingLLMCache<T>>(config);
-    if (m == "snapkv") return std::make_unique<SnapKVCache<T>>(config);
-    if (m == "standard") return std::make_unique<KVCache<T>>(config);
-    // validate() accepts only the methods above; this guards a future method without a class.
-    throw std::invalid_argument("KVCacheFactory: method '" + m + "' has no cache class; valid: " +
-                                detail::method_list());
+    // One case per row of detail::kMethodTable (-Wswitch names a row without its class).
+    switch (detail::method_of(config).id) {
+      case detail::Method::squeeze:
+        return std::make_unique<SqueezeAttentionCache<T>>(config);
+      case detail::Method::h2o:
+        return std::make_unique<H2OCache<T>>(config);
+      case detail::Method::pyramidkv:
+        return std::make_unique<PyramidKVCache<T>>(config);
+      case detail::Method::tova:
+        return std::make_unique<TOVACache<T>>(config);
+      case detail::Method::streaming_llm:
+        return std::make_unique<StreamingLLMCache<T>>(config);
+      case detail::Method::snapkv:
+        return std::make_unique<SnapKVCache<T>>(config);
+      case detail::Method::standard:
+        break;
+    }
+    return std::make_unique<KVCache<T>>(config);
   }
 };
 

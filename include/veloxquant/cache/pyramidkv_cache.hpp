@@ -30,7 +30,7 @@ class PyramidKVCache : public KVCache<T> {
  public:
   /// Validates `config` as method "pyramidkv"; throws std::invalid_argument.
   explicit PyramidKVCache(const KVCacheConfig& config)
-      : KVCache<T>(rule_of(config), config, "pyramidkv") {}
+      : KVCache<T>(rule_of(config), config, detail::Method::pyramidkv) {}
 
   using KVCache<T>::budget;
   using KVCache<T>::n_sink;
@@ -39,7 +39,7 @@ class PyramidKVCache : public KVCache<T> {
 
  private:
   static detail::Rule rule_of(const KVCacheConfig& config) {
-    detail::validate_as(config, "pyramidkv");
+    detail::validate_as(config, detail::Method::pyramidkv);
     detail::Rule r;
     r.kind = detail::RuleKind::cumulative;
     r.budget = config.pyramid_resolved_budget.value_or(config.pyramid_budget);

@@ -19,7 +19,7 @@ class SnapKVCache : public KVCache<T> {
  public:
   /// Validates `config` as method "snapkv"; throws std::invalid_argument.
   explicit SnapKVCache(const KVCacheConfig& config)
-      : KVCache<T>(rule_of(config), config, "snapkv") {}
+      : KVCache<T>(rule_of(config), config, detail::Method::snapkv) {}
 
   using KVCache<T>::n_sink;
   /// Query tokens that rank the prompt.
@@ -29,7 +29,7 @@ class SnapKVCache : public KVCache<T> {
 
  private:
   static detail::Rule rule_of(const KVCacheConfig& config) {
-    detail::validate_as(config, "snapkv");
+    detail::validate_as(config, detail::Method::snapkv);
     detail::Rule r;
     r.kind = detail::RuleKind::prompt;
     r.budget = config.snap_budget;

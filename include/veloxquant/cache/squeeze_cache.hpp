@@ -58,7 +58,7 @@ class SqueezeAttentionCache : public KVCache<T> {
   explicit SqueezeAttentionCache(const KVCacheConfig& config,
                                  std::optional<int> layer_id = std::nullopt,
                                  std::shared_ptr<SqueezeCoordinator> coordinator = nullptr)
-      : KVCache<T>(rule_of(config, layer_id, coordinator), config, "squeeze"),
+      : KVCache<T>(rule_of(config, layer_id, coordinator), config, detail::Method::squeeze),
         layer_id_(layer_id),
         coordinator_(std::move(coordinator)) {}
 
@@ -171,7 +171,7 @@ class SqueezeAttentionCache : public KVCache<T> {
  private:
   static detail::Rule rule_of(const KVCacheConfig& config, std::optional<int> layer_id,
                               const std::shared_ptr<SqueezeCoordinator>& coordinator) {
-    detail::validate_as(config, "squeeze");
+    detail::validate_as(config, detail::Method::squeeze);
     if (layer_id && *layer_id < 0) {
       throw std::invalid_argument("SqueezeAttentionCache: layer_id (" + std::to_string(*layer_id) +
                                   ") must be >= 0");

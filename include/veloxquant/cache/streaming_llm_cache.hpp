@@ -17,7 +17,7 @@ class StreamingLLMCache : public KVCache<T> {
  public:
   /// Validates `config` as method "streaming_llm"; throws std::invalid_argument.
   explicit StreamingLLMCache(const KVCacheConfig& config)
-      : KVCache<T>(rule_of(config), config, "streaming_llm") {}
+      : KVCache<T>(rule_of(config), config, detail::Method::streaming_llm) {}
 
   using KVCache<T>::n_sink;
   /// Rows kept besides the sinks.
@@ -25,7 +25,7 @@ class StreamingLLMCache : public KVCache<T> {
 
  private:
   static detail::Rule rule_of(const KVCacheConfig& config) {
-    detail::validate_as(config, "streaming_llm");
+    detail::validate_as(config, detail::Method::streaming_llm);
     detail::Rule r;
     r.kind = detail::RuleKind::window;
     r.budget = config.stream_n_sink + config.stream_window_size;

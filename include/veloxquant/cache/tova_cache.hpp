@@ -17,13 +17,13 @@ template <class T = Eigen::half>
 class TOVACache : public KVCache<T> {
  public:
   /// Validates `config` as method "tova"; throws std::invalid_argument.
-  explicit TOVACache(const KVCacheConfig& config) : KVCache<T>(rule_of(config), config, "tova") {}
+  explicit TOVACache(const KVCacheConfig& config) : KVCache<T>(rule_of(config), config, detail::Method::tova) {}
 
   using KVCache<T>::n_sink;
 
  private:
   static detail::Rule rule_of(const KVCacheConfig& config) {
-    detail::validate_as(config, "tova");
+    detail::validate_as(config, detail::Method::tova);
     detail::Rule r;
     r.kind = detail::RuleKind::last_attention;
     r.budget = config.tova_budget;
