@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Writes the hand-designed seed corpus of the veloxquant fuzzer into fuzz/corpus/.
 
-Each seed spells out, byte by byte, what fuzz_ops.hpp reads (see the comments there): storage
+Each seed spells out, byte by byte, what the ops target reads (fuzz_ops.hpp says what the bytes
+choose; ops_config.hpp, ops_oracle.hpp, ops_harness.hpp and ops_calls.hpp read them): storage
 type, policy, configuration, sequence dims and query mode, then operations. The seeds cover every
 policy, every entry point, queries, resets, trims, coordinator reports and every kind of bad
 input, so the fuzzer starts from deep states instead of from empty calls.
