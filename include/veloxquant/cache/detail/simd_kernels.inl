@@ -385,6 +385,30 @@ inline V load_row_tail(const T* row, Index count) {
   return vload_row(t);
 }
 
+/// Writes the R rows of a weighted-rows tile (weighted_slice, qweighted_slice): row r, its
+/// accumulators (a, b, c, d for r = 0..3; the second vector only at W = 2) scaled by its
+/// normaliser inv[r], to out + r * ldo + k.
+template <int R, int W>
+inline void put_weighted_rows(const float* inv, float* out, Index ldo, Index k, Index width, V a0,
+                              V a1, V b0, V b1, V c0, V c1, V d0, V d1) {
+  const auto put = [&](Index r, V lo, V hi) {
+    float* o = out + r * ldo + k;
+    const V s = vset(inv[r]);
+    if constexpr (W == 0) {
+      store_tail(o, width, vmul(lo, s));
+    } else {
+      vstore(o, vmul(lo, s));
+      if constexpr (W == 2) vstore(o + kLanes, vmul(hi, s));
+    }
+  };
+  put(0, a0, a1);
+  if constexpr (R >= 2) put(1, b0, b1);
+  if constexpr (R >= 4) {
+    put(2, c0, c1);
+    put(3, d0, d1);
+  }
+}
+
 /// R (1, 2 or 4) rows of the attention output over the elements [k, k + width) of the value rows:
 /// W = 2 (two vectors), 1 (one vector) or 0 (a tail of width < kLanes elements). out_r = inv[r] *
 /// sum_{c < n} e[r][c] * v_c, one multiply-add chain per element in ascending c. Named
@@ -426,22 +450,7 @@ inline void weighted_slice(const float* e, Index lde, const float* inv, const T*
       }
     }
   }
-  const auto put = [&](Index r, V lo, V hi) {
-    float* o = out + r * ldo + k;
-    const V s = vset(inv[r]);
-    if constexpr (W == 0) {
-      store_tail(o, width, vmul(lo, s));
-    } else {
-      vstore(o, vmul(lo, s));
-      if constexpr (W == 2) vstore(o + kLanes, vmul(hi, s));
-    }
-  };
-  put(0, a0, a1);
-  if constexpr (R >= 2) put(1, b0, b1);
-  if constexpr (R >= 4) {
-    put(2, c0, c1);
-    put(3, d0, d1);
-  }
+  put_weighted_rows<R, W>(inv, out, ldo, k, width, a0, a1, b0, b1, c0, c1, d0, d1);
 }
 
 template <int R, class T>
@@ -811,22 +820,7 @@ inline void qweighted_slice(const float* e, Index lde, const float* inv, const Q
       }
     }
   }
-  const auto put = [&](Index r, V lo, V hi) {
-    float* o = out + r * ldo + k;
-    const V s = vset(inv[r]);
-    if constexpr (W == 0) {
-      store_tail(o, width, vmul(lo, s));
-    } else {
-      vstore(o, vmul(lo, s));
-      if constexpr (W == 2) vstore(o + kLanes, vmul(hi, s));
-    }
-  };
-  put(0, a0, a1);
-  if constexpr (R >= 2) put(1, b0, b1);
-  if constexpr (R >= 4) {
-    put(2, c0, c1);
-    put(3, d0, d1);
-  }
+  put_weighted_rows<R, W>(inv, out, ldo, k, width, a0, a1, b0, b1, c0, c1, d0, d1);
 }
 
 template <int R, int B>
