@@ -24,6 +24,7 @@
 #include "detail/layer_storage.hpp"
 #include "detail/policy.hpp"
 #include "detail/scratch.hpp"
+#include "detail/state_checks.hpp"
 #include "detail/state_io.hpp"
 #include "kv_cache_config.hpp"
 #include "kv_view.hpp"
@@ -370,33 +371,19 @@ class KVCache {
 
   // The parts of write_state and read_state a class that adds state builds its own from.
 
-  /// A state read and not yet installed: the descriptor, then the heads as they are read.
-  struct SavedState {
-    std::uint8_t flags = 0;
-    std::int32_t budget = 0;
-    std::int64_t batch = 0, heads = 0, key_dim = 0, value_dim = 0;
-    std::int64_t offset = 0, tokens_seen = 0, rows = 0;
-    std::vector<detail::HeadStore<T>> stores;
-    std::vector<float> row_buf;
-    bool dims_known() const { return (flags & kDimsKnown) != 0; }
-    bool has_budget() const { return (flags & kHasBudget) != 0; }
-    bool compressed() const { return (flags & kCompressed) != 0; }
-  };
-  enum : std::uint8_t { kDimsKnown = 1, kHasBudget = 2, kCompressed = 4 };
+  /// A state read and not yet installed (detail/state_checks.hpp).
+  using SavedState = detail::SavedCache<T>;
   /// What a class adds to each head block: nothing.
   struct NoExtra {
     void operator()(detail::ByteWriter& /*out*/, std::size_t /*head*/) const {}
     void read(detail::ByteReader& /*in*/) {}
     void check(const SavedState& /*s*/) {}
   };
-  /// Throws std::invalid_argument(why): a saved state no cache can be in.
-  [[noreturn]] static void bad_state(const std::string& why) { throw std::invalid_argument(why); }
-
   void write_descriptor(detail::StateWriter& w) const {
     detail::ByteWriter& out = w.out();
-    out.u8(static_cast<std::uint8_t>((dims_.known ? kDimsKnown : 0) |
-                                     (rule_.budget ? kHasBudget : 0) |
-                                     (rule_.compressed ? kCompressed : 0)));
+    out.u8(static_cast<std::uint8_t>((dims_.known ? SavedState::kDimsKnown : 0) |
+                                     (rule_.budget ? SavedState::kHasBudget : 0) |
+                                     (rule_.compressed ? SavedState::kCompressed : 0)));
     out.i32(rule_.budget.value_or(0));
     for (const Index v : {dims_.batch, dims_.heads, dims_.key_dim, dims_.value_dim, Index{offset_},
                           Index{tokens_seen_}, live_rows()}) {
@@ -413,7 +400,7 @@ class KVCache {
       h.compacted_slots(src);
       w.begin_head();
       w.positions(h, src);
-      if (scored(rule_.kind)) w.scores(h, src);
+      if (detail::scored_rows(rule_.kind)) w.scores(h, src);
       extra(w.out(), i);
       w.rows(h, src);
       w.end_head();
@@ -430,25 +417,13 @@ class KVCache {
     }
     return s;
   }
-  void check_flags(const SavedState& s) const {
-    if ((s.flags & ~(kDimsKnown | kHasBudget | kCompressed)) != 0) bad_state("unknown state flags");
-    if (!s.has_budget() && s.budget != 0) bad_state("no budget but a budget value");
-  }
   /// The rules every cache keeps between calls (docs/design.md G, "what a loader checks"), on the
-  /// descriptor; `budget_from_config`: the budget in force is the one the config gives.
+  /// descriptor: its flags first (check_flags), then the rest (check_descriptor;
+  /// `budget_from_config`: the budget in force is the one the config gives).
+  static void check_flags(const SavedState& s) { detail::check_saved_flags(s); }
   void check_descriptor(const SavedState& s, bool budget_from_config) const {
-    if (!s.dims_known()) {
-      if (s.batch || s.heads || s.key_dim || s.value_dim || s.offset || s.tokens_seen || s.rows) {
-        bad_state("a cache that has seen no call holds dims, rows, tokens or an offset");
-      }
-    } else {
-      check_dims(s);
-    }
-    if (budget_from_config && (s.has_budget() != rule_.budget.has_value() ||
-                               (s.has_budget() && s.budget != rule_.budget.value_or(0)))) {
-      bad_state("its budget is not the one its configuration gives");
-    }
-    check_rows(s);
+    detail::check_saved_descriptor(s, rule_, key_format(s.key_dim), value_format(s.value_dim),
+                                   budget_from_config);
   }
   /// Reads the head blocks into s.stores, checking each as it comes; `extra` reads what the
   /// class adds to each block (extra.read, after the scores) and checks it (extra.check).
@@ -456,7 +431,7 @@ class KVCache {
   void read_heads(detail::StateReader& r, SavedState& s, Extra& extra) const {
     if (!s.dims_known() || s.rows == 0) return;
     const detail::RowFormat kf = key_format(s.key_dim), vf = value_format(s.value_dim);
-    const bool with_scores = scored(rule_.kind);
+    const bool with_scores = detail::scored_rows(rule_.kind);
     const auto n = static_cast<std::uint64_t>(s.rows);
     std::vector<std::int64_t> pos;
     std::vector<float> score;
@@ -472,7 +447,7 @@ class KVCache {
         // than what the file has already paid for; restore computes the weights.
         if (rule_.value_power > 0.0) head.enable_value_weights(rule_.value_power);
         r.end_head();
-        check_head(s, head, pos, with_scores ? &score : nullptr);
+        detail::check_saved_head(s, rule_, head, pos, with_scores ? &score : nullptr);
         extra.check(s);
         r.keep_head();
         s.stores.push_back(std::move(head));
@@ -525,137 +500,6 @@ class KVCache {
       att.stride_b = S * Hq * Dv;
     }
     (void)run(keys, values, &queries, "attend", nullptr, &att);
-  }
-
-  // ---- the checks of a restored state (read_state) ----
-
-  // True for the policies whose rows carry scores (the others' are all 0 and not saved).
-  static bool scored(detail::RuleKind k) {
-    return k == detail::RuleKind::cumulative || k == detail::RuleKind::last_attention ||
-           k == detail::RuleKind::prompt;
-  }
-  // Dims, counters and the row count of a cache that has seen a call.
-  void check_dims(const SavedState& s) const {
-    constexpr std::int64_t kMaxDim = std::numeric_limits<std::int32_t>::max();
-    for (const std::int64_t v : {s.batch, s.heads, s.key_dim, s.value_dim}) {
-      if (v < 1 || v > kMaxDim) {
-        bad_state("dims [" + std::to_string(s.batch) + ", " + std::to_string(s.heads) + ", ., " +
-                  std::to_string(s.key_dim) + " / " + std::to_string(s.value_dim) +
-                  "] are not in [1, 2^31 - 1]");
-      }
-    }
-    // Far beyond any sequence, and room left for the counters to grow without overflow.
-    constexpr std::int64_t kMaxCount = std::int64_t{1} << 62;
-    if (s.offset > kMaxCount || s.tokens_seen > kMaxCount) {
-      bad_state("offset " + std::to_string(s.offset) + " or tokens_seen " +
-                std::to_string(s.tokens_seen) + " is beyond 2^62");
-    }
-    if (s.offset < 0 || s.rows < 0 || s.rows > s.offset || s.rows > kMaxDim) {
-      bad_state(std::to_string(s.rows) + " rows per head at offset " + std::to_string(s.offset));
-    }
-    // tokens_seen is B·H·S summed over calls: B·H times the offset (trim lowers the offset of a
-    // standard cache, not tokens_seen).
-    const std::int64_t bh = s.batch * s.heads;
-    const bool trimmable = rule_.kind == detail::RuleKind::keep_all;
-    if (s.tokens_seen < 0 || s.tokens_seen % bh != 0 ||
-        (trimmable ? s.tokens_seen / bh < s.offset : s.tokens_seen / bh != s.offset)) {
-      bad_state("tokens_seen " + std::to_string(s.tokens_seen) + " does not fit " +
-                std::to_string(bh) + " heads at offset " + std::to_string(s.offset));
-    }
-    const auto divides = [&](int bits, std::int64_t dim, const char* what) {
-      if (bits < 16 && dim % config_.quant_group != 0) {
-        bad_state(std::string("quant_group ") + std::to_string(config_.quant_group) +
-                  " does not divide the " + what + " dim " + std::to_string(dim));
-      }
-    };
-    divides(config_.key_bits, s.key_dim, "key");
-    divides(config_.value_bits, s.value_dim, "value");
-  }
-  // The retained count against the policy and the budget in force (docs/design.md 4.2, 6).
-  void check_rows(const SavedState& s) const {
-    const bool keep_all = rule_.kind == detail::RuleKind::keep_all;
-    const bool prompt = rule_.kind == detail::RuleKind::prompt;
-    if (s.dims_known() && s.rows == 0 && !keep_all) {
-      bad_state("no rows after a call: only a trimmed standard cache can hold none");
-    }
-    if (s.compressed() && (!prompt || !s.dims_known())) {
-      bad_state("compressed, but not a SnapKV cache that has seen a call");
-    }
-    if (prompt && !s.compressed() && s.rows != s.offset) {
-      bad_state("a SnapKV cache that has not compressed holds every row (" +
-                std::to_string(s.rows) + " at offset " + std::to_string(s.offset) + ")");
-    }
-    if (s.has_budget() && s.budget < 1) {
-      bad_state("budget " + std::to_string(s.budget) + " is below 1");
-    }
-    // Evictions never take a sink, so a budget below the sinks (an adopted budget from a
-    // coordinator with fewer sinks than the layer) leaves the sinks: at most max(budget, sinks).
-    const bool bounded = rule_.kind == detail::RuleKind::window ||
-                         rule_.kind == detail::RuleKind::cumulative ||
-                         rule_.kind == detail::RuleKind::last_attention;
-    const std::int64_t sinks = std::min<std::int64_t>(rule_.n_sink, s.offset);
-    if (bounded && s.has_budget() && s.rows > std::max<std::int64_t>(s.budget, sinks)) {
-      bad_state(std::to_string(s.rows) + " rows per head over its budget of " +
-                std::to_string(s.budget));
-    }
-  }
-  // One restored head: its scores, positions, sinks, keys and quantized rows' scales.
-  void check_head(const SavedState& s, detail::HeadStore<T>& head,
-                  const std::vector<std::int64_t>& pos, const std::vector<float>* score) const {
-    if (score) check_scores(*score);
-    if (!head.restore(s.rows, pos.data(), score ? score->data() : nullptr)) {
-      bad_state("two rows share a position");
-    }
-    const auto& order = head.order();
-    if (s.rows > 0) {
-      const std::int64_t first = head.position(order.front()), last = head.position(order.back());
-      if (first < 0 || last >= s.offset) {
-        bad_state("positions " + std::to_string(first) + ".." + std::to_string(last) +
-                  " are not in [0, offset " + std::to_string(s.offset) + ")");
-      }
-    }
-    // Sinks are never evicted: positions 0..min(n_sink, offset) - 1 are all retained.
-    if (rule_.kind != detail::RuleKind::keep_all) {
-      const std::int64_t k = std::min<std::int64_t>(rule_.n_sink, s.offset);
-      if (k > 0 && (s.rows < k || head.position(order[static_cast<std::size_t>(k - 1)]) != k - 1)) {
-        bad_state("a sink (one of the first " + std::to_string(k) + " positions) is missing");
-      }
-    }
-    check_stored_rows(head, s.rows);
-  }
-  // Scores are sums of softmax weights (or the weights themselves): never negative, never
-  // infinite; NaN only where keys overflowed float32 (docs/design.md E). K-norm (4.7) writes
-  // negative scores (-|k|; -inf for a key whose norm overflows float32); KeyDiff recomputes its
-  // weights from the keys before it uses them, whatever the file says.
-  void check_scores(const std::vector<float>& score) const {
-    const bool signed_scores = rule_.kind == detail::RuleKind::cumulative &&
-                               rule_.proxy != detail::ProxyScoring::key_as_query;
-    for (const float x : score) {
-      if ((x < 0.0f && !signed_scores) || x == std::numeric_limits<float>::infinity()) {
-        bad_state("a score (" + std::to_string(x) + ") is negative or infinite");
-      }
-    }
-  }
-  // Keys are finite (the update calls refuse others); a quantized row's scales and offsets are
-  // finite halves (keys and values alike).
-  static void check_stored_rows(const detail::HeadStore<T>& head, Index n) {
-    const detail::RowFormat& kf = head.key_format();
-    if (!kf.quantized() && n > 0 && !detail::all_finite(head.key_ptr(0), n * kf.dim)) {
-      bad_state("a key is not finite");
-    }
-    for (const bool keys : {true, false}) {
-      const detail::RowFormat& f = keys ? kf : head.value_format();
-      if (!f.quantized()) continue;
-      for (Index s = 0; s < n; ++s) {
-        const auto* row =
-            reinterpret_cast<const std::uint8_t*>(keys ? head.key_ptr(s) : head.value_ptr(s));
-        const auto* meta = reinterpret_cast<const Eigen::half*>(row + f.code_bytes());
-        if (!detail::all_finite(meta, 2 * f.groups())) {
-          bad_state(std::string("a quantized ") + (keys ? "key" : "value") +
-                    " row's scale or offset is not finite");
-        }
-      }
-    }
   }
 
   // Index of head (b, h); std::out_of_range outside [0, B) x [0, H).

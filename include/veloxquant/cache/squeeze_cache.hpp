@@ -271,11 +271,11 @@ class SqueezeAttentionCache : public KVCache<T> {
     void check(const typename KVCache<T>::SavedState& s) {
       if (!on) return;
       if (rows != s.offset) {
-        KVCache<T>::bad_state("the concentration sums count " + std::to_string(rows) +
-                              " rows, not the " + std::to_string(s.offset) + " the layer has seen");
+        detail::bad_state("the concentration sums count " + std::to_string(rows) +
+                          " rows, not the " + std::to_string(s.offset) + " the layer has seen");
       }
       if (!detail::all_finite(sum.data(), static_cast<Index>(sum.size())) || !std::isfinite(diag)) {
-        KVCache<T>::bad_state("the concentration sums are not finite");
+        detail::bad_state("the concentration sums are not finite");
       }
       // Sums of unit vectors (docs/design.md 5.1): no coordinate beyond the row count, and the
       // sum of squared norms in [0, rows].
@@ -283,8 +283,8 @@ class SqueezeAttentionCache : public KVCache<T> {
       bool within = diag >= 0.0 && diag <= bound;
       for (const double x : sum) within = within && std::abs(x) <= bound;
       if (!within) {
-        KVCache<T>::bad_state("the concentration sums exceed what " + std::to_string(rows) +
-                              " rows can add up to");
+        detail::bad_state("the concentration sums exceed what " + std::to_string(rows) +
+                          " rows can add up to");
       }
       sums.push_back(detail::ConcentrationSums::restored(sum, diag, rows));
     }
@@ -301,70 +301,68 @@ class SqueezeAttentionCache : public KVCache<T> {
   }
   static void check_layer_flags(const SavedLayer& q) {
     if ((q.flags & ~(kHasLayerId | kCalibrated | kReported | kAdopted | kHasSums)) != 0) {
-      KVCache<T>::bad_state("unknown squeeze flags");
+      detail::bad_state("unknown squeeze flags");
     }
     if (!q.has(kHasLayerId) && q.layer_id != 0) {
-      KVCache<T>::bad_state("no layer id but a layer id value");
+      detail::bad_state("no layer id but a layer id value");
     }
   }
   static void check_layer_id(const SavedLayer& q) {
     if (q.has(kHasLayerId) && q.layer_id < 0) {
-      KVCache<T>::bad_state("its configuration is invalid: SqueezeAttentionCache: layer_id (" +
-                            std::to_string(q.layer_id) + ") must be >= 0");
+      detail::bad_state("its configuration is invalid: SqueezeAttentionCache: layer_id (" +
+                        std::to_string(q.layer_id) + ") must be >= 0");
     }
   }
   // Calibration, sums and the report against the offset and the coordinator.
   void check_calibration(const typename KVCache<T>::SavedState& s, const SavedLayer& q) const {
     const KVCacheConfig& cfg = this->config();
-    if (!std::isfinite(q.concentration)) KVCache<T>::bad_state("its concentration is not finite");
+    if (!std::isfinite(q.concentration)) detail::bad_state("its concentration is not finite");
     if (!s.dims_known() &&
         (q.has(kCalibrated) || q.has(kReported) || q.has(kAdopted) || q.has(kHasSums) ||
          q.report_generation != 0 || q.concentration != 0.0)) {
-      KVCache<T>::bad_state(
-          "a cache that has seen no call is calibrated, has reported or holds sums");
+      detail::bad_state("a cache that has seen no call is calibrated, has reported or holds sums");
     }
     if (s.dims_known() && q.has(kCalibrated) != (s.offset >= cfg.squeeze_calibration_tokens)) {
-      KVCache<T>::bad_state("calibrated is " + std::string(q.has(kCalibrated) ? "true" : "false") +
-                            " at offset " + std::to_string(s.offset) +
-                            " with squeeze_calibration_tokens " +
-                            std::to_string(cfg.squeeze_calibration_tokens));
+      detail::bad_state("calibrated is " + std::string(q.has(kCalibrated) ? "true" : "false") +
+                        " at offset " + std::to_string(s.offset) +
+                        " with squeeze_calibration_tokens " +
+                        std::to_string(cfg.squeeze_calibration_tokens));
     }
     if (q.has(kHasSums) != (s.dims_known() && !q.has(kCalibrated))) {
-      KVCache<T>::bad_state("the concentration sums are there exactly while a layer calibrates");
+      detail::bad_state("the concentration sums are there exactly while a layer calibrates");
     }
     if (q.has(kReported) != (q.has(kCalibrated) && q.coordinated())) {
-      KVCache<T>::bad_state("reported must be: calibrated, with a coordinator and a layer id");
+      detail::bad_state("reported must be: calibrated, with a coordinator and a layer id");
     }
     if (q.has(kAdopted) && !q.has(kReported)) {
-      KVCache<T>::bad_state("adopted a budget without reporting");
+      detail::bad_state("adopted a budget without reporting");
     }
     if (!q.has(kReported) && q.report_generation != 0) {
-      KVCache<T>::bad_state("a report generation without a report");
+      detail::bad_state("a report generation without a report");
     }
   }
   // The budget in force against the fallback and the coordinator's published budget.
   void check_budget(const typename KVCache<T>::SavedState& s, const SavedLayer& q) const {
     if (!s.has_budget() && !(q.coordinated() && this->config().squeeze_defer && !q.has(kAdopted))) {
-      KVCache<T>::bad_state("no budget, but not a deferring layer waiting for its coordinator");
+      detail::bad_state("no budget, but not a deferring layer waiting for its coordinator");
     }
     if (s.has_budget() && !q.has(kAdopted) && s.budget != fallback_budget()) {
-      KVCache<T>::bad_state("budget " + std::to_string(s.budget) +
-                            " before adoption; the fallback is " +
-                            std::to_string(fallback_budget()));
+      detail::bad_state("budget " + std::to_string(s.budget) +
+                        " before adoption; the fallback is " + std::to_string(fallback_budget()));
     }
     if (!q.has(kReported) || !q.coordinator) return;
     const std::uint64_t now = q.coordinator->generation();
     if (q.report_generation > now) {
-      KVCache<T>::bad_state("reported in generation " + std::to_string(q.report_generation) +
-                            " of a coordinator at generation " + std::to_string(now));
+      detail::bad_state("reported in generation " + std::to_string(q.report_generation) +
+                        " of a coordinator at generation " + std::to_string(now));
     }
     if (q.has(kAdopted) && q.report_generation == now) {
       // Within a generation the published budgets never change.
       const std::optional<int> b = q.coordinator->resolved_budget(q.layer_id, now);
       if (!b || *b != s.budget) {
-        KVCache<T>::bad_state("adopted budget " + std::to_string(s.budget) +
-                              " is not the one its coordinator published for layer " +
-                              std::to_string(q.layer_id));
+        detail::bad_state("adopted budget " + std::to_string(s.budget) +
+                          " is not the one its coordinator published for layer " +
+                          std::to_string(q.layer_id));
       }
     }
   }
