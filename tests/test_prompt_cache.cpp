@@ -1094,6 +1094,85 @@ TEST(PromptCacheLoad, CraftedHeadsAreRefusedNamingTheProblem) {
   expect_refused(bad, "the concentration sums are not finite");
 }
 
+// ---------------------------------------------------------------------------------------------
+// The state seam itself: KVCache::write_state / read_state (docs/design.md G), which fork and
+// checkpoint build on
+// ---------------------------------------------------------------------------------------------
+
+/// Reads cache `i` of the file `bytes` (its state: from its state flags on) into `target`.
+template <class T>
+void read_state_of(const std::string& bytes, const fmt::FileMap& map, std::size_t i,
+                   vc::KVCache<T>& target) {
+  const std::string prefix = "cache" + std::to_string(i);
+  std::istringstream in(bytes.substr(map.at(prefix + ".flags").offset));
+  // The descriptor's checksum covers its config too, which the container reads: not verified.
+  vc::detail::ByteReader reader(in, false);
+  vc::detail::StateLinks links;
+  vc::detail::StateReader state(reader, links, prefix);
+  target.read_state(state);
+}
+
+/// A saved state read into a cache of the same config that has a history of its own: the cache
+/// then stands where the saved one stood (the same snapshot, the same results for the same
+/// calls). A state it refuses throws std::invalid_argument naming the rule and leaves the cache
+/// as it was, whether the fault is in the descriptor or in a head read after others.
+TEST(PromptCacheState, ReadIntoAUsedCacheRestoresItOrLeavesItUntouched) {
+  using T = float;
+  const Caches<T> saved = rich_set<T>();  // cache 1: standard; cache 3: SnapKV, 8/4-bit rows
+  const std::string bytes = save_to_string(saved);
+  const fmt::FileMap map = fmt::walk<T>(bytes);
+  std::mt19937 rng(31u);
+  for (const std::size_t i : {std::size_t{1}, std::size_t{3}}) {
+    SCOPED_TRACE("cache " + std::to_string(i));
+    const auto used = [&] {
+      std::unique_ptr<vc::KVCache<T>> c = vc::KVCacheFactory::create<T>(saved[i]->config());
+      for (const Index S : {Index{5}, Index{1}, Index{12}}) {
+        (void)c->update_and_fetch(random_doubles(rng, 1, 2, S, 8), random_doubles(rng, 1, 2, S, 8));
+      }
+      return c;
+    };
+    // Refused: rows beyond the offset (descriptor), a key that is not finite (head (0, 1)).
+    const std::string prefix = "cache" + std::to_string(i);
+    std::string bad_rows = bytes;
+    fmt::patch(bad_rows, map.at(prefix + ".rows"), std::int64_t{99});
+    std::string bad_key = bytes;
+    const std::size_t key = map.at(prefix + ".head1.keys").offset;
+    if (i == 1) {
+      fmt::patch(bad_key, fmt::Field{key, 4}, std::numeric_limits<float>::quiet_NaN());
+    } else {  // 8 code bytes, then the half scale
+      fmt::patch(bad_key, fmt::Field{key + 8, 2}, std::uint16_t{0x7C00});
+    }
+    for (const auto& [bad, what] :
+         {std::pair<std::string, std::string>{bad_rows, "99 rows per head"},
+          {bad_key, i == 1 ? "a key is not finite" : "scale or offset"}}) {
+      std::unique_ptr<vc::KVCache<T>> c = used();
+      const Snapshot before = snapshot(*c, nullptr);
+      try {
+        read_state_of(bad, map, i, *c);
+        ADD_FAILURE() << "accepted: " << what;
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+      }
+      EXPECT_TRUE(snapshot(*c, nullptr) == before) << what;
+    }
+    // Restored: the used cache and a loaded one go on as the saved cache does.
+    std::unique_ptr<vc::KVCache<T>> c = used();
+    read_state_of(bytes, map, i, *c);
+    Snapshot got = snapshot(*c, nullptr), want = snapshot(*saved[i], nullptr);
+    got.heap = want.heap = 0;
+    EXPECT_TRUE(got == want);
+    vc::PromptCache<T> loaded = load_from_string<T>(bytes);
+    for (const Index S : {Index{1}, Index{4}, Index{0}, Index{1}}) {
+      const vc::Tensor4<double> k = random_doubles(rng, 1, 2, S, 8);
+      const vc::Tensor4<double> v = random_doubles(rng, 1, 2, S, 8);
+      const std::vector<unsigned char> from_saved =
+          bytes_of(saved[i]->update_and_fetch(k, v).first);
+      EXPECT_EQ(bytes_of(c->update_and_fetch(k, v).first), from_saved) << "S = " << S;
+      EXPECT_EQ(bytes_of(loaded.caches[i]->update_and_fetch(k, v).first), from_saved);
+    }
+  }
+}
+
 /// Counts of 2^62 and more in a crafted (resealed) file: the loader reads until the file runs
 /// out and never allocates more than its grant (1 MiB) plus the bytes it has read.
 TEST(PromptCacheLoad, HugeCountsAllocateNothingTheFileDoesNotHold) {

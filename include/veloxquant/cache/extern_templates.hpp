@@ -16,6 +16,7 @@
 
 #include "h2o_cache.hpp"
 #include "kv_cache.hpp"
+#include "kv_view.hpp"
 #include "prompt_cache.hpp"
 #include "pyramidkv_cache.hpp"
 #include "snapkv_cache.hpp"

@@ -1,8 +1,10 @@
 // veloxquant — KVCache<T>: the standard append-only cache (mirrors mlx_lm's KVCache), the base of
 // every eviction cache, and the one pipeline every call goes through (docs/design.md 2.2, 7.1):
 // validation, the strong guarantee, storage and the loop over heads live here; a policy is data
-// (detail::Rule) plus, for SqueezeAttention alone, two hooks. Also KVView<T>, the zero-copy window
-// of one call (docs/design.md 2.3).
+// (detail::Rule) plus, for SqueezeAttention alone, two hooks. Each cache writes and restores its
+// own state (write_state / read_state, docs/design.md G). KVView<T>, the zero-copy window of one
+// call, is in kv_view.hpp; the heads' growth and the copies of rows out of them in
+// detail/layer_storage.hpp.
 #pragma once
 
 #include <Eigen/Core>
@@ -19,97 +21,25 @@
 #include "detail/checks.hpp"
 #include "detail/head_store.hpp"
 #include "detail/input.hpp"
+#include "detail/layer_storage.hpp"
 #include "detail/policy.hpp"
 #include "detail/scratch.hpp"
+#include "detail/state_checks.hpp"
+#include "detail/state_io.hpp"
 #include "kv_cache_config.hpp"
+#include "kv_view.hpp"
 #include "parallel.hpp"
 #include "tensor.hpp"
 
 namespace veloxquant::cache {
 
 namespace detail {
-template <class T>
-class PromptCacheIO;  // prompt_cache.hpp: saves and restores the state of every cache class
-
 /// The scorer KVCacheConfig::proxy_scoring names (validated before: an unknown name is an error
 /// there), by its place in kProxyScorings.
 inline ProxyScoring proxy_scoring_of(const std::string& name) {
   return static_cast<ProxyScoring>(std::max(proxy_scoring_index(name), 0));
 }
 }  // namespace detail
-
-/// Zero-copy view of the rows a call hands back: one block of `rows()` rows per (b, h), living in
-/// the cache's own storage. Valid until the next non-const call on the cache. Rows retained before
-/// the call may come in any order (positions() says which is which); the rows of the call come
-/// last, in arrival order.
-template <class T>
-class KVView {
- public:
-  using RowsMap =
-      Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
-  using PositionsMap = Eigen::Map<const Eigen::Matrix<std::int64_t, Eigen::Dynamic, 1>>;
-
-  /// A view of `heads`; with copy_keys and copy_values (a quantized cache, docs/design.md 2.3)
-  /// the keys and values come from that dequantized copy of the window instead: [B·H, rows, Dk]
-  /// and [B·H, rows, Dv].
-  KVView(const std::vector<detail::HeadStore<T>>* heads, Eigen::Index batch, Eigen::Index n_heads,
-         Eigen::Index key_dim, Eigen::Index value_dim, Eigen::Index rows, Eigen::Index new_rows,
-         const T* copy_keys = nullptr, const T* copy_values = nullptr)
-      : heads_(heads),
-        copy_k_(copy_keys),
-        copy_v_(copy_values),
-        batch_(batch),
-        n_heads_(n_heads),
-        key_dim_(key_dim),
-        value_dim_(value_dim),
-        rows_(rows),
-        new_rows_(new_rows) {}
-
-  /// Rows per head in this window (the same for every head).
-  Eigen::Index rows() const { return rows_; }
-  /// Rows of the current call among them (the last new_rows() rows).
-  Eigen::Index new_rows() const { return new_rows_; }
-  Eigen::Index batch() const { return batch_; }
-  Eigen::Index heads() const { return n_heads_; }
-  Eigen::Index key_dim() const { return key_dim_; }
-  Eigen::Index value_dim() const { return value_dim_; }
-
-  /// Keys of head (b, h): [rows(), Dk].
-  RowsMap keys(Eigen::Index b, Eigen::Index h) const {
-    if (copy_k_ && rows_) {
-      (void)head(b, h);
-      return RowsMap(copy_k_ + (b * n_heads_ + h) * rows_ * key_dim_, rows_, key_dim_);
-    }
-    return RowsMap(rows_ ? head(b, h).keys_data() : nullptr, rows_, key_dim_);
-  }
-  /// Values of head (b, h): [rows(), Dv].
-  RowsMap values(Eigen::Index b, Eigen::Index h) const {
-    if (copy_v_ && rows_) {
-      (void)head(b, h);
-      return RowsMap(copy_v_ + (b * n_heads_ + h) * rows_ * value_dim_, rows_, value_dim_);
-    }
-    return RowsMap(rows_ ? head(b, h).values_data() : nullptr, rows_, value_dim_);
-  }
-  /// Position of each row of head (b, h): [rows()].
-  PositionsMap positions(Eigen::Index b, Eigen::Index h) const {
-    return PositionsMap(rows_ ? head(b, h).positions_data() : nullptr, rows_);
-  }
-
- private:
-  // Throws std::out_of_range for a head outside [0, B) x [0, H) (also on an empty view).
-  const detail::HeadStore<T>& head(Eigen::Index b, Eigen::Index h) const {
-    if (b < 0 || b >= batch_ || h < 0 || h >= n_heads_) {
-      throw std::out_of_range("KVView: head (" + std::to_string(b) + ", " + std::to_string(h) +
-                              ") out of range");
-    }
-    return (*heads_)[static_cast<std::size_t>(b * n_heads_ + h)];
-  }
-
-  const std::vector<detail::HeadStore<T>>* heads_;
-  const T* copy_k_;
-  const T* copy_v_;
-  Eigen::Index batch_, n_heads_, key_dim_, value_dim_, rows_, new_rows_;
-};
 
 /// The standard append-only KV cache (method "standard") and the common base of every eviction
 /// cache. One instance serves one layer; it holds B·H heads of rows.
@@ -315,8 +245,7 @@ class KVCache {
     offset_ = 0;
     tokens_seen_ = 0;
     rule_.compressed = false;
-    view_k_ = std::vector<T>{};
-    view_v_ = std::vector<T>{};
+    copy_.release_view();
   }
 
   /// The rows per head the cache evicts down to; -1 for the standard cache (docs/design.md 2.6).
@@ -347,9 +276,7 @@ class KVCache {
   /// Heap bytes the cache holds right now (rows, bookkeeping, scratch, by capacity).
   std::size_t heap_bytes() const {
     std::size_t total = heads_.capacity() * sizeof(detail::HeadStore<T>) +
-                        scratch_.capacity() * sizeof(detail::Scratch) +
-                        (view_k_.capacity() + view_v_.capacity()) * sizeof(T) +
-                        row_buf_.capacity() * sizeof(float);
+                        scratch_.capacity() * sizeof(detail::Scratch) + copy_.heap_bytes();
     for (const auto& h : heads_) total += h.heap_bytes();
     for (const auto& s : scratch_) total += s.heap_bytes();
     return total;
@@ -380,6 +307,36 @@ class KVCache {
   Index heads() const { return dims_.heads; }
   Index key_dim() const { return dims_.key_dim; }
   Index value_dim() const { return dims_.value_dim; }
+
+  // ---- its state: what a prompt cache saves of it (docs/design.md G) -------------------------
+
+  /// Writes the cache's state after the config the container wrote: the descriptor (state flags,
+  /// budget, dims, offset, tokens_seen, rows per head), then, when it holds rows, one block per
+  /// head (b-major): positions, scores where the policy scores rows, keys, values, in the slot
+  /// order compaction would leave. Only reads the cache. A class that adds state overrides this
+  /// and read_state, its fields after the base descriptor's.
+  virtual void write_state(detail::StateWriter& w) const {
+    write_descriptor(w);
+    w.end_descriptor();
+    write_heads(w, NoExtra{});
+  }
+  /// Restores what write_state wrote into this cache, which must be of the class and config the
+  /// state was saved from (the loader builds a fresh one from the saved config). Every rule a
+  /// cache keeps between calls is checked before anything changes (docs/design.md G, "what a
+  /// loader checks"): a state that breaks one throws std::invalid_argument naming it, and the
+  /// reader's own errors (a truncated or corrupt file) pass through; the cache is then unchanged.
+  virtual void read_state(detail::StateReader& r) {
+    SavedState s = read_descriptor(r);
+    r.end_descriptor();
+    check_flags(s);
+    check_descriptor(s, true);
+    NoExtra none;
+    read_heads(r, s, none);
+    install(s);
+  }
+  /// Adds to `links` what the cache's state refers to outside itself, in the order write_state
+  /// refers to it (a squeeze layer's coordinator); the container saves each of those once.
+  virtual void link_state(detail::StateLinks& /*links*/) const {}
 
  protected:
   /// A policy's cache: `rule` says what the calls do with rows (docs/design.md 7.1).
@@ -412,9 +369,109 @@ class KVCache {
     rebudget_ = true;
   }
 
- private:
-  friend class detail::PromptCacheIO<T>;
+  // The parts of write_state and read_state a class that adds state builds its own from.
 
+  /// A state read and not yet installed (detail/state_checks.hpp).
+  using SavedState = detail::SavedCache<T>;
+  /// What a class adds to each head block: nothing.
+  struct NoExtra {
+    void operator()(detail::ByteWriter& /*out*/, std::size_t /*head*/) const {}
+    void read(detail::ByteReader& /*in*/) {}
+    void check(const SavedState& /*s*/) {}
+  };
+  void write_descriptor(detail::StateWriter& w) const {
+    detail::ByteWriter& out = w.out();
+    out.u8(static_cast<std::uint8_t>((dims_.known ? SavedState::kDimsKnown : 0) |
+                                     (rule_.budget ? SavedState::kHasBudget : 0) |
+                                     (rule_.compressed ? SavedState::kCompressed : 0)));
+    out.i32(rule_.budget.value_or(0));
+    for (const Index v : {dims_.batch, dims_.heads, dims_.key_dim, dims_.value_dim, Index{offset_},
+                          Index{tokens_seen_}, live_rows()}) {
+      out.i64(static_cast<std::int64_t>(v));
+    }
+  }
+  /// The head blocks; `extra(out, i)` writes what the class adds to head i's, after its scores.
+  template <class Extra>
+  void write_heads(detail::StateWriter& w, const Extra& extra) const {
+    if (!dims_.known || live_rows() == 0) return;  // a cache of no rows has no head objects
+    std::vector<detail::Slot>& src = w.slots();
+    for (std::size_t i = 0; i < heads_.size(); ++i) {
+      const detail::HeadStore<T>& h = heads_[i];
+      h.compacted_slots(src);
+      w.begin_head();
+      w.positions(h, src);
+      if (detail::scored_rows(rule_.kind)) w.scores(h, src);
+      extra(w.out(), i);
+      w.rows(h, src);
+      w.end_head();
+    }
+  }
+  SavedState read_descriptor(detail::StateReader& r) const {
+    detail::ByteReader& in = r.in();
+    SavedState s;
+    s.flags = in.u8();
+    s.budget = in.i32();
+    for (std::int64_t* v :
+         {&s.batch, &s.heads, &s.key_dim, &s.value_dim, &s.offset, &s.tokens_seen, &s.rows}) {
+      *v = in.i64();
+    }
+    return s;
+  }
+  /// The rules every cache keeps between calls (docs/design.md G, "what a loader checks"), on the
+  /// descriptor: its flags first (check_flags), then the rest (check_descriptor;
+  /// `budget_from_config`: the budget in force is the one the config gives).
+  static void check_flags(const SavedState& s) { detail::check_saved_flags(s); }
+  void check_descriptor(const SavedState& s, bool budget_from_config) const {
+    detail::check_saved_descriptor(s, rule_, key_format(s.key_dim), value_format(s.value_dim),
+                                   budget_from_config);
+  }
+  /// Reads the head blocks into s.stores, checking each as it comes; `extra` reads what the
+  /// class adds to each block (extra.read, after the scores) and checks it (extra.check).
+  template <class Extra>
+  void read_heads(detail::StateReader& r, SavedState& s, Extra& extra) const {
+    if (!s.dims_known() || s.rows == 0) return;
+    const detail::RowFormat kf = key_format(s.key_dim), vf = value_format(s.value_dim);
+    const bool with_scores = detail::scored_rows(rule_.kind);
+    const auto n = static_cast<std::uint64_t>(s.rows);
+    std::vector<std::int64_t> pos;
+    std::vector<float> score;
+    for (std::int64_t b = 0; b < s.batch; ++b) {
+      for (std::int64_t hh = 0; hh < s.heads; ++hh) {
+        r.begin_head(b, hh);
+        r.in().array(pos, n);
+        if (with_scores) r.in().array(score, n);
+        extra.read(r.in());
+        detail::HeadStore<T> head(kf, vf);
+        r.rows(head, s.rows);
+        // After the rows: its buffers (one weight per slot, one value row) are then no larger
+        // than what the file has already paid for; restore computes the weights.
+        if (rule_.value_power > 0.0) head.enable_value_weights(rule_.value_power);
+        r.end_head();
+        detail::check_saved_head(s, rule_, head, pos, with_scores ? &score : nullptr);
+        extra.check(s);
+        r.keep_head();
+        s.stores.push_back(std::move(head));
+      }
+    }
+  }
+  /// Makes the cache stand where the saved one stood (its heads leave `s`).
+  void install(SavedState& s) {
+    // The buffer quantized rows leave the cache through (a cache that has made a call with rows
+    // holds one; an empty call's view or fetch after the load needs it). Allocated first.
+    if (storage_.quantized() && s.rows > 0) {
+      s.row_buf.assign(static_cast<std::size_t>(detail::row_floats(s.key_dim, s.value_dim)), 0.0f);
+    }
+    heads_.swap(s.stores);
+    dims_ = detail::LayerDims{s.batch, s.heads, s.key_dim, s.value_dim, s.dims_known()};
+    offset_ = s.offset;
+    tokens_seen_ = s.tokens_seen;
+    rule_.budget = s.has_budget() ? std::optional<int>(s.budget) : std::nullopt;
+    rule_.compressed = s.compressed();
+    rebudget_ = false;
+    if (!s.row_buf.empty()) copy_.install_row(s.row_buf);
+  }
+
+ private:
   // The rows of an input (`what` names it in errors); throws std::invalid_argument for a
   // negative dimension, an element count beyond Index, or null data with a non-zero size.
   template <class X>
@@ -469,8 +526,6 @@ class KVCache {
     c.validate();
     return storage_of(c);
   }
-  // Floats of a row being dequantized: padded_dim of the wider head dim.
-  static Index row_floats(Index dk, Index dv) { return detail::padded_dim(std::max(dk, dv)); }
   detail::RowFormat key_format(Index dk) const {
     return detail::RowFormat{storage_.key_bits, dk, storage_.group};
   }
@@ -511,11 +566,11 @@ class KVCache {
     // leaves the cache unchanged.
     if (out) resize_pair(*out, keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim);
     // The view's buffers and the row buffer, allocated now and swapped in at step 5.
-    ViewBuffers view_buffers;
+    typename detail::CopyBuffers<T>::Refit buffers;
     if (view_copy) {
-      view_buffers =
-          fit_view_buffers(keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim, S > 0);
-      if (S == 0) view_buffers.swap_into(view_k_, view_v_);  // nothing else can throw now
+      copy_.refit_view(buffers, keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim,
+                       S > 0);
+      if (S == 0) copy_.commit(buffers);  // nothing else can throw now
     }
     if (S == 0) {
       for (auto& h : heads_) h.compact();
@@ -524,10 +579,8 @@ class KVCache {
       return make_view(live_rows(), 0, keys, values, view_copy);
     }
     // The buffer quantized rows leave the cache through (fetch and view copies).
-    std::vector<float> row_buf;
-    const auto row_floats_needed = static_cast<std::size_t>(row_floats(keys.dim, values.dim));
-    if (storage_.quantized() && row_buf_.size() != row_floats_needed) {
-      row_buf.resize(row_floats_needed);
+    if (storage_.quantized()) {
+      copy_.refit_row(buffers, static_cast<std::size_t>(detail::row_floats(keys.dim, values.dim)));
     }
     // 2. The policy inspects the call (may throw); 3. storage and scratch are reserved (may
     // throw bad_alloc); 4. the policy starts the call (may throw before it changes anything).
@@ -537,8 +590,7 @@ class KVCache {
     std::vector<detail::HeadStore<T>> fresh = reserve(keys, values, plan);
     start_call();
     // 5. No-throw from here on.
-    view_buffers.swap_into(view_k_, view_v_);
-    if (!row_buf.empty()) row_buf_.swap(row_buf);
+    copy_.commit(buffers);
     if (heads_.empty()) {
       heads_.swap(fresh);
       dims_ = detail::LayerDims{keys.batch, keys.heads, keys.dim, values.dim, true};
@@ -560,27 +612,13 @@ class KVCache {
                                             const detail::InputRows& values,
                                             const detail::CallPlan& plan) {
     const Index S = keys.seq;
+    const bool key_sum = rule_.proxy == detail::ProxyScoring::keydiff;
     std::vector<detail::HeadStore<T>> fresh;
     if (heads_.empty()) {
-      const Index n = keys.batch * keys.heads;
-      fresh.reserve(static_cast<std::size_t>(n));
-      for (Index i = 0; i < n; ++i) {
-        fresh.emplace_back(key_format(keys.dim), value_format(values.dim));
-        if (rule_.value_power > 0.0) fresh.back().enable_value_weights(rule_.value_power);
-        fresh.back().reserve(S);
-        if (rule_.proxy == detail::ProxyScoring::keydiff) fresh.back().reserve_key_sum();
-      }
+      fresh = detail::fresh_heads<T>(keys.batch * keys.heads, key_format(keys.dim),
+                                     value_format(values.dim), S, rule_.value_power, key_sum);
     } else {
-      for (auto& h : heads_) {
-        if (rule_.proxy == detail::ProxyScoring::keydiff) h.reserve_key_sum();
-        h.compact();
-        const Index needed = h.live() + S;
-        h.shrink_if_oversized(needed);
-        if (h.capacity() < needed) {
-          const Index grown = h.capacity() + h.capacity() / 2;
-          h.reserve(std::max(needed, std::min(grown, std::max(rule_.steady_rows(), needed))));
-        }
-      }
+      detail::grow_heads(heads_, S, rule_.steady_rows(), key_sum);
     }
     const detail::ScratchSize size{plan.rows, live_rows() + S, detail::padded_dim(keys.dim),
                                    plan.gather, plan.packed};
@@ -654,8 +692,8 @@ class KVCache {
       return KVView<T>(&heads_, keys.batch, keys.heads, keys.dim, values.dim, 0, 0);
     }
     return KVView<T>(&heads_, dims_.batch, dims_.heads, dims_.key_dim, dims_.value_dim, rows,
-                     new_rows, view_copy ? view_k_.data() : nullptr,
-                     view_copy ? view_v_.data() : nullptr);
+                     new_rows, view_copy ? copy_.view_keys() : nullptr,
+                     view_copy ? copy_.view_values() : nullptr);
   }
 
   static void resize_pair(KVPair<T>& out, Index b, Index h, Index n, Index dk, Index dv) {
@@ -667,84 +705,26 @@ class KVCache {
 
   // The retained rows of every head in ascending position into `out` (resized if needed).
   void copy_retained(KVPair<T>& out) const {
-    std::vector<float> buf(
-        storage_.quantized() ? static_cast<std::size_t>(row_floats(dims_.key_dim, dims_.value_dim))
-                             : 0);
-    copy_rows(out, buf.data(), [](const detail::HeadStore<T>& h, const auto& emit) {
-      for (const detail::Slot s : h.order()) emit(s);
-    });
+    std::vector<float> buf(storage_.quantized() ? static_cast<std::size_t>(detail::row_floats(
+                                                      dims_.key_dim, dims_.value_dim))
+                                                : 0);
+    copy_rows(out, buf.data(), detail::RetainedRows{});
   }
   // The window of the call just made: the rows retained before it, then its own.
-  void copy_window(KVPair<T>& out) {
-    copy_rows(out, row_buf_.data(), [](const detail::HeadStore<T>& h, const auto& emit) {
-      for (const detail::Slot s : h.window()) emit(s);
-      for (Index s = h.call_begin(); s < h.physical(); ++s) emit(s);
-    });
-  }
+  void copy_window(KVPair<T>& out) { copy_rows(out, copy_.row(), detail::WindowRows{}); }
   // Every head's slots [0, physical()) in slot order into the view buffers (sized by
-  // fit_view_buffers): a quantized cache's view.
+  // CopyBuffers::refit_view): a quantized cache's view.
   void copy_slots() {
-    copy_rows(view_k_.data(), view_v_.data(), row_buf_.data(),
-              [](const detail::HeadStore<T>& h, const auto& emit) {
-                for (Index s = 0; s < h.physical(); ++s) emit(s);
-              });
+    detail::copy_rows(heads_, dims_.key_dim, dims_.value_dim, storage_.quantized(),
+                      copy_.view_keys(), copy_.view_values(), copy_.row(), detail::SlotRows{});
   }
-  // New view buffers (empty: keep the current one) that hold `rows` rows per head: they grow by
-  // half again as needed and shrink (only when `shrink`: a call that brings rows) once more than
-  // twice the size needed, so that an empty call changes nothing. Swapped in by the caller once
-  // nothing can throw.
-  struct ViewBuffers {
-    std::vector<T> k, v;
-    bool refit_k = false, refit_v = false;
-    void swap_into(std::vector<T>& keys, std::vector<T>& values) noexcept {
-      if (refit_k) keys.swap(k);
-      if (refit_v) values.swap(v);
-      refit_k = refit_v = false;
-    }
-  };
-  ViewBuffers fit_view_buffers(Index batch, Index heads, Index rows, Index dk, Index dv,
-                               bool shrink) const {
-    ViewBuffers out;
-    const auto fit = [&](const std::vector<T>& cur, Index d, std::vector<T>& fresh) {
-      const auto need = static_cast<std::size_t>(batch * heads * rows * d);
-      if (cur.size() >= need && !(shrink && cur.size() > 2 * need)) return false;
-      const std::size_t grown =
-          cur.size() < need ? std::max(need, cur.size() + cur.size() / 2) : need;
-      fresh = std::vector<T>(grown);
-      return true;
-    };
-    out.refit_k = fit(view_k_, dk, out.k);
-    out.refit_v = fit(view_v_, dv, out.v);
-    return out;
-  }
-  // Gathers, per head, the slots `each(head, emit)` emits: [B, H, n, D] twice.
+  // The rows `each` takes of every head (detail/layer_storage.hpp) into `out`: [B, H, n, D] twice.
   template <class Each>
-  void copy_rows(KVPair<T>& out, float* buf, Each each) const {
-    Index n = 0;
-    if (!heads_.empty()) each(heads_.front(), [&n](Index) { ++n; });
-    resize_pair(out, dims_.batch, dims_.heads, n, dims_.key_dim, dims_.value_dim);
-    copy_rows(out.first.data(), out.second.data(), buf, each);
-  }
-  // The same into kout ([B, H, n, Dk]) and vout ([B, H, n, Dv]), sized by the caller.
-  template <class Each>
-  void copy_rows(T* kout, T* vout, float* buf, Each each) const {
-    const auto dk = static_cast<std::size_t>(dims_.key_dim);
-    const auto dv = static_cast<std::size_t>(dims_.value_dim);
-    // A quantized row is dequantized through `buf` (float32, padded_dim(max(Dk, Dv))).
-    float* row = storage_.quantized() ? buf : nullptr;
-    for (const auto& h : heads_) {
-      each(h, [&](Index s) {
-        VELOXQUANT_ASSERT(row || !storage_.quantized(), "quantized rows copied without a buffer");
-        if (row) {
-          h.read_rows(s, kout, vout, row);
-        } else {
-          std::memcpy(kout, h.key_ptr(s), dk * sizeof(T));
-          std::memcpy(vout, h.value_ptr(s), dv * sizeof(T));
-        }
-        kout += dk;
-        vout += dv;
-      });
-    }
+  void copy_rows(KVPair<T>& out, float* buf, const Each& each) const {
+    resize_pair(out, dims_.batch, dims_.heads, detail::rows_taken(heads_, each), dims_.key_dim,
+                dims_.value_dim);
+    detail::copy_rows(heads_, dims_.key_dim, dims_.value_dim, storage_.quantized(),
+                      out.first.data(), out.second.data(), buf, each);
   }
 
   // Multiply-adds per call below which heads run serially (a fork costs more).
@@ -757,9 +737,8 @@ class KVCache {
   std::vector<detail::HeadStore<T>> heads_;
   std::vector<detail::Scratch> scratch_;
   Storage storage_{};
-  // A quantized cache's view: the window dequantized, [B·H, rows, Dk] and [B·H, rows, Dv].
-  std::vector<T> view_k_, view_v_;
-  std::vector<float> row_buf_;  // [row_floats(Dk, Dv)]: a quantized row on its way out
+  // A quantized cache's view (the window dequantized) and the row quantized rows leave through.
+  detail::CopyBuffers<T> copy_;
   std::int64_t offset_ = 0;
   std::int64_t tokens_seen_ = 0;
   ParallelFor parallel_for_;

@@ -89,6 +89,52 @@ class SqueezeAttentionCache : public KVCache<T> {
   using KVCache<T>::protected_recent;
   using KVCache<T>::decay;
 
+  /// write_state, with the layer's own state after the base descriptor (its flags, layer id, the
+  /// index of its coordinator in the container's table, report generation, concentration) and,
+  /// while it calibrates, its concentration sums in every head block (docs/design.md G).
+  void write_state(detail::StateWriter& w) const override {
+    this->write_descriptor(w);
+    detail::ByteWriter& out = w.out();
+    out.u8(static_cast<std::uint8_t>((layer_id_ ? kHasLayerId : 0) |
+                                     (calibrated_ ? kCalibrated : 0) | (reported_ ? kReported : 0) |
+                                     (adopted_ ? kAdopted : 0) | (sums_.empty() ? 0 : kHasSums)));
+    out.i32(layer_id_.value_or(0));
+    out.i32(w.links().link(coordinator_.get()));
+    out.u64(report_generation_);
+    out.f64(concentration_);
+    w.end_descriptor();
+    this->write_heads(w, [this](detail::ByteWriter& o, std::size_t head) {
+      if (sums_.empty()) return;
+      const detail::ConcentrationSums& sums = sums_[head];
+      o.bytes(sums.direction_sum().data(), sums.direction_sum().size() * sizeof(double));
+      o.f64(sums.diagonal());
+      o.i64(sums.rows());
+    });
+  }
+  /// read_state, with the layer's own state and the rules it keeps (docs/design.md G): its
+  /// coordinator is the entry of the container's table its state names.
+  void read_state(detail::StateReader& r) override {
+    typename KVCache<T>::SavedState s = this->read_descriptor(r);
+    SavedLayer q = read_layer(r.in());
+    r.end_descriptor();
+    this->check_flags(s);
+    check_layer_flags(q);
+    q.coordinator = r.links().take(q.coordinator_index);
+    check_layer_id(q);
+    this->check_descriptor(s, false);
+    check_calibration(s, q);
+    check_budget(s, q);
+    SumsReader sums;
+    sums.on = q.has(kHasSums);
+    sums.dim = s.key_dim;
+    this->read_heads(r, s, sums);
+    this->install(s);
+    install_layer(q, sums.sums);
+  }
+  void link_state(detail::StateLinks& links) const override {
+    (void)links.link(coordinator_.get());
+  }
+
   void reset() override {
     KVCache<T>::reset();
     concentration_ = 0.0;
@@ -193,7 +239,151 @@ class SqueezeAttentionCache : public KVCache<T> {
     return this->config().squeeze_resolved_budget.value_or(this->config().squeeze_budget);
   }
 
-  friend class detail::PromptCacheIO<T>;
+  // ---- its state (write_state, read_state) ----
+
+  enum : std::uint8_t {
+    kHasLayerId = 1,
+    kCalibrated = 2,
+    kReported = 4,
+    kAdopted = 8,
+    kHasSums = 16
+  };
+  // The layer's own part of a saved state, read and not yet installed.
+  struct SavedLayer {
+    std::uint8_t flags = 0;
+    std::int32_t layer_id = 0, coordinator_index = -1;
+    std::uint64_t report_generation = 0;
+    double concentration = 0.0;
+    std::shared_ptr<SqueezeCoordinator> coordinator;
+    bool has(std::uint8_t bit) const { return (flags & bit) != 0; }
+    bool coordinated() const { return coordinator && has(kHasLayerId); }
+  };
+  // The concentration sums of each head block, read after its scores and checked after its rows.
+  struct SumsReader {
+    bool on = false;
+    std::int64_t dim = 0;
+    std::vector<double> sum;
+    double diag = 0.0;
+    std::int64_t rows = 0;
+    std::vector<detail::ConcentrationSums> sums;
+    void read(detail::ByteReader& in) {
+      if (!on) return;
+      in.array(sum, static_cast<std::uint64_t>(dim));
+      diag = in.f64();
+      rows = in.i64();
+    }
+    void check(const typename KVCache<T>::SavedState& s) {
+      if (!on) return;
+      if (rows != s.offset) {
+        detail::bad_state("the concentration sums count " + std::to_string(rows) +
+                          " rows, not the " + std::to_string(s.offset) + " the layer has seen");
+      }
+      if (!detail::all_finite(sum.data(), static_cast<Index>(sum.size())) || !std::isfinite(diag)) {
+        detail::bad_state("the concentration sums are not finite");
+      }
+      // Sums of unit vectors (docs/design.md 5.1): no coordinate beyond the row count, and the
+      // sum of squared norms in [0, rows].
+      const double bound = static_cast<double>(rows) * (1.0 + 1e-9) + 1e-9;
+      bool within = diag >= 0.0 && diag <= bound;
+      for (const double x : sum) within = within && std::abs(x) <= bound;
+      if (!within) {
+        detail::bad_state("the concentration sums exceed what " + std::to_string(rows) +
+                          " rows can add up to");
+      }
+      sums.push_back(detail::ConcentrationSums::restored(sum, diag, rows));
+    }
+  };
+
+  static SavedLayer read_layer(detail::ByteReader& in) {
+    SavedLayer q;
+    q.flags = in.u8();
+    q.layer_id = in.i32();
+    q.coordinator_index = in.i32();
+    q.report_generation = in.u64();
+    q.concentration = in.f64();
+    return q;
+  }
+  static void check_layer_flags(const SavedLayer& q) {
+    if ((q.flags & ~(kHasLayerId | kCalibrated | kReported | kAdopted | kHasSums)) != 0) {
+      detail::bad_state("unknown squeeze flags");
+    }
+    if (!q.has(kHasLayerId) && q.layer_id != 0) {
+      detail::bad_state("no layer id but a layer id value");
+    }
+  }
+  static void check_layer_id(const SavedLayer& q) {
+    if (q.has(kHasLayerId) && q.layer_id < 0) {
+      detail::bad_state("its configuration is invalid: SqueezeAttentionCache: layer_id (" +
+                        std::to_string(q.layer_id) + ") must be >= 0");
+    }
+  }
+  // Calibration, sums and the report against the offset and the coordinator.
+  void check_calibration(const typename KVCache<T>::SavedState& s, const SavedLayer& q) const {
+    const KVCacheConfig& cfg = this->config();
+    if (!std::isfinite(q.concentration)) detail::bad_state("its concentration is not finite");
+    if (!s.dims_known() &&
+        (q.has(kCalibrated) || q.has(kReported) || q.has(kAdopted) || q.has(kHasSums) ||
+         q.report_generation != 0 || q.concentration != 0.0)) {
+      detail::bad_state("a cache that has seen no call is calibrated, has reported or holds sums");
+    }
+    if (s.dims_known() && q.has(kCalibrated) != (s.offset >= cfg.squeeze_calibration_tokens)) {
+      detail::bad_state("calibrated is " + std::string(q.has(kCalibrated) ? "true" : "false") +
+                        " at offset " + std::to_string(s.offset) +
+                        " with squeeze_calibration_tokens " +
+                        std::to_string(cfg.squeeze_calibration_tokens));
+    }
+    if (q.has(kHasSums) != (s.dims_known() && !q.has(kCalibrated))) {
+      detail::bad_state("the concentration sums are there exactly while a layer calibrates");
+    }
+    if (q.has(kReported) != (q.has(kCalibrated) && q.coordinated())) {
+      detail::bad_state("reported must be: calibrated, with a coordinator and a layer id");
+    }
+    if (q.has(kAdopted) && !q.has(kReported)) {
+      detail::bad_state("adopted a budget without reporting");
+    }
+    if (!q.has(kReported) && q.report_generation != 0) {
+      detail::bad_state("a report generation without a report");
+    }
+  }
+  // The budget in force against the fallback and the coordinator's published budget.
+  void check_budget(const typename KVCache<T>::SavedState& s, const SavedLayer& q) const {
+    if (!s.has_budget() && !(q.coordinated() && this->config().squeeze_defer && !q.has(kAdopted))) {
+      detail::bad_state("no budget, but not a deferring layer waiting for its coordinator");
+    }
+    if (s.has_budget() && !q.has(kAdopted) && s.budget != fallback_budget()) {
+      detail::bad_state("budget " + std::to_string(s.budget) +
+                        " before adoption; the fallback is " + std::to_string(fallback_budget()));
+    }
+    if (!q.has(kReported) || !q.coordinator) return;
+    const std::uint64_t now = q.coordinator->generation();
+    if (q.report_generation > now) {
+      detail::bad_state("reported in generation " + std::to_string(q.report_generation) +
+                        " of a coordinator at generation " + std::to_string(now));
+    }
+    if (q.has(kAdopted) && q.report_generation == now) {
+      // Within a generation the published budgets never change.
+      const std::optional<int> b = q.coordinator->resolved_budget(q.layer_id, now);
+      if (!b || *b != s.budget) {
+        detail::bad_state("adopted budget " + std::to_string(s.budget) +
+                          " is not the one its coordinator published for layer " +
+                          std::to_string(q.layer_id));
+      }
+    }
+  }
+  void install_layer(SavedLayer& q, std::vector<detail::ConcentrationSums>& sums) noexcept {
+    layer_id_ = q.has(kHasLayerId) ? std::optional<int>(q.layer_id) : std::nullopt;
+    coordinator_ = std::move(q.coordinator);
+    concentration_ = q.concentration;
+    pending_concentration_ = 0.0;
+    sums_.swap(sums);
+    pending_sums_.clear();
+    pending_calibrated_ = false;
+    calibrated_ = q.has(kCalibrated);
+    reported_ = q.has(kReported);
+    reported_now_ = false;
+    adopted_ = q.has(kAdopted);
+    report_generation_ = q.report_generation;
+  }
 
   std::optional<int> layer_id_;
   std::shared_ptr<SqueezeCoordinator> coordinator_;

@@ -5,21 +5,18 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "detail/budgets.hpp"
 
 namespace veloxquant::cache {
-
-namespace detail {
-template <class T>
-class PromptCacheIO;  // prompt_cache.hpp
-}  // namespace detail
 
 /// Per-layer budgets from concentrations (docs/design.md 5.3): broad (low-concentration) layers get
 /// more, the mean stays at `avg_budget` (each budget at least n_sink + 1). Throws for strength
@@ -130,10 +127,59 @@ class SqueezeCoordinator {
     return generation_;
   }
 
- private:
-  template <class T>
-  friend class detail::PromptCacheIO;
+  /// A coordinator's state as a prompt cache saves it (docs/design.md G): its parameters, its
+  /// generation and that generation's reports (ascending layer id).
+  struct SavedState {
+    int n_layers = 0, avg_budget = 0, n_sink = 0;
+    double strength = 0.0;
+    std::uint64_t generation = 0;
+    std::vector<std::pair<int, double>> reports;
+  };
+  /// Its state now (taken under its lock).
+  SavedState saved_state() const {
+    SavedState s{n_layers_, avg_budget_, n_sink_, strength_, 0, {}};
+    std::lock_guard<std::mutex> lock(mutex_);
+    s.generation = generation_;
+    s.reports.assign(reports_.begin(), reports_.end());
+    return s;
+  }
+  /// A coordinator in state `s`: finalised exactly when every layer has reported, with the
+  /// budgets the reports give (docs/design.md 5.3, 5.4 step 2). Throws std::invalid_argument
+  /// naming the problem for parameters the constructor refuses, more reports than layers, report
+  /// layer ids that are negative, out of order or repeated, or a concentration that is not finite.
+  static std::shared_ptr<SqueezeCoordinator> from_saved_state(const SavedState& s) {
+    auto co = std::make_shared<SqueezeCoordinator>(s.n_layers, s.avg_budget, s.n_sink, s.strength);
+    if (s.reports.size() > static_cast<std::size_t>(s.n_layers)) {
+      throw std::invalid_argument(std::to_string(s.reports.size()) + " reports for " +
+                                  std::to_string(s.n_layers) + " layers");
+    }
+    std::vector<double> concentrations;
+    for (std::size_t i = 0; i < s.reports.size(); ++i) {
+      const auto [layer, c] = s.reports[i];
+      if (layer < 0 || (i > 0 && layer <= s.reports[i - 1].first)) {
+        throw std::invalid_argument(
+            "report layer ids are negative, out of order or repeated (layer " +
+            std::to_string(layer) + ")");
+      }
+      if (!std::isfinite(c)) {
+        throw std::invalid_argument("the report of layer " + std::to_string(layer) +
+                                    " is not finite");
+      }
+      co->reports_.emplace_hint(co->reports_.end(), layer, c);
+      concentrations.push_back(c);
+    }
+    co->generation_ = s.generation;
+    co->finalized_ = static_cast<int>(s.reports.size()) == s.n_layers;
+    if (co->finalized_) {
+      const std::vector<int> b =
+          squeeze_budgets(concentrations, s.avg_budget, s.n_sink, s.strength);
+      std::size_t i = 0;
+      for (const auto& kv : co->reports_) co->budgets_[kv.first] = b[i++];
+    }
+    return co;
+  }
 
+ private:
   std::optional<int> lookup(int layer_id) const {
     if (!finalized_) return std::nullopt;
     const auto it = budgets_.find(layer_id);

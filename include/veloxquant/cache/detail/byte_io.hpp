@@ -214,7 +214,6 @@ class ByteReader {
 
   /// Bytes a read may allocate now ahead of its data: kLoadGrant plus the bytes read so far.
   std::uint64_t allowance() const { return kLoadGrant + consumed_; }
-  std::uint64_t consumed() const { return consumed_; }
   /// Charges `bytes` for an object the loader creates here (a metadata entry, a coordinator, a
   /// cache, a head): all charges together may not exceed allowance(), so a file of many empty
   /// objects cannot make the loader hold far more memory than the file's size.

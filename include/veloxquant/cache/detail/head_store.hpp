@@ -35,7 +35,6 @@ template <class T>
 class HeadStore {
  public:
   HeadStore() = default;
-  HeadStore(Index dk, Index dv) : HeadStore(RowFormat{16, dk, 0}, RowFormat{16, dv, 0}) {}
   /// Rows of keys and values in the formats given (fmt.dim: the head dims).
   HeadStore(const RowFormat& kf, const RowFormat& vf)
       : dk_(kf.dim), dv_(vf.dim), kf_(kf), vf_(vf), ks_(stride_of(kf)), vs_(stride_of(vf)) {}

@@ -1,0 +1,205 @@
+// veloxquant — the rules a cache's restored state keeps between calls (docs/design.md G, "what a
+// loader checks", 5), as free functions over the saved descriptor, the policy's Rule and the
+// heads as they are read. KVCache::read_state runs them before it installs anything; every
+// refusal is a std::invalid_argument naming the rule (the prompt-cache loader adds where in the
+// file it was).
+#pragma once
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "checks.hpp"
+#include "head_store.hpp"
+#include "policy.hpp"
+#include "quant.hpp"
+
+namespace veloxquant::cache::detail {
+
+/// A cache's state as read and not yet installed: its descriptor (docs/design.md G, "cache
+/// descriptor"), then its heads as they are read, and the row buffer a quantized cache needs.
+template <class T>
+struct SavedCache {
+  enum : std::uint8_t { kDimsKnown = 1, kHasBudget = 2, kCompressed = 4 };
+  std::uint8_t flags = 0;
+  std::int32_t budget = 0;
+  std::int64_t batch = 0, heads = 0, key_dim = 0, value_dim = 0;
+  std::int64_t offset = 0, tokens_seen = 0, rows = 0;
+  std::vector<HeadStore<T>> stores;
+  std::vector<float> row_buf;
+  bool dims_known() const { return (flags & kDimsKnown) != 0; }
+  bool has_budget() const { return (flags & kHasBudget) != 0; }
+  bool compressed() const { return (flags & kCompressed) != 0; }
+};
+
+/// Throws std::invalid_argument(why): a saved state no cache can be in.
+[[noreturn]] inline void bad_state(const std::string& why) { throw std::invalid_argument(why); }
+
+/// Flag bits no version of the format sets; a budget value without a budget.
+template <class T>
+void check_saved_flags(const SavedCache<T>& s) {
+  using S = SavedCache<T>;
+  if ((s.flags & ~(S::kDimsKnown | S::kHasBudget | S::kCompressed)) != 0) {
+    bad_state("unknown state flags");
+  }
+  if (!s.has_budget() && s.budget != 0) bad_state("no budget but a budget value");
+}
+
+/// True for the policies whose rows carry scores (the others' are all 0 and not saved).
+inline bool scored_rows(RuleKind k) {
+  return k == RuleKind::cumulative || k == RuleKind::last_attention || k == RuleKind::prompt;
+}
+/// Dims, counters and the row count of a cache that has seen a call; kf and vf: its row formats.
+template <class T>
+void check_saved_dims(const SavedCache<T>& s, const Rule& rule, const RowFormat& kf,
+                      const RowFormat& vf) {
+  constexpr std::int64_t kMaxDim = std::numeric_limits<std::int32_t>::max();
+  for (const std::int64_t v : {s.batch, s.heads, s.key_dim, s.value_dim}) {
+    if (v < 1 || v > kMaxDim) {
+      bad_state("dims [" + std::to_string(s.batch) + ", " + std::to_string(s.heads) + ", ., " +
+                std::to_string(s.key_dim) + " / " + std::to_string(s.value_dim) +
+                "] are not in [1, 2^31 - 1]");
+    }
+  }
+  // Far beyond any sequence, and room left for the counters to grow without overflow.
+  constexpr std::int64_t kMaxCount = std::int64_t{1} << 62;
+  if (s.offset > kMaxCount || s.tokens_seen > kMaxCount) {
+    bad_state("offset " + std::to_string(s.offset) + " or tokens_seen " +
+              std::to_string(s.tokens_seen) + " is beyond 2^62");
+  }
+  if (s.offset < 0 || s.rows < 0 || s.rows > s.offset || s.rows > kMaxDim) {
+    bad_state(std::to_string(s.rows) + " rows per head at offset " + std::to_string(s.offset));
+  }
+  // tokens_seen is B·H·S summed over calls: B·H times the offset (trim lowers the offset of a
+  // standard cache, not tokens_seen).
+  const std::int64_t bh = s.batch * s.heads;
+  const bool trimmable = rule.kind == RuleKind::keep_all;
+  if (s.tokens_seen < 0 || s.tokens_seen % bh != 0 ||
+      (trimmable ? s.tokens_seen / bh < s.offset : s.tokens_seen / bh != s.offset)) {
+    bad_state("tokens_seen " + std::to_string(s.tokens_seen) + " does not fit " +
+              std::to_string(bh) + " heads at offset " + std::to_string(s.offset));
+  }
+  for (const RowFormat* f : {&kf, &vf}) {
+    if (f->quantized() && f->dim % f->group != 0) {
+      bad_state("quant_group " + std::to_string(f->group) + " does not divide the " +
+                (f == &kf ? "key" : "value") + " dim " + std::to_string(f->dim));
+    }
+  }
+}
+/// The retained count against the policy and the budget in force (docs/design.md 4.2, 6).
+template <class T>
+void check_saved_rows(const SavedCache<T>& s, const Rule& rule) {
+  const bool keep_all = rule.kind == RuleKind::keep_all;
+  const bool prompt = rule.kind == RuleKind::prompt;
+  if (s.dims_known() && s.rows == 0 && !keep_all) {
+    bad_state("no rows after a call: only a trimmed standard cache can hold none");
+  }
+  if (s.compressed() && (!prompt || !s.dims_known())) {
+    bad_state("compressed, but not a SnapKV cache that has seen a call");
+  }
+  if (prompt && !s.compressed() && s.rows != s.offset) {
+    bad_state("a SnapKV cache that has not compressed holds every row (" + std::to_string(s.rows) +
+              " at offset " + std::to_string(s.offset) + ")");
+  }
+  if (s.has_budget() && s.budget < 1) {
+    bad_state("budget " + std::to_string(s.budget) + " is below 1");
+  }
+  // Evictions never take a sink, so a budget below the sinks (an adopted budget from a
+  // coordinator with fewer sinks than the layer) leaves the sinks: at most max(budget, sinks).
+  const bool bounded = rule.kind == RuleKind::window || rule.kind == RuleKind::cumulative ||
+                       rule.kind == RuleKind::last_attention;
+  const std::int64_t sinks = std::min<std::int64_t>(rule.n_sink, s.offset);
+  if (bounded && s.has_budget() && s.rows > std::max<std::int64_t>(s.budget, sinks)) {
+    bad_state(std::to_string(s.rows) + " rows per head over its budget of " +
+              std::to_string(s.budget));
+  }
+}
+
+/// Scores are sums of softmax weights (or the weights themselves): never negative, never
+/// infinite; NaN only where keys overflowed float32 (docs/design.md E). K-norm (4.7) writes
+/// negative scores (-|k|; -inf for a key whose norm overflows float32); KeyDiff recomputes its
+/// weights from the keys before it uses them, whatever the file says.
+inline void check_saved_scores(const std::vector<float>& score, const Rule& rule) {
+  const bool signed_scores =
+      rule.kind == RuleKind::cumulative && rule.proxy != ProxyScoring::key_as_query;
+  for (const float x : score) {
+    if ((x < 0.0f && !signed_scores) || x == std::numeric_limits<float>::infinity()) {
+      bad_state("a score (" + std::to_string(x) + ") is negative or infinite");
+    }
+  }
+}
+/// Keys are finite (the update calls refuse others); a quantized row's scales and offsets are
+/// finite halves (keys and values alike).
+template <class T>
+void check_stored_rows(const HeadStore<T>& head, Index n) {
+  const RowFormat& kf = head.key_format();
+  if (!kf.quantized() && n > 0 && !all_finite(head.key_ptr(0), n * kf.dim)) {
+    bad_state("a key is not finite");
+  }
+  for (const bool keys : {true, false}) {
+    const RowFormat& f = keys ? kf : head.value_format();
+    if (!f.quantized()) continue;
+    for (Index s = 0; s < n; ++s) {
+      const auto* row =
+          reinterpret_cast<const std::uint8_t*>(keys ? head.key_ptr(s) : head.value_ptr(s));
+      const auto* meta = reinterpret_cast<const Eigen::half*>(row + f.code_bytes());
+      if (!all_finite(meta, 2 * f.groups())) {
+        bad_state(std::string("a quantized ") + (keys ? "key" : "value") +
+                  " row's scale or offset is not finite");
+      }
+    }
+  }
+}
+
+/// One head as read: its scores (null for a policy that does not score them), positions, sinks,
+/// keys and quantized rows' scales. Restores the head's live order from the positions.
+template <class T>
+void check_saved_head(const SavedCache<T>& s, const Rule& rule, HeadStore<T>& head,
+                      const std::vector<std::int64_t>& pos, const std::vector<float>* score) {
+  if (score) check_saved_scores(*score, rule);
+  if (!head.restore(s.rows, pos.data(), score ? score->data() : nullptr)) {
+    bad_state("two rows share a position");
+  }
+  const auto& order = head.order();
+  if (s.rows > 0) {
+    const std::int64_t first = head.position(order.front()), last = head.position(order.back());
+    if (first < 0 || last >= s.offset) {
+      bad_state("positions " + std::to_string(first) + ".." + std::to_string(last) +
+                " are not in [0, offset " + std::to_string(s.offset) + ")");
+    }
+  }
+  // Sinks are never evicted: positions 0..min(n_sink, offset) - 1 are all retained.
+  if (rule.kind != RuleKind::keep_all) {
+    const std::int64_t k = std::min<std::int64_t>(rule.n_sink, s.offset);
+    if (k > 0 && (s.rows < k || head.position(order[static_cast<std::size_t>(k - 1)]) != k - 1)) {
+      bad_state("a sink (one of the first " + std::to_string(k) + " positions) is missing");
+    }
+  }
+  check_stored_rows(head, s.rows);
+}
+
+/// The descriptor of a cache whose policy is `rule` and rows kf / vf (their dims unused):
+/// check_saved_dims, the budget (with `budget_from_config`: the one `rule` has from the config),
+/// check_saved_rows.
+template <class T>
+void check_saved_descriptor(const SavedCache<T>& s, const Rule& rule, const RowFormat& kf,
+                            const RowFormat& vf, bool budget_from_config) {
+  if (!s.dims_known()) {
+    if (s.batch || s.heads || s.key_dim || s.value_dim || s.offset || s.tokens_seen || s.rows) {
+      bad_state("a cache that has seen no call holds dims, rows, tokens or an offset");
+    }
+  } else {
+    check_saved_dims(s, rule, kf, vf);
+  }
+  if (budget_from_config && (s.has_budget() != rule.budget.has_value() ||
+                             (s.has_budget() && s.budget != rule.budget.value_or(0)))) {
+    bad_state("its budget is not the one its configuration gives");
+  }
+  check_saved_rows(s, rule);
+}
+
+}  // namespace veloxquant::cache::detail
