@@ -9,7 +9,6 @@
 //    attention over the twin's view; by hand on a three-token case;
 //  * TensorRef and TensorMap inputs, token-major inputs and outputs: the same state and output as
 //    head-major Tensor4s, with no copy of the input (the cache reads the caller's buffer);
-//  * parallel heads give the serial output bitwise;
 //  * every bad call to attend (null out, bad shapes, non-finite keys or queries, bad references)
 //    throws std::invalid_argument naming the problem, writes nothing to out, changes nothing.
 
@@ -262,27 +261,6 @@ TYPED_TEST(AttendTest, ReferencesReadTheCallersBufferInPlace) {
         EXPECT_EQ(static_cast<float>(st.first(0, h, s, d)),
                   static_cast<float>(static_cast<T>(
                       static_cast<float>(kt[static_cast<std::size_t>((s * H + h) * D + d)]))));
-}
-
-TYPED_TEST(AttendTest, ParallelHeadsGiveTheSerialOutputBitwise) {
-  using T = TypeParam;
-  for (const Kind kind : kKinds) {
-    Subject<T> serial = make_subject<T>(kind);
-    Subject<T> parallel = make_subject<T>(kind);
-    enable_parallel_heads(*parallel.cache);
-    std::mt19937 rng(300u + static_cast<unsigned>(kind));
-    const Index B = 3, H = 4, G = 2, Dk = 16, Dv = 24;
-    for (const Index S : {Index{40}, Index{1}, Index{1}, Index{5}, Index{70}, Index{1}}) {
-      const auto k = random_tensor<T>(rng, B, H, S, Dk);
-      const auto v = random_tensor<T>(rng, B, H, S, Dv);
-      const auto q = random_queries(rng, B, G * H, S, Dk);
-      const vc::Tensor4<float> a = serial.cache->attend(q, k, v);
-      const vc::Tensor4<float> b = parallel.cache->attend(q, k, v);
-      EXPECT_TRUE(bitwise_equal(a, b)) << kind_name(kind) << ", S = " << S;
-      EXPECT_TRUE(logical_state(serial) == logical_state(parallel))
-          << kind_name(kind) << ", S = " << S;
-    }
-  }
 }
 
 /// Every bad call to attend: invalid_argument naming the problem, `out` untouched, state unchanged,

@@ -1,6 +1,10 @@
-// The fast H2O core (SqueezeAttentionCache without a coordinator, H2OCache, PyramidKVCache) against
-// the naive double-precision oracle of tests/reference/oracle.hpp on random call sequences
-// (docs/design.md 3, 4.2, 4.4, 6), and the reference algorithm special case (docs/design.md 4.3, 9.1).
+// The H2O core (SqueezeAttentionCache without a coordinator, H2OCache, PyramidKVCache) against the
+// double-precision oracle of tests/reference/oracle.hpp on random call sequences, through the
+// differential driver of support/oracle_driver.hpp (docs/design.md 3, 4.2, 4.4-4.8, 6): the
+// key-as-query proxy and the query-free scorers through every update API without queries, real
+// queries (G 1, 2, 4, varying, bad queries injected) through every API with them, budgets adopted
+// from a coordinator between calls; and the hand-computed cases: the grace clamp and the
+// reference algorithm special case (docs/design.md 4.3, 9.1).
 
 // Internal invariants of the library are checked (and abort) even in Release builds.
 // clang-format off
@@ -13,16 +17,16 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
-#include <limits>
 #include <memory>
+#include <optional>
 #include <random>
 #include <sstream>
-#include <stdexcept>
 #include <string>
 #include <vector>
 #include <veloxquant/cache.hpp>
 
 #include "reference/oracle.hpp"
+#include "support/oracle_driver.hpp"
 #include "support/test_support.hpp"
 
 namespace {
@@ -32,6 +36,7 @@ namespace ref = veloxquant::reference;
 using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
 
 using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
+using Scorer = ref::H2OHeadOracle::Scorer;
 
 enum class Policy { kH2O, kPyramid, kSqueeze };
 
@@ -48,332 +53,205 @@ const char* policy_name(Policy p) {
 }
 
 /// KVCacheConfig::proxy_scoring of an oracle scorer.
-const char* scorer_name(ref::H2OHeadOracle::Scorer s) {
+const char* scorer_name(Scorer s) {
   switch (s) {
-    case ref::H2OHeadOracle::Scorer::keydiff:
+    case Scorer::keydiff:
       return "keydiff";
-    case ref::H2OHeadOracle::Scorer::knorm:
+    case Scorer::knorm:
       return "knorm";
-    case ref::H2OHeadOracle::Scorer::key_as_query:
+    case Scorer::key_as_query:
       break;
   }
   return "key_as_query";
 }
 
-/// One random configuration of a run.
-struct RunConfig {
+/// One configuration of a run.
+struct CoreRun {
   Policy policy = Policy::kH2O;
-  int budget = 8;
+  int budget = 8;  // PyramidKV from the builder: the average over its 3 layers
   int n_sink = 0;
   double ratio = 0.5;  // squeeze / pyramid
   int grace = 16;      // h2o
   double decay = 0.98;
-  ref::H2OHeadOracle::Scorer scorer = ref::H2OHeadOracle::Scorer::key_as_query;  // no queries
-  bool resolved = false;  // squeeze/pyramid: budget through *_resolved_budget
-  Index B = 1, H = 1, Dk = 4, Dv = 4;
-  Index prefill = 1;
-  int decode_calls = 30;
+  Scorer scorer = Scorer::key_as_query;  // calls without queries
+  bool resolved = false;                 // squeeze/pyramid: budget through *_resolved_budget
+  int layer = -1;                        // pyramid: drive this layer of a 3-layer model
+  double value_power = 0.0;              // KVCacheConfig::value_norm_power
+  RunDims dims;
   unsigned seed = 0;
 
   std::string describe() const {
     std::ostringstream os;
     os << policy_name(policy) << " budget=" << budget << " n_sink=" << n_sink << " ratio=" << ratio
-       << " grace=" << grace << " decay=" << decay << " resolved=" << resolved << " B=" << B
-       << " H=" << H << " Dk=" << Dk << " Dv=" << Dv << " prefill=" << prefill
-       << " decode_calls=" << decode_calls << " seed=" << seed
+       << " grace=" << grace << " decay=" << decay << " resolved=" << resolved
+       << " layer=" << layer << " value_power=" << value_power << " B=" << dims.B
+       << " H=" << dims.H << " Dk=" << dims.Dk << " Dv=" << dims.Dv << " seed=" << seed
        << " proxy_scoring=" << scorer_name(scorer);
     return os.str();
   }
 };
 
-/// Builds the cache of `rc` (budget known from the start: no coordinator).
-template <class T>
-std::unique_ptr<vc::KVCache<T>> make_cache(const RunConfig& rc) {
-  vc::KVCacheConfig c;
-  c.proxy_scoring = scorer_name(rc.scorer);
-  switch (rc.policy) {
-    case Policy::kH2O:
-      c.method = "h2o";
-      c.h2o_budget = rc.budget;
-      c.h2o_n_sink = rc.n_sink;
-      c.h2o_grace = rc.grace;
-      c.h2o_decay = rc.decay;
-      return std::make_unique<vc::H2OCache<T>>(c);
-    case Policy::kPyramid:
-      c.method = "pyramidkv";
-      if (rc.resolved) {
-        c.pyramid_budget = 300;  // must be ignored in favour of the resolved budget
-        c.pyramid_resolved_budget = rc.budget;
-      } else {
-        c.pyramid_budget = rc.budget;
-      }
-      c.pyramid_n_sink = rc.n_sink;
-      c.pyramid_recent_ratio = rc.ratio;
-      c.pyramid_decay = rc.decay;
-      return std::make_unique<vc::PyramidKVCache<T>>(c);
-    case Policy::kSqueeze:
-      c.method = "squeeze";
-      if (rc.resolved) {
-        c.squeeze_budget = 300;  // must be ignored in favour of the resolved budget
-        c.squeeze_resolved_budget = rc.budget;
-      } else {
-        c.squeeze_budget = rc.budget;
-      }
-      c.squeeze_n_sink = rc.n_sink;
-      c.squeeze_recent_ratio = rc.ratio;
-      c.squeeze_decay = rc.decay;
-      c.squeeze_defer = false;
-      return std::make_unique<vc::SqueezeAttentionCache<T>>(c);
+/// The protected-recent rule of `r` for the oracle.
+std::function<int(int)> grace_rule(const CoreRun& r) {
+  const int n_sink = r.n_sink;
+  if (r.policy == Policy::kH2O) {
+    const int grace = r.grace;
+    return [grace, n_sink](int budget) { return ref::protected_recent_fixed(grace, budget, n_sink); };
   }
-  return nullptr;
-}
-
-/// The protected-recent rule of `rc` for the oracle.
-std::function<int(int)> grace_rule(const RunConfig& rc) {
-  if (rc.policy == Policy::kH2O) {
-    const int grace = rc.grace, n_sink = rc.n_sink;
-    return
-        [grace, n_sink](int budget) { return ref::protected_recent_fixed(grace, budget, n_sink); };
-  }
-  const double ratio = rc.ratio;
-  const int n_sink = rc.n_sink;
+  const double ratio = r.ratio;
   return [ratio, n_sink](int budget) { return ref::protected_recent_ratio(ratio, budget, n_sink); };
 }
 
-/// Relative gap between the two lowest evictable scores if `head` absorbed `key` now and had to
-/// evict (docs/design.md 4.2 step 3), or +inf when no eviction happens or only one row is evictable. Computed
-/// by the oracle itself on a copy with an unbounded budget.
-double eviction_margin(const ref::H2OHeadOracle& head, const std::vector<double>& key,
-                       const std::vector<double>& value, int budget, int n_sink, int g) {
-  const double inf = std::numeric_limits<double>::infinity();
-  if (head.rows().empty() || static_cast<int>(head.rows().size()) + 1 <= budget) return inf;
-  ref::H2OHeadOracle probe = head;
-  probe.set_budget(1 << 30);  // larger: just stamped, nothing evicted
-  probe.absorb(key, value);
-  const std::vector<double> rank = probe.rank();  // what the eviction ranks by
-  const auto& rows = probe.rows();
-  const std::size_t n = rows.size();
-  double lo1 = inf, lo2 = inf;
-  for (std::size_t i = 0; i < n; ++i) {
-    if (rows[i].position < n_sink || i + static_cast<std::size_t>(g) >= n) continue;
-    const double s = rank[i];
-    if (s < lo1) {
-      lo2 = lo1;
-      lo1 = s;
-    } else if (s < lo2) {
-      lo2 = s;
-    }
+/// The cache of `r` (no coordinator: its budget is known from the start) and that budget.
+template <class T>
+Subject<T> make_core_subject(const CoreRun& r, int& budget) {
+  vc::KVCacheConfig c;
+  switch (r.policy) {
+    case Policy::kH2O:
+      c = h2o_config(r.budget, r.n_sink, r.grace, r.decay);
+      break;
+    case Policy::kPyramid:
+      c = pyramid_config(r.budget, r.n_sink, r.ratio, r.decay);
+      if (r.resolved) {
+        c.pyramid_budget = 300;  // must be ignored in favour of the resolved budget
+        c.pyramid_resolved_budget = r.budget;
+      }
+      break;
+    case Policy::kSqueeze:
+      c = squeeze_config(r.budget, r.n_sink, r.ratio, r.decay);
+      if (r.resolved) {
+        c.squeeze_budget = 300;  // must be ignored in favour of the resolved budget
+        c.squeeze_resolved_budget = r.budget;
+      }
+      break;
   }
-  return (lo2 - lo1) / std::max(1.0, std::fabs(lo1));
+  c.proxy_scoring = scorer_name(r.scorer);
+  c.value_norm_power = r.value_power;
+  budget = r.budget;
+  Subject<T> s;
+  if (r.policy == Policy::kPyramid && r.layer >= 0) {
+    // Three layers from the builder; the run drives one, whose budget is its share of the
+    // pyramid (possibly the floor n_sink + 1).
+    auto model = vc::KVCacheBuilder::for_model<T>(3, c);
+    s.cache = std::move(model[static_cast<std::size_t>(r.layer)]);
+    budget = ref::pyramid_budgets(3, r.budget, r.n_sink,
+                                  c.pyramid_beta)[static_cast<std::size_t>(r.layer)];
+  } else {
+    s.cache = vc::KVCacheFactory::create<T>(c);
+  }
+  s.cache->set_parallel_heads(false);
+  EXPECT_EQ(core_budget(*s.cache), std::optional<int>(budget)) << r.describe();
+  EXPECT_EQ(s.cache->layer_budget(), budget) << r.describe();
+  EXPECT_EQ(core_protected_recent(*s.cache), ref::clamp_recent(grace_rule(r)(budget), budget, r.n_sink))
+      << r.describe();
+  return s;
 }
 
-/// Compares the cache with the oracle heads after a call; returns a description of the first
-/// mismatch, or an empty string.
-/// `cache`: the public class of an H2O-core policy (visit_core).
-template <class Cache>
-std::string compare_with_oracle(const Cache& cache,
-                                const std::vector<ref::H2OHeadOracle>& oracle,
-                                const RunConfig& rc) {
-  using T = typename Cache::Scalar;
-  std::ostringstream err;
-  const vc::KVPair<T> st = cache.state();
-  const Index n = static_cast<Index>(oracle.front().rows().size());
-  if (st.first.dimension(0) != rc.B || st.first.dimension(1) != rc.H ||
-      st.first.dimension(2) != n || st.first.dimension(3) != rc.Dk || st.second.dimension(2) != n ||
-      st.second.dimension(3) != rc.Dv) {
-    err << "state() shape [" << st.first.dimension(0) << ", " << st.first.dimension(1) << ", "
-        << st.first.dimension(2) << ", " << st.first.dimension(3) << "], oracle holds " << n
-        << " rows";
-    return err.str();
-  }
-  for (Index b = 0; b < rc.B; ++b) {
-    for (Index h = 0; h < rc.H; ++h) {
-      const auto& o = oracle[static_cast<std::size_t>(b * rc.H + h)];
-      if (cache.positions(b, h) != o.positions()) {
-        err << "head (" << b << ", " << h << ") retained positions differ from the oracle's";
-        return err.str();
-      }
-      const std::vector<float> sc = cache.scores(b, h);
-      const auto& rows = o.rows();
-      for (std::size_t r = 0; r < rows.size(); ++r) {
-        const double want = rows[r].score;
-        const double got = static_cast<double>(sc[r]);
-        if (!scores_close(got, want)) {
-          err << "head (" << b << ", " << h << ") row " << r << " (position " << rows[r].position
-              << ") score " << got << ", oracle " << want;
-          return err.str();
-        }
-        const std::string row_err = compare_state_row(st, b, h, static_cast<Index>(r), rows[r]);
-        if (!row_err.empty()) return row_err;
-      }
-    }
-  }
-  if (cache.tokens_kept() != n) err << "tokens_kept " << cache.tokens_kept() << ", oracle " << n;
-  return err.str();
+/// The oracle heads of `r` for a cache of that budget.
+CoreHeads core_heads(const CoreRun& r, int budget) {
+  CoreHeads heads(static_cast<std::size_t>(r.dims.B * r.dims.H), r.n_sink, r.decay, grace_rule(r),
+                  budget, r.scorer);
+  heads.set_value_power(r.value_power);
+  return heads;
 }
 
-/// Outcome of one random run.
-struct RunResult {
-  bool ok = true;
-  bool near_tie = false;         // the oracle met an eviction decided by a relative gap < 1e-5
-  bool diverged_at_tie = false;  // ... and the float32 fast path then chose the other row
-  int calls_checked = 0;
+/// What a grid of runs reached.
+struct GridStats {
+  int runs = 0, near_ties = 0, tie_divergences = 0, failures = 0, checked_calls = 0;
+
+  void add(const RunOutcome& o, const std::string& what) {
+    ++runs;
+    if (o.near_tie) ++near_ties;
+    if (o.diverged_at_tie) ++tie_divergences;
+    if (!o.failure.empty()) {
+      ++failures;
+      ADD_FAILURE() << what << ": " << o.failure;
+    }
+    checked_calls += o.calls_checked;
+  }
+  /// The bounds every grid keeps: no failure; a divergence after a near-tie of the oracle's
+  /// decision (which ends a run without failing it) in at most 5% of the runs; most calls checked.
+  void expect_sound(int min_calls_per_run) const {
+    EXPECT_EQ(failures, 0);
+    std::printf("[ stats    ] %d runs, %d calls checked, %d met a near-tie, %d diverged after one\n",
+                runs, checked_calls, near_ties, tie_divergences);
+    EXPECT_LE(tie_divergences * 20, runs)
+        << tie_divergences << " of " << runs << " runs diverged after a near-tie";
+    EXPECT_GT(checked_calls, runs * min_calls_per_run);
+  }
 };
 
-/// One random run: prefill then decode calls (some multi-token, some empty), compared with one
-/// H2OHeadOracle per head after every call. A mismatch counts as a failure unless the oracle met a
-/// near-tie eviction before it (float32 scores may then legitimately choose the other row); the
-/// run then stops, and the caller bounds how often that happens.
+/// One run without queries: a prefill then 30-100 calls (some multi-token, some empty), each
+/// through an API drawn from every update API without queries.
 template <class T>
-RunResult run_against_oracle(const RunConfig& rc) {
-  RunResult res;
-  std::mt19937 rng(rc.seed);
-  auto cache = make_cache<T>(rc);
-  EXPECT_EQ(core_budget(*cache), std::optional<int>(rc.budget)) << rc.describe();
-  const auto rule = grace_rule(rc);
-  const int g = ref::clamp_recent(rule(rc.budget), rc.budget, rc.n_sink);
-  EXPECT_EQ(core_protected_recent(*cache), g) << rc.describe();
+RunOutcome run_proxy(const CoreRun& r, Index prefill, int calls) {
+  int budget = 0;
+  Subject<T> subject = make_core_subject<T>(r, budget);
+  CoreHeads oracle = core_heads(r, budget);
+  std::mt19937 rng(r.seed);
+  PlanShape shape;
+  shape.prefill = prefill;
+  shape.calls = calls;
+  shape.short_max = budget + 5;
+  shape.apis.assign(std::begin(kProxyApis), std::end(kProxyApis));
+  const std::vector<DriverCall> plan = random_plan(rng, shape);
+  RunChecks<T> checks;
+  checks.what = r.describe();
+  checks.tolerate_near_ties = true;
+  return run_against_oracle(subject, oracle, r.dims, plan, rng, checks);
+}
 
-  std::vector<ref::H2OHeadOracle> oracle;
-  for (Index i = 0; i < rc.B * rc.H; ++i) {
-    oracle.emplace_back(rc.n_sink, rc.decay, rule);
-    oracle.back().set_scorer(rc.scorer);
-    oracle.back().set_budget(rc.budget);
-  }
-
-  std::uniform_real_distribution<double> u01(0.0, 1.0);
-  std::int64_t offset = 0;
-  for (int call = 0; call <= rc.decode_calls; ++call) {
-    Index S = 1;
-    if (call == 0) {
-      S = rc.prefill;
-    } else {
-      const double r = u01(rng);
-      if (r < 0.03) {
-        S = 0;
-      } else if (r < 0.18) {
-        S = std::uniform_int_distribution<Index>(2, rc.budget + 5)(rng);
-      }
-    }
-    const vc::Tensor4<T> keys = random_tensor<T>(rng, rc.B, rc.H, S, rc.Dk);
-    const vc::Tensor4<T> values = random_tensor<T>(rng, rc.B, rc.H, S, rc.Dv);
-
-    std::vector<std::vector<ref::OracleRow>> before;
-    for (const auto& o : oracle) before.push_back(o.rows());
-
-    // Oracle: one token at a time, in arrival order (docs/design.md 4.2).
-    for (Index hi = 0; hi < rc.B * rc.H; ++hi) {
-      const Index b = hi / rc.H, h = hi % rc.H;
-      auto& o = oracle[static_cast<std::size_t>(hi)];
-      for (Index s = 0; s < S; ++s) {
-        const std::vector<double> k = row_of(keys, b, h, s);
-        const std::vector<double> v = row_of(values, b, h, s);
-        if (eviction_margin(o, k, v, rc.budget, rc.n_sink, g) < 1e-5) {
-          res.near_tie = true;
+/// Random runs of `policy` over a grid of n_sink x recent ratio (or grace) x decay, with random
+/// B, H, D, budget and call sizes, prefills over and under the budget.
+template <class T>
+void run_grid(Policy policy, unsigned seed_base) {
+  const std::vector<int> budgets = {2, 5, 8, 13, 32, 64};
+  const std::vector<double> ratios = {0.0, 0.25, 0.5, 1.0};
+  const std::vector<int> graces = {0, 3, 16, -1};  // -1: larger than the budget (clamped)
+  std::mt19937 rng(seed_base);
+  GridStats stats;
+  int prefill_over = 0, prefill_under = 0;
+  for (const int sink : {0, 1, 4}) {
+    for (std::size_t k = 0; k < ratios.size(); ++k) {
+      for (const double decay : {0.9, 0.98, 1.0}) {
+        for (int rep = 0; rep < 2; ++rep) {
+          CoreRun r;
+          r.policy = policy;
+          r.n_sink = sink;
+          r.ratio = ratios[k];
+          r.decay = decay;
+          std::vector<int> ok_budgets;
+          for (const int b : budgets) {
+            if (b > sink) ok_budgets.push_back(b);
+          }
+          r.budget = ok_budgets[static_cast<std::size_t>(stats.runs) % ok_budgets.size()];
+          r.grace = graces[k] >= 0 ? graces[k] : r.budget + 7;
+          r.resolved = rep == 1;
+          r.dims = random_dims(rng);
+          Index prefill = 0;
+          if (stats.runs % 2 == 0) {
+            prefill = std::uniform_int_distribution<Index>(r.budget + 1, 2 * r.budget + 8)(rng);
+            ++prefill_over;
+          } else {
+            prefill = std::uniform_int_distribution<Index>(1, std::max(1, r.budget - 1))(rng);
+            ++prefill_under;
+          }
+          const int calls = std::uniform_int_distribution<int>(30, 100)(rng);
+          r.seed = static_cast<unsigned>(rng());
+          stats.add(run_proxy<T>(r, prefill, calls), r.describe());
+          if (stats.failures > 3) FAIL() << "too many failing runs; stopping";
         }
-        o.absorb(k, v);
       }
     }
-
-    const vc::KVPair<T> got = cache->update_and_fetch(keys, values);
-    offset += S;
-
-    std::string err;
-    if (cache->offset() != offset) {
-      err = "offset " + std::to_string(cache->offset()) + ", expected " + std::to_string(offset);
-    }
-    if (err.empty()) err = compare_returned(got, before, keys, values, rc);
-    if (err.empty()) {
-      const bool is_core = visit_core(
-          *cache, [&](const auto& core) { err = compare_with_oracle(core, oracle, rc); });
-      if (!is_core) err = "not an H2O-core cache";
-    }
-    if (!err.empty()) {
-      if (res.near_tie) {
-        res.diverged_at_tie = true;
-      } else {
-        ADD_FAILURE() << rc.describe() << " call " << call << " (S=" << S << "): " << err;
-        res.ok = false;
-      }
-      return res;
-    }
-    ++res.calls_checked;
   }
-  return res;
+  stats.expect_sound(25);
+  EXPECT_GT(prefill_over, 0);
+  EXPECT_GT(prefill_under, 0);
 }
 
 template <class T>
 class H2OCoreOracleTest : public ::testing::Test {};
 TYPED_TEST_SUITE(H2OCoreOracleTest, StorageTypes);
-
-/// Random runs over every policy and a grid of n_sink x recent ratio (or grace) x decay, with
-/// random B, H, D, budget and call sizes.
-template <class T>
-void run_grid(Policy policy, unsigned seed_base) {
-  const std::vector<int> budgets = {2, 5, 8, 13, 32, 64};
-  const std::vector<int> sinks = {0, 1, 4};
-  const std::vector<double> ratios = {0.0, 0.25, 0.5, 1.0};
-  const std::vector<int> graces = {0, 3, 16, -1};  // -1: larger than the budget (clamped)
-  const std::vector<double> decays = {0.9, 0.98, 1.0};
-  const std::vector<Index> dims = {2, 4, 8, 16};
-
-  std::mt19937 rng(seed_base);
-  int runs = 0, near_ties = 0, tie_divergences = 0, checked_calls = 0, failures = 0;
-  int prefill_over = 0, prefill_under = 0;
-  for (int sink : sinks) {
-    for (std::size_t k = 0; k < ratios.size(); ++k) {
-      for (double decay : decays) {
-        for (int rep = 0; rep < 2; ++rep) {
-          RunConfig rc;
-          rc.policy = policy;
-          rc.n_sink = sink;
-          rc.ratio = ratios[k];
-          rc.decay = decay;
-          std::vector<int> ok_budgets;
-          for (int b : budgets) {
-            if (b > sink) ok_budgets.push_back(b);
-          }
-          rc.budget = ok_budgets[static_cast<std::size_t>(runs) % ok_budgets.size()];
-          rc.grace = graces[k] >= 0 ? graces[k] : rc.budget + 7;
-          rc.resolved = (rep == 1);
-          rc.B = std::uniform_int_distribution<Index>(1, 3)(rng);
-          rc.H = std::uniform_int_distribution<Index>(1, 3)(rng);
-          rc.Dk = dims[std::uniform_int_distribution<std::size_t>(0, 3)(rng)];
-          rc.Dv = dims[std::uniform_int_distribution<std::size_t>(0, 3)(rng)];
-          if (runs % 2 == 0) {
-            rc.prefill =
-                std::uniform_int_distribution<Index>(rc.budget + 1, 2 * rc.budget + 8)(rng);
-            ++prefill_over;
-          } else {
-            rc.prefill = std::uniform_int_distribution<Index>(1, std::max(1, rc.budget - 1))(rng);
-            ++prefill_under;
-          }
-          rc.decode_calls = std::uniform_int_distribution<int>(30, 100)(rng);
-          rc.seed = static_cast<unsigned>(rng());
-          const RunResult r = run_against_oracle<T>(rc);
-          ++runs;
-          if (r.near_tie) ++near_ties;
-          if (r.diverged_at_tie) ++tie_divergences;
-          if (!r.ok) ++failures;
-          checked_calls += r.calls_checked;
-          if (failures > 3) {
-            FAIL() << "too many failing runs; stopping";
-          }
-        }
-      }
-    }
-  }
-  EXPECT_EQ(failures, 0);
-  std::printf("[ stats    ] %d runs, %d calls checked, %d met a near-tie, %d diverged after one\n",
-              runs, checked_calls, near_ties, tie_divergences);
-  EXPECT_GT(prefill_over, 0);
-  EXPECT_GT(prefill_under, 0);
-  // A divergence after a near-tie of the oracle's eviction decision stops a run early without
-  // failing it; that must stay rare.
-  EXPECT_LE(tie_divergences * 20, runs)
-      << tie_divergences << " of " << runs << " runs diverged after a near-tie";
-  EXPECT_GT(checked_calls, runs * 25);
-}
 
 TYPED_TEST(H2OCoreOracleTest, H2OCacheMatchesOracleOnRandomCalls) {
   run_grid<TypeParam>(Policy::kH2O, 1001u);
@@ -389,116 +267,278 @@ TYPED_TEST(H2OCoreOracleTest, SqueezeAttentionCacheWithoutCoordinatorMatchesOrac
 
 /// The query-free scorers of docs/design.md 4.7 against the oracle: every policy, KeyDiff and
 /// K-norm, n_sink x recent ratio (or grace), random dims, budgets and call sizes.
-template <class T>
-void run_proxy_grid(unsigned seed_base) {
+TYPED_TEST(H2OCoreOracleTest, QueryFreeScorersMatchTheOracleOnRandomCalls) {
+  using T = TypeParam;
   const std::vector<int> budgets = {2, 5, 8, 13, 32};
-  std::mt19937 rng(seed_base);
-  int runs = 0, tie_divergences = 0, checked_calls = 0, failures = 0;
-  for (Policy policy : {Policy::kH2O, Policy::kPyramid, Policy::kSqueeze}) {
-    for (auto scorer : {ref::H2OHeadOracle::Scorer::keydiff, ref::H2OHeadOracle::Scorer::knorm}) {
-      for (int sink : {0, 1, 4}) {
-        for (double ratio : {0.0, 0.5, 1.0}) {
-          RunConfig rc;
-          rc.policy = policy;
-          rc.scorer = scorer;
-          rc.n_sink = sink;
-          rc.ratio = ratio;
-          rc.grace = static_cast<int>(ratio * 8);
-          rc.decay = 0.98;  // unused by these scorers
+  std::mt19937 rng(4004u);
+  GridStats stats;
+  for (const Policy policy : {Policy::kH2O, Policy::kPyramid, Policy::kSqueeze}) {
+    for (const Scorer scorer : {Scorer::keydiff, Scorer::knorm}) {
+      for (const int sink : {0, 1, 4}) {
+        for (const double ratio : {0.0, 0.5, 1.0}) {
+          CoreRun r;
+          r.policy = policy;
+          r.scorer = scorer;
+          r.n_sink = sink;
+          r.ratio = ratio;
+          r.grace = static_cast<int>(ratio * 8);
+          r.decay = 0.98;  // unused by these scorers
           std::vector<int> ok_budgets;
-          for (int b : budgets) {
+          for (const int b : budgets) {
             if (b > sink) ok_budgets.push_back(b);
           }
-          rc.budget = ok_budgets[static_cast<std::size_t>(runs) % ok_budgets.size()];
-          rc.resolved = runs % 3 == 0;
-          rc.B = std::uniform_int_distribution<Index>(1, 2)(rng);
-          rc.H = std::uniform_int_distribution<Index>(1, 3)(rng);
-          rc.Dk = std::vector<Index>{2, 4, 8, 16}[static_cast<std::size_t>(runs) % 4];
-          rc.Dv = 4;
-          rc.prefill =
-              runs % 2 == 0
-                  ? std::uniform_int_distribution<Index>(rc.budget + 1, 2 * rc.budget + 8)(rng)
-                  : std::uniform_int_distribution<Index>(1, std::max(1, rc.budget - 1))(rng);
-          rc.decode_calls = std::uniform_int_distribution<int>(30, 60)(rng);
-          rc.seed = static_cast<unsigned>(rng());
-          const RunResult r = run_against_oracle<T>(rc);
-          ++runs;
-          if (r.diverged_at_tie) ++tie_divergences;
-          if (!r.ok) ++failures;
-          checked_calls += r.calls_checked;
-          if (failures > 3) FAIL() << "too many failing runs; stopping";
+          r.budget = ok_budgets[static_cast<std::size_t>(stats.runs) % ok_budgets.size()];
+          r.resolved = stats.runs % 3 == 0;
+          r.dims.B = std::uniform_int_distribution<Index>(1, 2)(rng);
+          r.dims.H = std::uniform_int_distribution<Index>(1, 3)(rng);
+          r.dims.Dk = std::vector<Index>{2, 4, 8, 16}[static_cast<std::size_t>(stats.runs) % 4];
+          r.dims.Dv = 4;
+          const Index prefill =
+              stats.runs % 2 == 0
+                  ? std::uniform_int_distribution<Index>(r.budget + 1, 2 * r.budget + 8)(rng)
+                  : std::uniform_int_distribution<Index>(1, std::max(1, r.budget - 1))(rng);
+          const int calls = std::uniform_int_distribution<int>(30, 60)(rng);
+          r.seed = static_cast<unsigned>(rng());
+          stats.add(run_proxy<T>(r, prefill, calls), r.describe());
+          if (stats.failures > 3) FAIL() << "too many failing runs; stopping";
         }
       }
     }
   }
-  EXPECT_EQ(failures, 0);
-  std::printf("[ stats    ] %d runs, %d calls checked, %d diverged after a near-tie\n", runs,
-              checked_calls, tie_divergences);
-  EXPECT_LE(tie_divergences * 20, runs);
-  EXPECT_GT(checked_calls, runs * 25);
+  stats.expect_sound(25);
 }
 
-TYPED_TEST(H2OCoreOracleTest, QueryFreeScorersMatchTheOracleOnRandomCalls) {
-  run_proxy_grid<TypeParam>(4004u);
+// ---------------------------------------------------------------------------------------------
+// With queries (docs/design.md 4.6)
+// ---------------------------------------------------------------------------------------------
+
+/// The query APIs with fresh random queries: a call's real queries are scored, not the proxy.
+template <class T>
+class H2OCoreQueryOracleTest : public ::testing::Test {};
+TYPED_TEST_SUITE(H2OCoreQueryOracleTest, StorageTypes);
+
+/// Seeds 0..5 cover (G, D) = (1,3) (2,8) (4,20) (1,8) (2,20) (4,3); the rest is random. Seeds 3-5
+/// rank by score * |v|^2, 6-8 by score * |v|^1.5 (docs/design.md 4.8). PyramidKV: a layer of a
+/// 3-layer model from the builder.
+CoreRun random_query_run(Policy policy, unsigned seed, Index& G, bool& vary_g) {
+  std::mt19937 rng(1009u * seed + 17u * static_cast<unsigned>(policy) + 3u);
+  const auto pick = [&rng](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  CoreRun r;
+  r.policy = policy;
+  r.seed = seed;
+  const Index gs[] = {1, 2, 4};
+  const Index ds[] = {3, 8, 20};
+  G = gs[seed % 3];
+  r.dims.Dk = ds[(seed + seed / 3) % 3];
+  vary_g = seed % 4 == 3;
+  r.dims.B = pick(1, 2);
+  r.dims.H = pick(1, 3);
+  r.dims.Dv = pick(1, 5);
+  r.budget = pick(8, 40);
+  r.n_sink = pick(0, 4);
+  const double decays[] = {1.0, 0.98, 0.9, 0.75};
+  r.decay = decays[pick(0, 3)];
+  const double ratios[] = {0.0, 0.25, 0.5, 0.8};
+  r.ratio = ratios[pick(0, 3)];
+  r.grace = pick(0, 12);
+  r.layer = policy == Policy::kPyramid ? pick(0, 2) : -1;
+  r.resolved = policy == Policy::kSqueeze && pick(0, 1) == 1;
+  const double powers[] = {0.0, 2.0, 1.5};
+  r.value_power = powers[seed / 3 % 3];
+  return r;
 }
+
+// Every H2O-core policy, 10 seeds each, 22 calls per run, then reset() and 6 more calls (a new
+// sequence from position 0). Near-ties: N(0, 1) keys and queries make an eviction decided within
+// float32 rounding improbable; every seed here passes as drawn. Should a change of the draws ever
+// hit a near-tie, pick another seed rather than loosening the comparison.
+TYPED_TEST(H2OCoreQueryOracleTest, MatchesOracleOnRandomCallSequences) {
+  using T = TypeParam;
+  for (const Policy policy : {Policy::kSqueeze, Policy::kH2O, Policy::kPyramid}) {
+    for (unsigned seed = 0; seed < 10; ++seed) {
+      Index G = 1;
+      bool vary_g = false;
+      const CoreRun r = random_query_run(policy, seed, G, vary_g);
+      int budget = 0;
+      Subject<T> subject = make_core_subject<T>(r, budget);
+      CoreHeads oracle = core_heads(r, budget);
+      std::mt19937 rng(seed * 7919u + 11u);
+      RunChecks<T> checks;
+      checks.what = r.describe();
+      RunOutcome o = run_against_oracle(subject, oracle, r.dims,
+                                        random_query_plan(rng, 22, G, vary_g), rng, checks);
+      ASSERT_EQ(o.failure, "");
+      // The runs must have evicted (budget <= 40, many decode calls).
+      EXPECT_LE(subject.cache->tokens_kept(), budget) << r.describe();
+      EXPECT_LT(subject.cache->tokens_kept(), subject.cache->offset()) << r.describe();
+      subject.cache->reset();
+      oracle.reset();
+      checks.what += ", after reset()";
+      o = run_against_oracle(subject, oracle, r.dims,
+                             random_query_plan(rng, 6, G, vary_g), rng, checks);
+      ASSERT_EQ(o.failure, "");
+    }
+  }
+}
+
+// A fixed long run on each policy: a 150-token prefill (3 blocks of 64 tokens at G = 1, 10 blocks
+// of 16 at G = 4), 30 decode steps, a 129-token call through update_and_view, 5 more decode steps
+// through update_and_fetch_into; decay 0.98, budget 24 (PyramidKV: layer 0's share), n_sink 4,
+// the default protected share (H2O: grace 6).
+TYPED_TEST(H2OCoreQueryOracleTest, LongPrefillThenDecodeMatchesOracle) {
+  using T = TypeParam;
+  for (const Policy policy : {Policy::kSqueeze, Policy::kH2O, Policy::kPyramid}) {
+    for (const Index G : {Index{1}, Index{4}}) {
+      CoreRun r;
+      r.policy = policy;
+      r.dims = RunDims{1, 2, 16, 4};
+      r.budget = 24;
+      r.n_sink = 4;
+      r.ratio = 0.5;
+      r.grace = 6;
+      r.layer = policy == Policy::kPyramid ? 0 : -1;
+      int budget = 0;
+      Subject<T> subject = make_core_subject<T>(r, budget);
+      CoreHeads oracle = core_heads(r, budget);
+      std::vector<DriverCall> plan = {DriverCall{150, Api::kFetchQ, G, false}};
+      for (int i = 0; i < 30; ++i) plan.push_back(DriverCall{1, kQueryApis[i % 3], G, false});
+      plan.push_back(DriverCall{129, Api::kViewQ, G, false});
+      for (int i = 0; i < 5; ++i) plan.push_back(DriverCall{1, Api::kFetchIntoQ, G, false});
+      std::mt19937 rng(static_cast<unsigned>(G) * 31u + static_cast<unsigned>(policy));
+      RunChecks<T> checks;
+      checks.what = r.describe() + " G=" + std::to_string(G);
+      EXPECT_EQ(run_against_oracle(subject, oracle, r.dims, plan, rng, checks).failure, "");
+    }
+  }
+}
+
+// SqueezeAttention with a coordinator (two layers, docs/design.md 5.4) and queries: layer 0's
+// first call reports and, before the budgets are known, evicts against squeeze_budget (or,
+// deferring, keeps everything); layer 1's first call completes the set and adopts its budget before
+// absorbing; layer 0 adopts at the start of its next call, a docs/design.md 4.5 re-budget of rows
+// scored by queries. The expected budgets come from ref::squeeze_budgets over the layers'
+// concentrations computed from their first keys (as stored in T) with the reference Gram formula.
+TYPED_TEST(H2OCoreQueryOracleTest, SqueezeWithCoordinatorAdoptsBudgetsBetweenQueryCalls) {
+  using T = TypeParam;
+  for (const bool defer : {false, true}) {
+    for (const double value_power : {0.0, 2.0}) {
+      SCOPED_TRACE(std::string(defer ? "squeeze_defer" : "no deferral") + ", value_norm_power " +
+                   std::to_string(value_power));
+      const int n_sink = 2, avg = 16, fallback = 30;
+      const RunDims dm{2, 2, 8, 3};
+      const Index G = 2;
+      const auto grace = [](int b) { return ref::protected_recent_ratio(0.5, b, 2); };
+      auto coordinator = std::make_shared<vc::SqueezeCoordinator>(2, avg, n_sink, 1.0);
+      vc::KVCacheConfig c = squeeze_config(fallback, n_sink, 0.5, 0.95);
+      c.squeeze_defer = defer;
+      c.value_norm_power = value_power;
+      std::vector<Subject<T>> layers;
+      std::vector<CoreHeads> oracles;
+      for (int l = 0; l < 2; ++l) {
+        layers.push_back(Subject<T>{
+            coordinator, std::make_unique<vc::SqueezeAttentionCache<T>>(c, l, coordinator)});
+        oracles.emplace_back(4, n_sink, 0.95, grace,
+                             defer ? std::nullopt : std::optional<int>(fallback));
+        oracles.back().set_value_power(value_power);
+      }
+      const auto concentration_of = [](const vc::Tensor4<T>& keys) {
+        double sum = 0.0;
+        for (Index b = 0; b < keys.dimension(0); ++b)
+          for (Index h = 0; h < keys.dimension(1); ++h)
+            sum += ref::concentration_score_gram(rows_of(keys, b, h));
+        return sum / static_cast<double>(keys.dimension(0) * keys.dimension(1));
+      };
+      std::vector<double> conc(2, 0.0);
+      std::vector<int> budgets;
+      std::mt19937 rng(defer ? 91u : 19u);
+      RunChecks<T> checks;
+      checks.what = "layer 0 prefill";
+      checks.before_call = [&](std::size_t, const vc::Tensor4<T>& k) { conc[0] = concentration_of(k); };
+      ASSERT_EQ(run_against_oracle(layers[0], oracles[0], dm, {DriverCall{60, Api::kFetchQ, G, true}},
+                                   rng, checks)
+                    .failure,
+                "");
+      EXPECT_FALSE(coordinator->is_finalized());
+      EXPECT_EQ(layers[0].cache->tokens_kept(), defer ? 60 : fallback);
+
+      std::vector<DriverCall> plan1 = {DriverCall{50, Api::kViewQ, G, true}};
+      for (int i = 0; i < 8; ++i) plan1.push_back(DriverCall{1, kQueryApis[i % 3], G, false});
+      checks.what = "layer 1";
+      checks.before_call = [&](std::size_t call, const vc::Tensor4<T>& k) {
+        if (call != 0) return;
+        conc[1] = concentration_of(k);
+        budgets = ref::squeeze_budgets(conc, avg, n_sink, 1.0);
+        oracles[1].set_budget(budgets[1]);
+      };
+      ASSERT_EQ(run_against_oracle(layers[1], oracles[1], dm, plan1, rng, checks).failure, "");
+      ASSERT_TRUE(coordinator->is_finalized());
+      ASSERT_EQ(budgets.size(), 2u);
+      const auto* sq1 = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(layers[1].cache.get());
+      EXPECT_TRUE(sq1->budget_adopted());
+      EXPECT_EQ(sq1->layer_budget(), budgets[1]);
+
+      std::vector<DriverCall> plan0 = {DriverCall{1, Api::kFetchIntoQ, G, false},
+                                       DriverCall{20, Api::kFetchQ, G, false}};
+      for (int i = 0; i < 8; ++i) plan0.push_back(DriverCall{1, kQueryApis[i % 3], G, i == 3});
+      checks.what = "layer 0 after adoption";
+      checks.before_call = [&](std::size_t call, const vc::Tensor4<T>&) {
+        if (call == 0) oracles[0].set_budget(budgets[0]);
+      };
+      ASSERT_EQ(run_against_oracle(layers[0], oracles[0], dm, plan0, rng, checks).failure, "");
+      const auto* sq0 = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(layers[0].cache.get());
+      EXPECT_TRUE(sq0->budget_adopted());
+      EXPECT_EQ(sq0->layer_budget(), budgets[0]);
+      EXPECT_EQ(layers[0].cache->tokens_kept(), budgets[0]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hand-built cases
+// ---------------------------------------------------------------------------------------------
 
 /// A deferring SqueezeAttention layer learns its budget from the coordinator after its prompt and
 /// re-budgets at its next call (docs/design.md 4.5); under KeyDiff the rows it holds are rescored
 /// first (docs/design.md 4.7), as the oracle's set_budget does, and decoding then goes on alike.
 TYPED_TEST(H2OCoreOracleTest, KeyDiffRescoresBeforeADeferredRebudget) {
   using T = TypeParam;
-  RunConfig rc;
-  rc.policy = Policy::kSqueeze;
-  rc.scorer = ref::H2OHeadOracle::Scorer::keydiff;
-  rc.n_sink = 1;
-  rc.ratio = 0.25;
-  rc.B = 1;
-  rc.H = 2;
-  rc.Dk = 8;
-  rc.Dv = 4;
-  vc::KVCacheConfig c;
-  c.method = "squeeze";
+  CoreRun r;
+  r.policy = Policy::kSqueeze;
+  r.scorer = Scorer::keydiff;
+  r.n_sink = 1;
+  r.ratio = 0.25;
+  r.dims = RunDims{1, 2, 8, 4};
+  vc::KVCacheConfig c = squeeze_config(10, r.n_sink, r.ratio, 0.98);
   c.proxy_scoring = "keydiff";
-  c.squeeze_budget = 10;
-  c.squeeze_n_sink = rc.n_sink;
-  c.squeeze_recent_ratio = rc.ratio;
   c.squeeze_defer = true;
   c.squeeze_calibration_tokens = 4;
   auto layers = vc::KVCacheBuilder::for_model<T>(2, c);
   std::mt19937 rng(77);
-  std::vector<ref::H2OHeadOracle> oracle;
-  for (Index i = 0; i < rc.B * rc.H; ++i) {
-    oracle.emplace_back(rc.n_sink, 0.98, grace_rule(rc));
-    oracle.back().set_scorer(rc.scorer);
-  }
+  CoreHeads oracle(2, r.n_sink, 0.98, grace_rule(r), std::nullopt, r.scorer);
   const auto feed_oracle = [&](const vc::Tensor4<T>& keys, const vc::Tensor4<T>& values) {
-    for (Index h = 0; h < rc.H; ++h) {
-      for (Index s = 0; s < keys.dimension(2); ++s) {
-        oracle[static_cast<std::size_t>(h)].absorb(row_of(keys, 0, h, s), row_of(values, 0, h, s));
-      }
+    for (Index h = 0; h < 2; ++h) {
+      oracle.absorb(static_cast<std::size_t>(h), rows_of(keys, 0, h), rows_of(values, 0, h), nullptr);
     }
   };
   // The prompt: 24 rows, more than any budget the coordinator can give layer 0 (its average is 10).
+  std::int64_t offset = 24;
   for (std::size_t l = 0; l < layers.size(); ++l) {
-    const auto keys = random_tensor<T>(rng, rc.B, rc.H, 24, rc.Dk);
-    const auto values = random_tensor<T>(rng, rc.B, rc.H, 24, rc.Dv);
+    const auto keys = random_tensor<T>(rng, 1, 2, 24, r.dims.Dk);
+    const auto values = random_tensor<T>(rng, 1, 2, 24, r.dims.Dv);
     layers[l]->update_and_fetch(keys, values);
     if (l == 0) feed_oracle(keys, values);
   }
   const int budget = layers[0]->layer_budget();
   ASSERT_GT(budget, 0);
   ASSERT_LT(budget, 24);
-  rc.budget = budget;
-  for (auto& o : oracle) o.set_budget(budget);
+  oracle.set_budget(budget);
   for (int step = 0; step < 20; ++step) {
-    const auto keys = random_tensor<T>(rng, rc.B, rc.H, 1, rc.Dk);
-    const auto values = random_tensor<T>(rng, rc.B, rc.H, 1, rc.Dv);
+    const auto keys = random_tensor<T>(rng, 1, 2, 1, r.dims.Dk);
+    const auto values = random_tensor<T>(rng, 1, 2, 1, r.dims.Dv);
     layers[0]->update_and_fetch(keys, values);
     feed_oracle(keys, values);
-    std::string err;
-    ASSERT_TRUE(visit_core(*layers[0],
-                           [&](const auto& core) { err = compare_with_oracle(core, oracle, rc); }));
-    ASSERT_EQ(err, "") << "step " << step;
+    ++offset;
+    ASSERT_EQ(compare_with_oracle(*layers[0], oracle, r.dims, offset), "") << "step " << step;
   }
 }
 
@@ -533,23 +573,17 @@ class ReferenceAlgorithmTest : public ::testing::Test {};
 TYPED_TEST_SUITE(ReferenceAlgorithmTest, StorageTypes);
 
 /// With recent ratio 0, decay 1 and the budget known from the start, the core is the reference's
-/// per-token algorithm (docs/design.md 4.3, 9.1): same retained positions token by token over 300 tokens.
+/// per-token algorithm (docs/design.md 4.3, 9.1): same retained positions token by token over 300
+/// tokens.
 TYPED_TEST(ReferenceAlgorithmTest, SqueezeWithoutRecentWindowOrDecayIsTheReferenceAlgorithm) {
   using T = TypeParam;
-  const std::vector<int> budgets = {3, 8, 16, 40};
-  const std::vector<int> sinks = {0, 1, 4};
   const std::vector<Index> dims = {2, 4, 8, 16};
   int runs = 0;
-  for (int budget : budgets) {
-    for (int n_sink : sinks) {
+  for (const int budget : {3, 8, 16, 40}) {
+    for (const int n_sink : {0, 1, 4}) {
       if (n_sink >= budget) continue;
       for (unsigned seed = 0; seed < 3; ++seed) {
-        vc::KVCacheConfig c;
-        c.method = "squeeze";
-        c.squeeze_budget = budget;
-        c.squeeze_n_sink = n_sink;
-        c.squeeze_recent_ratio = 0.0;
-        c.squeeze_decay = 1.0;
+        vc::KVCacheConfig c = squeeze_config(budget, n_sink, 0.0, 1.0);
         c.squeeze_defer = false;
         vc::SqueezeAttentionCache<T> cache(c);
         ASSERT_EQ(cache.layer_budget(), budget);
@@ -569,8 +603,7 @@ TYPED_TEST(ReferenceAlgorithmTest, SqueezeWithoutRecentWindowOrDecayIsTheReferen
           const std::vector<float> sc = cache.scores(0, 0);
           const std::vector<double> want = oracle.scores();
           for (std::size_t r = 0; r < want.size(); ++r) {
-            ASSERT_NEAR(static_cast<double>(sc[r]), want[r],
-                        std::max(1e-6, 1e-4 * std::fabs(want[r])))
+            ASSERT_TRUE(scores_close(static_cast<double>(sc[r]), want[r]))
                 << "budget " << budget << " token " << t << " row " << r;
           }
         }

@@ -1,9 +1,11 @@
 // SnapKVCache<T> (docs/design.md 6, SnapKV) against the naive double-precision SnapKVHeadOracle of
-// tests/reference/policy_oracles.hpp on random call sequences, plus hand-built cases: no causal mask
+// tests/reference/policy_oracles.hpp on random call sequences (the driver of
+// support/oracle_driver.hpp: every update API, with and without queries, compressed() after every
+// call), plus hand-built cases: no causal mask
 // in the scoring, exact ties keep the earliest row, sinks are the compressing call's first rows,
 // a call of exactly `budget` rows is not compressed, reset() re-arms the compression, validation at
 // construction, bad input with the strong guarantee (docs/design.md 8, including calls that would compress)
-// and bounded memory over a long decode. Parallel heads: test_contract.cpp.
+// and bounded memory over a long decode. Parallel heads: test_parallel.cpp.
 
 // Internal invariants of the library are checked (and abort) even in Release builds.
 // clang-format off
@@ -29,6 +31,8 @@
 #include <veloxquant/cache.hpp>
 
 #include "reference/policy_oracles.hpp"
+#include "support/oracle_driver.hpp"
+#include "support/subjects.hpp"
 #include "support/test_support.hpp"
 
 namespace {
@@ -39,23 +43,6 @@ using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
 using Positions = std::vector<std::int64_t>;
 
 using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
-
-/// SnapKV scores of a call's rows (docs/design.md 6), from the oracle's proxy_softmax: the mean over the
-/// last min(obs, S) keys of their softmax over all S rows, or (causal) over rows 0..j only (rows
-/// after the proxy get 0). keys: [S][D]; returns [S]
-std::vector<double> call_scores(const Rows& keys, int obs_window, bool causal = false) {
-  const std::size_t S = keys.size();
-  const std::size_t w = std::min(static_cast<std::size_t>(obs_window), S);
-  std::vector<double> score(S, 0.0);
-  for (std::size_t j = S - w; j < S; ++j) {
-    const Rows seen = causal ? Rows(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(j + 1))
-                             : keys;
-    const std::vector<double> a = ref::proxy_softmax(seen, keys[j]);
-    for (std::size_t r = 0; r < a.size(); ++r) score[r] += a[r];
-  }
-  for (auto& s : score) s /= static_cast<double>(w);
-  return score;
-}
 
 /// Call-relative indices SnapKV keeps from scores `score`: the first `sinks`, then the best others
 /// (ties: earliest). Returns them ascending.
@@ -73,212 +60,60 @@ std::vector<std::size_t> selection(const std::vector<double>& score, int budget,
   return keep;
 }
 
-/// Relative gap between the last kept and the first dropped non-sink score of a compression
-/// (+inf when nothing is dropped). keys: [S][D]
-double selection_margin(const Rows& keys, int budget, int n_sink, int obs_window) {
-  const std::vector<double> score = call_scores(keys, obs_window);
-  const std::size_t sinks = static_cast<std::size_t>(std::min(n_sink, budget));
-  const std::size_t keep = static_cast<std::size_t>(budget) - sinks;
-  std::vector<double> others(score.begin() + static_cast<std::ptrdiff_t>(sinks), score.end());
-  if (others.size() <= keep) return std::numeric_limits<double>::infinity();
-  std::sort(others.begin(), others.end(), std::greater<double>());
-  const double hi = others[keep - 1], lo = others[keep];
-  return (hi - lo) / std::max(std::fabs(hi), 1e-300);
-}
-
-/// Everything about the cache's retained set checked against the oracle heads: state() shape and
-/// contents, positions, the scores of the compressed call's rows (positions in
-/// [comp_first, comp_end)), tokens_kept, kept_bytes. Returns the first mismatch or "".
-template <class T>
-std::string compare_with_oracle(const vc::SnapKVCache<T>& cache,
-                                const std::vector<ref::SnapKVHeadOracle>& oracle, Index B, Index H,
-                                Index Dk, Index Dv, std::int64_t comp_first,
-                                std::int64_t comp_end) {
-  std::ostringstream err;
-  const vc::KVPair<T> st = cache.state();
-  const auto n = static_cast<Index>(oracle.front().rows().size());
-  if (st.first.dimension(0) != B || st.first.dimension(1) != H || st.first.dimension(2) != n ||
-      st.first.dimension(3) != Dk || st.second.dimension(2) != n || st.second.dimension(3) != Dv) {
-    err << "state() holds " << st.first.dimension(2) << " rows, oracle " << n;
-    return err.str();
-  }
-  for (Index b = 0; b < B; ++b) {
-    for (Index h = 0; h < H; ++h) {
-      const auto& o = oracle[static_cast<std::size_t>(b * H + h)];
-      const Positions got_pos = cache.positions(b, h);
-      if (got_pos != o.positions()) {
-        err << "head (" << b << ", " << h << ") retained positions differ from the oracle's";
-        return err.str();
-      }
-      const std::vector<float> sc = cache.scores(b, h);
-      if (sc.size() != o.rows().size()) {
-        err << "head (" << b << ", " << h << ") has " << sc.size() << " scores";
-        return err.str();
-      }
-      for (std::size_t r = 0; r < o.rows().size(); ++r) {
-        const ref::OracleRow& row = o.rows()[r];
-        if (row.position >= comp_first && row.position < comp_end &&
-            !scores_close(static_cast<double>(sc[r]), row.score)) {
-          err << "head (" << b << ", " << h << ") position " << row.position << " score " << sc[r]
-              << ", oracle " << row.score;
-          return err.str();
-        }
-        const std::string row_err = compare_state_row(st, b, h, static_cast<Index>(r), row);
-        if (!row_err.empty()) return row_err;
-      }
-    }
-  }
-  if (cache.tokens_kept() != n) err << "tokens_kept " << cache.tokens_kept() << ", oracle " << n;
-  const auto want_bytes =
-      static_cast<std::size_t>(B * H * n * (Dk + Dv)) * sizeof(T);
-  if (err.str().empty() && cache.kept_bytes() != want_bytes)
-    err << "kept_bytes " << cache.kept_bytes() << ", expected " << want_bytes;
-  return err.str();
-}
-
-
 // ---------------------------------------------------------------------------------------------
-// Random sequences against the oracle
+// Random sequences against the oracle (support/oracle_driver.hpp)
 // ---------------------------------------------------------------------------------------------
 
-/// One random run.
-struct RunConfig {
-  int budget = 8;
-  int n_sink = 0;
-  int obs_window = 4;
-  Index B = 1, H = 1, Dk = 4, Dv = 4;
-  std::vector<Index> calls;  // S of every call in order
-  unsigned seed = 0;
-
-  std::string describe() const {
-    std::ostringstream os;
-    os << "budget=" << budget << " n_sink=" << n_sink << " obs_window=" << obs_window << " B=" << B
-       << " H=" << H << " Dk=" << Dk << " Dv=" << Dv << " seed=" << seed << " calls=[";
-    for (std::size_t i = 0; i < calls.size() && i < 8; ++i) os << (i ? "," : "") << calls[i];
-    os << (calls.size() > 8 ? ",...]" : "]");
-    return os.str();
-  }
-};
-
-struct RunResult {
-  bool ok = true;
-  bool near_tie = false;
-  bool diverged_at_tie = false;
-  int calls_checked = 0;
-  bool compressed = false;
-  int long_calls_after = 0;  // calls with S > budget after the compression (all checked)
-};
-
+/// A SnapKV subject, checked fresh: its accessors, not compressed.
 template <class T>
-RunResult run_against_oracle(const RunConfig& rc) {
-  RunResult res;
-  std::mt19937 rng(rc.seed);
-  vc::SnapKVCache<T> cache(snap_config(rc.budget, rc.n_sink, rc.obs_window));
-  EXPECT_EQ(cache.layer_budget(), rc.budget);
-  EXPECT_EQ(cache.obs_window(), rc.obs_window);
-  EXPECT_EQ(cache.n_sink(), rc.n_sink);
-  EXPECT_FALSE(cache.compressed());
-  std::vector<ref::SnapKVHeadOracle> oracle(static_cast<std::size_t>(rc.B * rc.H),
-                                            ref::SnapKVHeadOracle(rc.n_sink, rc.budget,
-                                                                  rc.obs_window));
-  std::int64_t offset = 0;
-  std::int64_t comp_first = -1, comp_end = -1;
-  int compressing_call = -1;
-  for (std::size_t call = 0; call < rc.calls.size(); ++call) {
-    const Index S = rc.calls[call];
-    const vc::Tensor4<T> keys = random_tensor<T>(rng, rc.B, rc.H, S, rc.Dk);
-    const vc::Tensor4<T> values = random_tensor<T>(rng, rc.B, rc.H, S, rc.Dv);
-    std::vector<std::vector<ref::OracleRow>> before;
-    for (const auto& o : oracle) before.push_back(o.rows());
-
-    const bool compresses = !oracle.front().compressed() && S > rc.budget;
-    for (Index hi = 0; hi < rc.B * rc.H; ++hi) {
-      const Rows k = rows_of(keys, hi / rc.H, hi % rc.H);
-      const Rows v = rows_of(values, hi / rc.H, hi % rc.H);
-      if (compresses && selection_margin(k, rc.budget, rc.n_sink, rc.obs_window) < 1e-5)
-        res.near_tie = true;
-      oracle[static_cast<std::size_t>(hi)].absorb_call(k, v);
-    }
-    if (compresses) {
-      comp_first = offset;
-      comp_end = offset + S;
-      compressing_call = static_cast<int>(call);
-    } else if (oracle.front().compressed() && S > rc.budget) {
-      ++res.long_calls_after;
-    }
-
-    std::string err;
-    if (call % 3 == 2) {
-      const vc::KVView<T> view = cache.update_and_view(keys, values);
-      err = compare_view(view, before, keys, values, offset);
-    } else {
-      const vc::KVPair<T> got = cache.update_and_fetch(keys, values);
-      err = compare_returned(got, before, keys, values, keys.dimension(0), keys.dimension(1),
-                             keys.dimension(3), values.dimension(3));
-    }
-    offset += S;
-    if (err.empty() && cache.offset() != offset)
-      err = "offset " + std::to_string(cache.offset()) + ", expected " + std::to_string(offset);
-    if (err.empty() && cache.compressed() != oracle.front().compressed())
-      err = std::string("compressed() is ") + (cache.compressed() ? "true" : "false");
-    if (err.empty() && cache.compressed() != (compressing_call >= 0))
-      err = "oracle and test disagree on compression";
-    if (err.empty())
-      err = compare_with_oracle(cache, oracle, rc.B, rc.H, rc.Dk, rc.Dv, comp_first, comp_end);
-    if (!err.empty()) {
-      if (res.near_tie) {
-        res.diverged_at_tie = true;
-      } else {
-        ADD_FAILURE() << rc.describe() << " call " << call << " (S=" << S << "): " << err;
-        res.ok = false;
-      }
-      return res;
-    }
-    ++res.calls_checked;
-  }
-  res.compressed = cache.compressed();
-  return res;
+Subject<T> snap_subject(int budget, int n_sink, int obs_window) {
+  Subject<T> s{nullptr,
+               std::make_unique<vc::SnapKVCache<T>>(snap_config(budget, n_sink, obs_window))};
+  const auto& snap = dynamic_cast<const vc::SnapKVCache<T>&>(*s.cache);
+  EXPECT_EQ(snap.layer_budget(), budget);
+  EXPECT_EQ(snap.obs_window(), obs_window);
+  EXPECT_EQ(snap.n_sink(), n_sink);
+  EXPECT_FALSE(snap.compressed());
+  return s;
 }
 
+/// SnapKV's own state after every call: compressed() as the oracle's.
 template <class T>
-class SnapKVOracleTest : public ::testing::Test {};
-TYPED_TEST_SUITE(SnapKVOracleTest, StorageTypes);
+std::function<std::string(std::int64_t)> compressed_as_oracle(const vc::KVCache<T>& c,
+                                                              const SnapHeads& oracle) {
+  return [&c, &oracle](std::int64_t) -> std::string {
+    const bool got = dynamic_cast<const vc::SnapKVCache<T>&>(c).compressed();
+    if (got == oracle.compressed()) return "";
+    return std::string("compressed() is ") + (got ? "true" : "false") + ", oracle disagrees";
+  };
+}
 
 /// The grid: budgets x n_sink x obs_window, each with a long first call (sizes cycling through
 /// just-above-budget, up to 2 budget, > 64 and > 200) and with short first calls (one of exactly
 /// `budget`) before the long one; then decode steps, empty calls, short calls and long calls that
-/// must not be compressed.
+/// must not be compressed; every call through an update API without queries drawn at random.
 template <class T>
 void run_grid(unsigned seed_base) {
-  const std::vector<int> budgets = {3, 8, 20, 64};
-  const std::vector<int> sinks = {0, 1, 4};
-  const std::vector<int> windows = {1, 4, 32, 100};
-  const std::vector<Index> dims = {2, 4, 8, 16};
   std::mt19937 rng(seed_base);
   std::uniform_real_distribution<double> u01(0.0, 1.0);
-  int runs = 0, failures = 0, near_ties = 0, tie_divergences = 0, checked = 0;
+  std::uniform_int_distribution<std::size_t> api(0, std::size(kProxyApis) - 1);
+  int runs = 0, near_ties = 0, tie_divergences = 0, checked = 0;
   int over_64 = 0, over_200 = 0, short_first = 0, exact_budget_first = 0, window_over_s = 0;
   int long_after = 0;
-  for (int budget : budgets) {
-    for (int n_sink : sinks) {
+  for (const int budget : {3, 8, 20, 64}) {
+    for (const int n_sink : {0, 1, 4}) {
       if (n_sink >= budget) continue;
-      for (int obs : windows) {
+      for (const int obs : {1, 4, 32, 100}) {
         for (int mode = 0; mode < 2; ++mode) {
-          RunConfig rc;
-          rc.budget = budget;
-          rc.n_sink = n_sink;
-          rc.obs_window = obs;
-          rc.B = std::uniform_int_distribution<Index>(1, 3)(rng);
-          rc.H = std::uniform_int_distribution<Index>(1, 3)(rng);
-          rc.Dk = dims[std::uniform_int_distribution<std::size_t>(0, 3)(rng)];
-          rc.Dv = dims[std::uniform_int_distribution<std::size_t>(0, 3)(rng)];
+          const RunDims dm = random_dims(rng);
+          std::vector<Index> calls;
           if (mode == 1) {  // short calls first: they append, even past the budget
             const int n_short = std::uniform_int_distribution<int>(1, 3)(rng);
             const int exact_at =
                 (runs / 2) % 2 == 0 ? std::uniform_int_distribution<int>(0, n_short - 1)(rng) : -1;
             for (int i = 0; i < n_short; ++i) {
-              rc.calls.push_back(i == exact_at ? budget
-                                               : std::uniform_int_distribution<Index>(1, budget)(rng));
+              calls.push_back(i == exact_at ? budget
+                                            : std::uniform_int_distribution<Index>(1, budget)(rng));
             }
             if (exact_at >= 0) ++exact_budget_first;
             ++short_first;
@@ -301,37 +136,51 @@ void run_grid(unsigned seed_base) {
           if (prompt > 64) ++over_64;
           if (prompt > 200) ++over_200;
           if (obs > prompt) ++window_over_s;
-          rc.calls.push_back(prompt);
+          calls.push_back(prompt);
+          int long_calls_after = 0;
           const int follow = std::uniform_int_distribution<int>(15, 40)(rng);
           for (int i = 0; i < follow; ++i) {
             const double r = u01(rng);
             if (i == 1 || r < 0.08) {
-              rc.calls.push_back(std::uniform_int_distribution<Index>(budget + 1, 2 * budget + 10)(rng));
+              calls.push_back(
+                  std::uniform_int_distribution<Index>(budget + 1, 2 * budget + 10)(rng));
+              ++long_calls_after;
             } else if (r < 0.13) {
-              rc.calls.push_back(0);
+              calls.push_back(0);
             } else if (r < 0.28) {
-              rc.calls.push_back(std::uniform_int_distribution<Index>(2, budget)(rng));
+              calls.push_back(std::uniform_int_distribution<Index>(2, budget)(rng));
             } else {
-              rc.calls.push_back(1);
+              calls.push_back(1);
             }
           }
-          rc.seed = static_cast<unsigned>(rng());
-          const RunResult r = run_against_oracle<T>(rc);
+          std::vector<DriverCall> plan;
+          for (const Index S : calls) plan.push_back(DriverCall{S, kProxyApis[api(rng)], 1, false});
+          const auto seed = static_cast<unsigned>(rng());
+          std::mt19937 run_rng(seed);
+          Subject<T> subject = snap_subject<T>(budget, n_sink, obs);
+          SnapHeads oracle(static_cast<std::size_t>(dm.B * dm.H), n_sink, budget, obs);
+          RunChecks<T> checks;
+          checks.what = "snapkv budget=" + std::to_string(budget) + " n_sink=" +
+                        std::to_string(n_sink) + " obs_window=" + std::to_string(obs) +
+                        " B=" + std::to_string(dm.B) + " H=" + std::to_string(dm.H) +
+                        " Dk=" + std::to_string(dm.Dk) + " Dv=" + std::to_string(dm.Dv) +
+                        " seed=" + std::to_string(seed);
+          checks.tolerate_near_ties = true;
+          checks.after_call = compressed_as_oracle(*subject.cache, oracle);
+          const RunOutcome r = run_against_oracle(subject, oracle, dm, plan, run_rng, checks);
           ++runs;
           if (r.near_tie) ++near_ties;
           if (r.diverged_at_tie) ++tie_divergences;
-          if (!r.ok) ++failures;
-          if (r.ok && !r.diverged_at_tie) {
-            EXPECT_TRUE(r.compressed) << rc.describe();
-            long_after += r.long_calls_after;
+          ASSERT_EQ(r.failure, "");
+          if (!r.diverged_at_tie) {
+            EXPECT_TRUE(oracle.compressed()) << checks.what;
+            long_after += long_calls_after;
           }
           checked += r.calls_checked;
-          if (failures > 3) FAIL() << "too many failing runs; stopping";
         }
       }
     }
   }
-  EXPECT_EQ(failures, 0);
   std::printf("[ stats    ] %d runs, %d calls checked, %d met a near-tie, %d diverged after one\n",
               runs, checked, near_ties, tie_divergences);
   EXPECT_EQ(runs, 88);
@@ -346,8 +195,57 @@ void run_grid(unsigned seed_base) {
   EXPECT_GT(checked, runs * 15);
 }
 
+template <class T>
+class SnapKVOracleTest : public ::testing::Test {};
+TYPED_TEST_SUITE(SnapKVOracleTest, StorageTypes);
+
 TYPED_TEST(SnapKVOracleTest, MatchesOracleOnRandomCallSequences) {
   run_grid<TypeParam>(4004u + static_cast<unsigned>(sizeof(TypeParam)));
+}
+
+/// With real queries (docs/design.md 4.6: the observation window's G query heads per token):
+/// 10 seeds covering G 1, 2, 4 and D 3, 8, 20, budgets 8-40, n_sink 0-4, obs_window 1-40; up to
+/// two short calls (appended), the call that is compressed, then decode, multi-token and long
+/// calls (appended), through every API with queries, bad queries injected; then reset() re-arms
+/// the compression: the next long call is compressed again.
+TYPED_TEST(SnapKVOracleTest, MatchesOracleWithQueriesOnRandomCallSequences) {
+  using T = TypeParam;
+  for (unsigned seed = 0; seed < 10; ++seed) {
+    std::mt19937 rng(777u + seed * 57u);
+    const auto pick = [&rng](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+    const auto any_api = [&] { return kAllQueryApis[pick(0, 3)]; };
+    const QuerySweepRun r = query_sweep_run(rng, seed);
+    const RunDims dm = r.dims;
+    const Index G = r.G;  // one G through the run
+    const int budget = r.budget, n_sink = r.n_sink;
+    const int obs = pick(1, 40);
+    RunChecks<T> checks;
+    checks.what = r.describe("snapkv", seed) + " obs_window=" + std::to_string(obs);
+    Subject<T> subject = snap_subject<T>(budget, n_sink, obs);
+    SnapHeads oracle(static_cast<std::size_t>(dm.B * dm.H), n_sink, budget, obs);
+    checks.after_call = compressed_as_oracle(*subject.cache, oracle);
+    std::vector<DriverCall> plan;
+    const int n_short = pick(0, 2);
+    for (int i = 0; i < n_short; ++i) {
+      plan.push_back(DriverCall{pick(1, budget), any_api(), G, pick(0, 4) == 0});
+    }
+    plan.push_back(DriverCall{pick(budget + 1, 150), any_api(), G, pick(0, 2) == 0});
+    for (DriverCall p : random_query_plan(rng, 14, G, false)) {
+      if (p.S == 0 && pick(0, 1) == 0) p.S = pick(budget + 1, 80);  // a long call, appended
+      if (plan.size() == static_cast<std::size_t>(n_short) + 1) p.S = 1;  // the plan's prefill
+      plan.push_back(p);
+    }
+    ASSERT_EQ(run_against_oracle(subject, oracle, dm, plan, rng, checks).failure, "");
+    EXPECT_TRUE(oracle.compressed()) << checks.what;
+    subject.cache->reset();
+    oracle.reset();
+    EXPECT_FALSE(dynamic_cast<const vc::SnapKVCache<T>&>(*subject.cache).compressed());
+    std::vector<DriverCall> again = {DriverCall{pick(budget + 1, 150), any_api(), G, true}};
+    for (int i = 0; i < 4; ++i) again.push_back(DriverCall{1, kQueryApis[i % 3], G, false});
+    checks.what += ", after reset()";
+    ASSERT_EQ(run_against_oracle(subject, oracle, dm, again, rng, checks).failure, "");
+    EXPECT_TRUE(oracle.compressed()) << checks.what;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -374,9 +272,9 @@ TYPED_TEST(SnapKVCacheTest, ScoringHasNoCausalMask) {
   const Rows stored = rows_of(k, 0, 0);  // keys as the cache stores them
 
   // The example discriminates: with a causal mask the kept set would differ.
-  EXPECT_EQ(selection(call_scores(stored, 2, /*causal=*/true), 3, 1),
+  EXPECT_EQ(selection(snap_call_scores(stored, 2, /*causal=*/true), 3, 1),
             (std::vector<std::size_t>{0, 1, 3}));
-  EXPECT_EQ(selection(call_scores(stored, 2), 3, 1), (std::vector<std::size_t>{0, 1, 4}));
+  EXPECT_EQ(selection(snap_call_scores(stored, 2), 3, 1), (std::vector<std::size_t>{0, 1, 4}));
 
   vc::SnapKVCache<T> cache(snap_config(3, 1, 2));
   const vc::KVPair<T> out = cache.update_and_fetch(k, v);
@@ -480,7 +378,7 @@ TYPED_TEST(SnapKVCacheTest, RepeatedKeyGroupsCutByTheBudgetKeepTheEarliest) {
       ref::SnapKVHeadOracle oracle(n_sink, budget, 32);
       oracle.absorb_call(stored, value_rows(static_cast<std::size_t>(S)));
       // Count runs where the last kept and the first dropped non-sink rows tie exactly.
-      if (selection_margin(stored, budget, n_sink, 32) == 0.0) ++cut_ties;
+      if (snap_selection_margin(stored, budget, n_sink, 32) == 0.0) ++cut_ties;
       vc::SnapKVCache<T> cache(snap_config(budget, n_sink, 32));
       cache.update_and_fetch(k, tensor_of<T>(value_rows(static_cast<std::size_t>(S))));
       EXPECT_EQ(cache.positions(0, 0), oracle.positions()) << "rep " << rep;
@@ -523,7 +421,7 @@ TYPED_TEST(SnapKVCacheTest, SinksAreTheCompressingCallsFirstRows) {
       EXPECT_GE(pos[r], 11) << "n_sink " << n_sink;
     // The earlier rows carry no SnapKV score; the call's sink scores are below every kept other.
     const std::vector<float> sc = cache.scores(0, 0);
-    const std::vector<double> all = call_scores(rows_of(k1, 0, 0), 4);
+    const std::vector<double> all = snap_call_scores(rows_of(k1, 0, 0), 4);
     for (int i = 0; i < n_sink; ++i) {
       EXPECT_TRUE(scores_close(static_cast<double>(sc[static_cast<std::size_t>(3 + i)]),
                               all[static_cast<std::size_t>(i)]));
@@ -684,133 +582,52 @@ TEST(SnapKVCacheValidationTest, BadFieldsThrowAtConstructionNamingTheField) {
 // Bad input (docs/design.md 8): strong guarantee, compressed() included
 // ---------------------------------------------------------------------------------------------
 
-/// Everything observable about a SnapKV cache.
-struct Snapshot : BasicSnapshot {
-  bool compressed = false;
-  std::vector<std::vector<float>> scores;
-  std::vector<Positions> positions;
-
-  bool operator==(const Snapshot& o) const {
-    return BasicSnapshot::operator==(o) && compressed == o.compressed && scores == o.scores &&
-           positions == o.positions;
-  }
-};
-
-std::ostream& operator<<(std::ostream& os, const Snapshot& s) {
-  return os << "{offset " << s.offset << ", rows " << s.key_shape[2] << ", compressed "
-            << s.compressed << ", kept_bytes " << s.kept_bytes << ", tokens_seen " << s.tokens_seen
-            << "}";
-}
-
-template <class T>
-Snapshot snapshot(const vc::SnapKVCache<T>& c) {
-  Snapshot s;
-  take_basic_snapshot(c, s);
-  s.compressed = c.compressed();
-  for (Index b = 0; b < c.batch(); ++b) {
-    for (Index h = 0; h < c.heads(); ++h) {
-      s.scores.push_back(c.scores(b, h));
-      s.positions.push_back(c.positions(b, h));
-    }
-  }
-  return s;
-}
-
-/// One bad call; `keys`/`values` are double and converted to T unless `as_double`.
-struct BadCall {
-  std::string name;
-  vc::Tensor4<double> keys, values;
-  bool as_double = false;
-  bool needs_established = false;
-};
-
 constexpr int kErrBudget = 4;
-constexpr Index kB = 2, kH = 2, kS = 9, kDk = 4, kDv = 3;  // kS > kErrBudget: would compress
+constexpr Index kErrS = 9;  // > kErrBudget: the bad calls would compress
 
+/// The same valid call of S tokens on both caches: the same return, and the same snapshot
+/// (support/subjects.hpp: everything observable, compressed() included).
 template <class T>
-std::vector<BadCall> bad_calls(std::mt19937& rng) {
-  std::vector<BadCall> out;
-  const auto shape_case = [&](const std::string& name, std::array<Index, 4> k,
-                              std::array<Index, 4> v, bool established) {
-    BadCall c;
-    c.name = name;
-    c.keys = random_doubles(rng, k[0], k[1], k[2], k[3]);
-    c.values = random_doubles(rng, v[0], v[1], v[2], v[3]);
-    c.needs_established = established;
-    out.push_back(std::move(c));
-  };
-  shape_case("values S differs", {kB, kH, kS, kDk}, {kB, kH, kS - 1, kDv}, false);
-  shape_case("values B differs", {kB, kH, kS, kDk}, {1, kH, kS, kDv}, false);
-  shape_case("values H differs", {kB, kH, kS, kDk}, {kB, 3, kS, kDv}, false);
-  shape_case("zero key D", {kB, kH, kS, 0}, {kB, kH, kS, kDv}, false);
-  shape_case("zero value D", {kB, kH, kS, kDk}, {kB, kH, kS, 0}, false);
-  shape_case("zero B", {0, kH, kS, kDk}, {0, kH, kS, kDv}, false);
-  shape_case("B differs from the first call", {1, kH, kS, kDk}, {1, kH, kS, kDv}, true);
-  shape_case("H differs from the first call", {kB, 1, kS, kDk}, {kB, 1, kS, kDv}, true);
-  shape_case("key D differs from the first call", {kB, kH, kS, 8}, {kB, kH, kS, kDv}, true);
-  shape_case("value D differs from the first call", {kB, kH, kS, kDk}, {kB, kH, kS, 5}, true);
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  const double inf = std::numeric_limits<double>::infinity();
-  const std::vector<std::array<Index, 4>> where = {
-      {0, 0, 0, 0}, {1, 1, kS - 1, kDk - 1}, {0, 1, 4, 2}, {1, 0, kS - 1, 0}};
-  for (const double bad : {nan, inf, -inf}) {
-    for (const auto& at : where) {
-      BadCall c;
-      c.name = "key " + std::to_string(bad) + " at s=" + std::to_string(at[2]);
-      c.keys = random_doubles(rng, kB, kH, kS, kDk);
-      c.values = random_doubles(rng, kB, kH, kS, kDv);
-      c.keys(at[0], at[1], at[2], at[3]) = bad;
-      out.push_back(std::move(c));
-    }
-  }
-  {
-    BadCall c;
-    c.name = "double key overflowing the storage type";
-    c.keys = random_doubles(rng, kB, kH, kS, kDk);
-    c.values = random_doubles(rng, kB, kH, kS, kDv);
-    c.keys(1, 1, kS - 1, 3) = std::is_same_v<T, Eigen::half> ? 1e6 : 1e300;
-    c.as_double = true;
-    out.push_back(std::move(c));
-  }
-  return out;
-}
-
-/// The same valid call on both caches; results and snapshots must be identical.
-template <class T>
-void valid_call_on_both(vc::SnapKVCache<T>& a, vc::SnapKVCache<T>& b, std::mt19937& rng, Index S,
+void valid_call_on_both(Subject<T>& a, Subject<T>& b, std::mt19937& rng, Index S,
                         const std::string& context) {
-  const vc::Tensor4<T> k = converted<T>(random_doubles(rng, kB, kH, S, kDk));
-  const vc::Tensor4<T> v = converted<T>(random_doubles(rng, kB, kH, S, kDv));
-  const vc::KVPair<T> ra = a.update_and_fetch(k, v);
-  const vc::KVPair<T> rb = b.update_and_fetch(k, v);
-  EXPECT_TRUE(bytes_of(ra.first) == bytes_of(rb.first)) << context;
-  EXPECT_TRUE(bytes_of(ra.second) == bytes_of(rb.second)) << context;
-  EXPECT_EQ(snapshot(a), snapshot(b)) << context;
+  const vc::Tensor4<T> k = random_tensor<T>(rng, kBadCallKeys[0], kBadCallKeys[1], S, kBadCallKeys[3]);
+  const vc::Tensor4<T> v =
+      random_tensor<T>(rng, kBadCallValues[0], kBadCallValues[1], S, kBadCallValues[3]);
+  EXPECT_TRUE(from_pair(a.cache->update_and_fetch(k, v)) == from_pair(b.cache->update_and_fetch(k, v)))
+      << context;
+  EXPECT_TRUE(snapshot(a) == snapshot(b)) << context;
 }
 
+/// The shared list of bad calls (support/test_support.hpp), made of calls longer than the budget:
+/// on a fresh cache, after a short call and after compression, each throws through fetch and
+/// view, changes nothing (compressed() included), and the next long call and decode step give
+/// what an untouched twin gives (compressing unless already compressed).
 TYPED_TEST(SnapKVCacheTest, BadInputLeavesEverythingUnchangedIncludingCompressed) {
   using T = TypeParam;
   std::mt19937 rng(31 + static_cast<unsigned>(sizeof(T)));
-  const std::vector<BadCall> cases = bad_calls<T>(rng);
+  const std::vector<BadCall> cases = bad_calls(rng, std::is_same_v<T, Eigen::half>, kErrS);
   int thrown = 0, expected = 0;
+  const auto is_compressed = [](const Subject<T>& s) {
+    return dynamic_cast<const vc::SnapKVCache<T>&>(*s.cache).compressed();
+  };
   // Phases: 0 fresh cache, 1 after a short (uncompressed) call, 2 after compression and decode.
   for (int phase = 0; phase < 3; ++phase) {
     for (const BadCall& bc : cases) {
       if (bc.needs_established && phase == 0) continue;
-      vc::SnapKVCache<T> subject(snap_config(kErrBudget, 1, 2));
-      vc::SnapKVCache<T> twin(snap_config(kErrBudget, 1, 2));
+      Subject<T> subject = snap_subject<T>(kErrBudget, 1, 2);
+      Subject<T> twin = snap_subject<T>(kErrBudget, 1, 2);
       const std::string ctx = bc.name + " (phase " + std::to_string(phase) + ")";
       if (phase >= 1) valid_call_on_both(subject, twin, rng, 3, ctx + ": short call");
       if (phase == 2) {
         valid_call_on_both(subject, twin, rng, 12, ctx + ": prompt");
-        ASSERT_TRUE(subject.compressed());
+        ASSERT_TRUE(is_compressed(subject));
         for (int i = 0; i < 2; ++i) valid_call_on_both(subject, twin, rng, 1, ctx + ": decode");
       }
       const Snapshot before = snapshot(subject);
       for (const bool view : {false, true}) {
         ++expected;
         try {
-          feed(subject, bc, view);
+          feed(*subject.cache, bc, view);
           ADD_FAILURE() << ctx << (view ? " view" : " fetch") << ": did not throw";
         } catch (const std::invalid_argument& e) {
           ++thrown;
@@ -818,15 +635,13 @@ TYPED_TEST(SnapKVCacheTest, BadInputLeavesEverythingUnchangedIncludingCompressed
         } catch (const std::exception& e) {
           ADD_FAILURE() << ctx << ": threw something else: " << e.what();
         }
-        EXPECT_EQ(snapshot(subject), before) << ctx << (view ? " view" : " fetch");
-        EXPECT_EQ(subject.compressed(), phase == 2) << ctx;
+        EXPECT_TRUE(snapshot(subject) == before) << ctx << (view ? " view" : " fetch");
+        EXPECT_EQ(is_compressed(subject), phase == 2) << ctx;
       }
-      // The next valid long call gives exactly what the untouched twin gives (and compresses
-      // unless already compressed).
-      valid_call_on_both(subject, twin, rng, kS, ctx + ": next long call");
-      EXPECT_TRUE(subject.compressed()) << ctx;
+      valid_call_on_both(subject, twin, rng, kErrS, ctx + ": next long call");
+      EXPECT_TRUE(is_compressed(subject)) << ctx;
       if (phase < 2) {
-        EXPECT_EQ(subject.tokens_kept(), (phase == 1 ? 3 : 0) + kErrBudget) << ctx;
+        EXPECT_EQ(subject.cache->tokens_kept(), (phase == 1 ? 3 : 0) + kErrBudget) << ctx;
       }
       valid_call_on_both(subject, twin, rng, 1, ctx + ": next decode");
     }

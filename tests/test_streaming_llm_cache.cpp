@@ -1,7 +1,8 @@
 // StreamingLLMCache<T> (docs/design.md 6, with 2.2, 2.3, 4.4 and 8): after every call each head keeps exactly
 // the positions {0 .. n_sink-1} and the newest `window` others, checked against the closed form and
-// against StreamingLLMHeadOracle (tests/reference/policy_oracles.hpp) on random call sequences;
-// what a call returns (update_and_fetch and update_and_view), offset(), stored content,
+// against StreamingLLMHeadOracle (tests/reference/policy_oracles.hpp) on random call sequences
+// through the driver of support/oracle_driver.hpp (every update API); what a call returns,
+// offset(), stored content,
 // accounting, and bounded memory over long decodes. Trim and bad input are part of the contract
 // every cache keeps: test_contract.cpp.
 
@@ -16,8 +17,10 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <random>
 #include <regex>
@@ -30,6 +33,7 @@
 #include <veloxquant/cache.hpp>
 
 #include "reference/policy_oracles.hpp"
+#include "support/oracle_driver.hpp"
 #include "support/test_support.hpp"
 
 namespace {
@@ -96,147 +100,29 @@ std::vector<Positions> retained_positions(vc::StreamingLLMCache<T>& cache) {
 // Random runs against the oracle and the closed form
 // ---------------------------------------------------------------------------------------------
 
-struct RunConfig {
-  int n_sink = 4;
-  int window = 8;
-  Index B = 1, H = 1, Dk = 4, Dv = 4;
-  Index prefill = 1;
-  int calls = 30;
-  bool view = false;       // calls through update_and_view
-  bool as_double = false;  // inputs passed as double (converting overload)
-  unsigned seed = 0;
-
-  std::string describe() const {
-    std::ostringstream os;
-    os << "streaming n_sink=" << n_sink << " window=" << window << " B=" << B << " H=" << H
-       << " Dk=" << Dk << " Dv=" << Dv << " prefill=" << prefill << " calls=" << calls
-       << " view=" << view << " double=" << as_double << " seed=" << seed;
-    return os.str();
-  }
-};
-
-/// The retained set after a call: state() against the oracle rows (content converted to T), the
-/// oracle against the closed form, and the accounting. Returns the first mismatch, or "".
+/// StreamingLLM's own rules after every call of a run: the oracle holds the closed form, and
+/// (a quarter of the calls, drawn from `rng`) the cache's retained positions read through an empty
+/// update_and_view are the closed form too. `probes` counts those reads.
 template <class T>
-std::string compare_state(const vc::StreamingLLMCache<T>& cache,
-                          const std::vector<ref::StreamingLLMHeadOracle>& oracle,
-                          const RunConfig& rc, std::int64_t offset) {
-  std::ostringstream err;
-  const Positions want = closed_form(offset, rc.n_sink, rc.window);
-  const auto n = static_cast<Index>(want.size());
-  const vc::KVPair<T> st = cache.state();
-  if (shape_of(st.first) != Shape{rc.B, rc.H, n, rc.Dk} ||
-      shape_of(st.second) != Shape{rc.B, rc.H, n, rc.Dv}) {
-    err << "state() holds " << st.first.dimension(2) << " rows, the closed form " << n;
-    return err.str();
-  }
-  for (Index b = 0; b < rc.B; ++b) {
-    for (Index h = 0; h < rc.H; ++h) {
-      const auto& o = oracle[static_cast<std::size_t>(b * rc.H + h)];
-      if (o.positions() != want) {
-        err << "oracle of head (" << b << ", " << h << ") disagrees with the closed form";
-        return err.str();
-      }
-      const auto& rows = o.rows();
-      for (Index r = 0; r < n; ++r) {
-        const auto& row = rows[static_cast<std::size_t>(r)];
-        const std::string row_err = compare_state_row(st, b, h, r, row);
-        if (!row_err.empty()) return row_err;
+std::function<std::string(std::int64_t)> closed_form_checks(vc::StreamingLLMCache<T>& cache,
+                                                            const StreamingHeads& oracle,
+                                                            int n_sink, int window,
+                                                            std::mt19937& rng, int& probes) {
+  return [&cache, &oracle, n_sink, window, &rng, &probes](std::int64_t offset) -> std::string {
+    const Positions want = closed_form(offset, n_sink, window);
+    for (std::size_t h = 0; h < oracle.size(); ++h) {
+      if (ref::oracle_detail::positions_of(oracle.rows(h)) != want) {
+        return "oracle of head " + std::to_string(h) + " disagrees with the closed form";
       }
     }
-  }
-  const auto row_bytes = static_cast<std::size_t>(rc.Dk + rc.Dv) * sizeof(T);
-  const std::size_t kept = static_cast<std::size_t>(rc.B * rc.H * n) * row_bytes;
-  const std::size_t full = static_cast<std::size_t>(rc.B * rc.H * offset) * row_bytes;
-  if (cache.offset() != offset) err << "offset " << cache.offset() << ", expected " << offset;
-  if (cache.tokens_kept() != n) err << "tokens_kept " << cache.tokens_kept() << ", expected " << n;
-  if (cache.tokens_seen() != rc.B * rc.H * offset) err << "tokens_seen " << cache.tokens_seen();
-  if (cache.kept_bytes() != kept)
-    err << "kept_bytes " << cache.kept_bytes() << ", expected " << kept;
-  if (cache.full_seq_bytes() != full) {
-    err << "full_seq_bytes " << cache.full_seq_bytes() << ", expected " << full;
-  }
-  const double ratio = kept == 0 ? 1.0 : static_cast<double>(full) / static_cast<double>(kept);
-  if (cache.compression_ratio() != ratio) {
-    err << "compression_ratio " << cache.compression_ratio() << ", expected " << ratio;
-  }
-  return err.str();
-}
-
-
-struct RunStats {
-  int calls = 0;
-  int evicting_calls = 0;  // calls after which rows had been dropped
-  int big_calls = 0;       // calls of more than 64 tokens
-  int probes = 0;          // retained sets read through an empty view
-};
-
-/// One random run: prefill, then single-token and multi-token calls (a few larger than 64, a few
-/// empty), compared after every call with one oracle per head and with the closed form.
-template <class T>
-void run_against_oracle(const RunConfig& rc, RunStats& stats) {
-  std::mt19937 rng(rc.seed);
-  vc::StreamingLLMCache<T> cache(stream_config(rc.n_sink, rc.window));
-  ASSERT_EQ(cache.layer_budget(), rc.n_sink + rc.window);
-  ASSERT_EQ(cache.n_sink(), rc.n_sink);
-  ASSERT_EQ(cache.window_size(), rc.window);
-  std::vector<ref::StreamingLLMHeadOracle> oracle(
-      static_cast<std::size_t>(rc.B * rc.H), ref::StreamingLLMHeadOracle(rc.n_sink, rc.window));
-  std::uniform_real_distribution<double> u01(0.0, 1.0);
-  const Index full = rc.n_sink + rc.window;
-  std::int64_t offset = 0;
-  for (int call = 0; call <= rc.calls; ++call) {
-    Index S = 1;
-    if (call == 0) {
-      S = rc.prefill;
-    } else {
-      const double r = u01(rng);
-      if (r < 0.05) {
-        S = 0;
-      } else if (r < 0.25) {
-        S = std::uniform_int_distribution<Index>(2, full + 5)(rng);
-      } else if (r < 0.29) {
-        S = std::uniform_int_distribution<Index>(65, 150)(rng);
-      }
+    if (std::uniform_real_distribution<double>(0.0, 1.0)(rng) >= 0.25) return "";
+    ++probes;
+    const std::vector<Positions> got = retained_positions(cache);
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      if (got[i] != want) return "head " + std::to_string(i) + " retains other positions";
     }
-    const vc::Tensor4<double> kd = random_doubles(rng, rc.B, rc.H, S, rc.Dk);
-    const vc::Tensor4<double> vd = random_doubles(rng, rc.B, rc.H, S, rc.Dv);
-    const vc::Tensor4<T> keys = converted<T>(kd);
-    const vc::Tensor4<T> values = converted<T>(vd);
-
-    std::vector<std::vector<ref::OracleRow>> before;
-    for (const auto& o : oracle) before.push_back(o.rows());
-    for (Index hi = 0; hi < rc.B * rc.H; ++hi) {
-      for (Index s = 0; s < S; ++s) {
-        oracle[static_cast<std::size_t>(hi)].absorb(row_of(keys, hi / rc.H, hi % rc.H, s),
-                                                    row_of(values, hi / rc.H, hi % rc.H, s));
-      }
-    }
-    std::string err;
-    if (rc.view) {
-      const vc::KVView<T> view =
-          rc.as_double ? cache.update_and_view(kd, vd) : cache.update_and_view(keys, values);
-      err = compare_view(view, before, keys, values, offset);
-    } else {
-      const vc::KVPair<T> got =
-          rc.as_double ? cache.update_and_fetch(kd, vd) : cache.update_and_fetch(keys, values);
-      err = compare_returned(got, before, keys, values, rc);
-    }
-    offset += S;
-    if (err.empty()) err = compare_state(cache, oracle, rc, offset);
-    ASSERT_TRUE(err.empty()) << rc.describe() << " call " << call << " (S=" << S << "): " << err;
-    if (u01(rng) < 0.25) {  // the retained positions themselves, through an empty call
-      const std::vector<Positions> got = retained_positions(cache);
-      const Positions want = closed_form(offset, rc.n_sink, rc.window);
-      for (std::size_t i = 0; i < got.size(); ++i) {
-        ASSERT_EQ(got[i], want) << rc.describe() << " call " << call << " head " << i;
-      }
-      ++stats.probes;
-    }
-    ++stats.calls;
-    if (offset > full) ++stats.evicting_calls;
-    if (S > 64) ++stats.big_calls;
-  }
+    return "";
+  };
 }
 
 template <class T>
@@ -244,63 +130,79 @@ class StreamingLLMOracleTest : public ::testing::Test {};
 TYPED_TEST_SUITE(StreamingLLMOracleTest, StorageTypes);
 
 /// Random runs over n_sink {0, 1, 4} x window {1, 2, 3, 8, 17}, random B, H in 1..3 and D in
-/// {2, 4, 8, 16}; prefills longer, shorter than and equal to n_sink + window.
+/// {2, 4, 8, 16}; prefills longer, shorter than and equal to n_sink + window; then single-token and
+/// multi-token calls (a few larger than 64, a few empty) through every update API without queries
+/// (StreamingLLM scores nothing), compared after every call with one oracle per head
+/// (support/oracle_driver.hpp) and with the closed form.
 TYPED_TEST(StreamingLLMOracleTest, KeepsSinksAndTheLastWindowOnRandomCalls) {
   using T = TypeParam;
-  const std::vector<Index> dims = {2, 4, 8, 16};
   std::mt19937 rng(5005u);
-  RunStats stats;
-  int runs = 0, prefill_over = 0, prefill_under = 0;
+  int runs = 0, prefill_over = 0, prefill_under = 0, calls = 0, evicting_calls = 0;
+  int big_calls = 0, probes = 0;
   for (const int n_sink : {0, 1, 4}) {
     for (const int window : {1, 2, 3, 8, 17}) {
       const int full = n_sink + window;
       for (int rep = 0; rep < 4; ++rep) {
-        RunConfig rc;
-        rc.n_sink = n_sink;
-        rc.window = window;
-        rc.B = std::uniform_int_distribution<Index>(1, 3)(rng);
-        rc.H = std::uniform_int_distribution<Index>(1, 3)(rng);
-        rc.Dk = dims[std::uniform_int_distribution<std::size_t>(0, 3)(rng)];
-        rc.Dv = dims[std::uniform_int_distribution<std::size_t>(0, 3)(rng)];
+        const RunDims dm = random_dims(rng);
+        PlanShape shape;
         switch (rep) {
           case 0:
-            rc.prefill = std::uniform_int_distribution<Index>(full + 1, 2 * full + 8)(rng);
+            shape.prefill = std::uniform_int_distribution<Index>(full + 1, 2 * full + 8)(rng);
             break;
           case 1:
-            rc.prefill = std::uniform_int_distribution<Index>(1, std::max(1, full - 1))(rng);
+            shape.prefill = std::uniform_int_distribution<Index>(1, std::max(1, full - 1))(rng);
             break;
           case 2:
-            rc.prefill = std::uniform_int_distribution<Index>(65, 200)(rng);
+            shape.prefill = std::uniform_int_distribution<Index>(65, 200)(rng);
             break;
           default:
-            rc.prefill = full;
+            shape.prefill = full;
             break;
         }
-        if (rc.prefill > full) {
-          ++prefill_over;
-        } else {
-          ++prefill_under;
-        }
-        rc.view = (rep == 1 || rep == 2);
-        rc.as_double = (rep == 0 || rep == 2);
-        rc.calls = std::uniform_int_distribution<int>(30, 80)(rng);
-        rc.seed = static_cast<unsigned>(rng());
-        run_against_oracle<T>(rc, stats);
+        (shape.prefill > full ? prefill_over : prefill_under) += 1;
+        shape.calls = std::uniform_int_distribution<int>(30, 80)(rng);
+        shape.empty = 0.05;
+        shape.short_calls = 0.20;
+        shape.short_max = full + 5;
+        shape.long_calls = 0.04;
+        shape.long_max = 150;
+        shape.apis.assign(std::begin(kProxyApis), std::end(kProxyApis));
+        const auto seed = static_cast<unsigned>(rng());
+        std::mt19937 run_rng(seed);
+        auto owned = std::make_unique<vc::StreamingLLMCache<T>>(stream_config(n_sink, window));
+        vc::StreamingLLMCache<T>& cache = *owned;
+        ASSERT_EQ(cache.layer_budget(), full);
+        ASSERT_EQ(cache.n_sink(), n_sink);
+        ASSERT_EQ(cache.window_size(), window);
+        Subject<T> subject{nullptr, std::move(owned)};
+        StreamingHeads oracle(static_cast<std::size_t>(dm.B * dm.H), n_sink, window);
+        RunChecks<T> checks;
+        checks.what = "streaming n_sink=" + std::to_string(n_sink) + " window=" +
+                      std::to_string(window) + " B=" + std::to_string(dm.B) +
+                      " H=" + std::to_string(dm.H) + " Dk=" + std::to_string(dm.Dk) +
+                      " Dv=" + std::to_string(dm.Dv) + " seed=" + std::to_string(seed);
+        std::mt19937 probe_rng(seed + 1);
+        checks.after_call = closed_form_checks(cache, oracle, n_sink, window, probe_rng, probes);
+        const std::vector<DriverCall> plan = random_plan(run_rng, shape);
+        const RunOutcome r = run_against_oracle(subject, oracle, dm, plan, run_rng, checks);
+        ASSERT_EQ(r.failure, "");
         ++runs;
-        if (::testing::Test::HasFatalFailure()) return;
+        calls += r.calls_checked;
+        evicting_calls += r.evicting_calls;
+        for (const DriverCall& c : plan) big_calls += c.S > 64 ? 1 : 0;
       }
     }
   }
   std::printf(
-      "[ stats    ] %d runs, %d calls checked (%d after eviction began, %d of S > 64), "
+      "[ stats    ] %d runs, %d calls checked (%d evicting, %d of S > 64), "
       "%d retained sets read through empty views\n",
-      runs, stats.calls, stats.evicting_calls, stats.big_calls, stats.probes);
+      runs, calls, evicting_calls, big_calls, probes);
   EXPECT_EQ(runs, 60);
   EXPECT_GT(prefill_over, 20);
   EXPECT_GT(prefill_under, 20);
-  EXPECT_GT(stats.evicting_calls, stats.calls / 2);
-  EXPECT_GT(stats.big_calls, 20);
-  EXPECT_GT(stats.probes, 200);
+  EXPECT_GT(evicting_calls, calls / 2);
+  EXPECT_GT(big_calls, 20);
+  EXPECT_GT(probes, 200);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-// TOVACache<T> (docs/design.md 6, with 3, 4.4, 7 and 8): the fast path against the double-precision
-// TOVAHeadOracle of tests/reference/policy_oracles.hpp on random call sequences (decode path, the
-// general path and the blocked path across block boundaries), and the properties TOVA promises on
-// its own: it is memoryless, exact ties evict the earliest position, sinks are never evicted, a
-// head retains min(offset, budget) rows. Trim, bad input and parallel heads are part of the
-// contract every cache keeps: test_contract.cpp.
+// TOVACache<T> (docs/design.md 6, with 3, 4.4, 4.6, 7 and 8): the fast path against the
+// double-precision TOVAHeadOracle of tests/reference/policy_oracles.hpp on random call sequences
+// through the differential driver of support/oracle_driver.hpp (decode path, the general path and
+// the blocked path across block boundaries; every update API, with and without queries), and the
+// properties TOVA promises on its own: it is memoryless, exact ties evict the earliest position,
+// sinks are never evicted, a head retains min(offset, budget) rows. Trim and bad input are part of
+// the contract every cache keeps (test_contract.cpp); parallel heads: test_parallel.cpp.
 
 // Internal invariants of the library are checked (and abort) even in Release builds.
 // clang-format off
@@ -20,6 +21,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <random>
 #include <regex>
@@ -32,6 +34,7 @@
 #include <veloxquant/cache.hpp>
 
 #include "reference/policy_oracles.hpp"
+#include "support/oracle_driver.hpp"
 #include "support/test_support.hpp"
 
 namespace {
@@ -65,269 +68,92 @@ vc::Tensor4<T> repeated_rows(Index B, Index H, Index S, const std::vector<double
   return t;
 }
 
-/// Relative gap between the two lowest evictable weights of an eviction the oracle just ran:
-/// `weights` and `positions` cover the budget + 1 rows before the eviction. +inf when fewer than
-/// two rows were evictable.
-double eviction_margin(const std::vector<double>& weights,
-                       const std::vector<std::int64_t>& positions, int n_sink) {
-  const double inf = std::numeric_limits<double>::infinity();
-  double lo1 = inf, lo2 = inf;
-  for (std::size_t i = 0; i < weights.size(); ++i) {
-    if (positions[i] < n_sink) continue;
-    const double w = weights[i];
-    if (w < lo1) {
-      lo2 = lo1;
-      lo1 = w;
-    } else if (w < lo2) {
-      lo2 = w;
-    }
-  }
-  if (lo2 == inf) return inf;
-  return (lo2 - lo1) / std::max(lo1, std::numeric_limits<double>::min());
-}
-
 // ---------------------------------------------------------------------------------------------
-// Random runs against the oracle
+// Random runs against the oracle (support/oracle_driver.hpp)
 // ---------------------------------------------------------------------------------------------
 
-/// One random configuration of a run.
-struct RunConfig {
-  int budget = 8;
-  int n_sink = 0;
-  Index B = 1, H = 1, Dk = 4, Dv = 4;
-  Index prefill = 1;
-  int decode_calls = 30;
-  bool view = false;       // calls through update_and_view instead of update_and_fetch
-  bool as_double = false;  // inputs passed as double (converting overload)
-  unsigned seed = 0;
-
-  std::string describe() const {
-    std::ostringstream os;
-    os << "tova budget=" << budget << " n_sink=" << n_sink << " B=" << B << " H=" << H
-       << " Dk=" << Dk << " Dv=" << Dv << " prefill=" << prefill << " decode_calls=" << decode_calls
-       << " view=" << view << " double=" << as_double << " seed=" << seed;
-    return os.str();
-  }
-};
-
-/// Compares the cache with the oracle heads after a call; returns the first mismatch, or "".
+/// A TOVA subject of `budget` rows and `n_sink` sinks, checked fresh: its accessors, nothing held.
 template <class T>
-std::string compare_with_oracle(const vc::TOVACache<T>& cache,
-                                const std::vector<ref::TOVAHeadOracle>& oracle, const RunConfig& rc,
-                                std::int64_t offset) {
-  std::ostringstream err;
-  const vc::KVPair<T> st = cache.state();
-  const auto n = static_cast<Index>(oracle.front().rows().size());
-  if (n != std::min<Index>(offset, rc.budget)) {
-    err << "oracle holds " << n << " rows at offset " << offset << " (budget " << rc.budget << ")";
-    return err.str();
-  }
-  if (shape_of(st.first) != Shape{rc.B, rc.H, n, rc.Dk} ||
-      shape_of(st.second) != Shape{rc.B, rc.H, n, rc.Dv}) {
-    err << "state() holds " << st.first.dimension(2)
-        << " rows, expected min(offset, budget) = " << n;
-    return err.str();
-  }
-  const Index sinks = std::min<Index>(rc.n_sink, offset);
-  for (Index b = 0; b < rc.B; ++b) {
-    for (Index h = 0; h < rc.H; ++h) {
-      const auto& o = oracle[static_cast<std::size_t>(b * rc.H + h)];
-      const std::vector<std::int64_t> pos = cache.positions(b, h);
-      if (pos != o.positions()) {
-        err << "head (" << b << ", " << h << ") retained positions differ from the oracle's";
-        return err.str();
-      }
-      for (Index p = 0; p < sinks; ++p) {
-        if (pos[static_cast<std::size_t>(p)] != p) {
-          err << "head (" << b << ", " << h << ") lost sink " << p;
-          return err.str();
-        }
-      }
-      const std::vector<float> sc = cache.scores(b, h);
-      const auto& rows = o.rows();
-      if (sc.size() != rows.size()) {
-        err << "head (" << b << ", " << h << ") has " << sc.size() << " scores for " << rows.size()
-            << " rows";
-        return err.str();
-      }
-      for (std::size_t r = 0; r < rows.size(); ++r) {
-        if (!scores_close(static_cast<double>(sc[r]), rows[r].score)) {
-          err << "head (" << b << ", " << h << ") row " << r << " (position " << rows[r].position
-              << ") score " << sc[r] << ", oracle " << rows[r].score;
-          return err.str();
-        }
-        const std::string row_err = compare_state_row(st, b, h, static_cast<Index>(r), rows[r]);
-        if (!row_err.empty()) return row_err;
-      }
-    }
-  }
-  if (cache.tokens_kept() != n) err << "tokens_kept " << cache.tokens_kept() << ", expected " << n;
-  const std::size_t kept = static_cast<std::size_t>(rc.B * rc.H * n * (rc.Dk + rc.Dv)) * sizeof(T);
-  if (cache.kept_bytes() != kept)
-    err << "kept_bytes " << cache.kept_bytes() << ", expected " << kept;
-  return err.str();
+Subject<T> tova_subject(int budget, int n_sink) {
+  Subject<T> s{nullptr, std::make_unique<vc::TOVACache<T>>(tova_config(budget, n_sink))};
+  const auto& tova = dynamic_cast<const vc::TOVACache<T>&>(*s.cache);
+  EXPECT_EQ(tova.layer_budget(), budget);
+  EXPECT_EQ(tova.n_sink(), n_sink);
+  EXPECT_FALSE(tova.is_trimmable());
+  EXPECT_TRUE(tova.positions(0, 0).empty());
+  EXPECT_TRUE(tova.scores(0, 0).empty());
+  return s;
 }
 
-
-/// Outcome of one random run.
-struct RunResult {
-  bool ok = true;
-  bool near_tie = false;         // the oracle met an eviction decided by a relative gap < 1e-5
-  bool diverged_at_tie = false;  // ... and the float32 fast path then disagreed with it
-  int calls_checked = 0;
-  int big_calls_evicting = 0;  // checked calls of S > 64 tokens that evicted (blocked path)
-  int decode_evictions = 0;    // checked single-token calls that evicted
-};
-
-/// One random run: a prefill then decode calls (some multi-token, some larger than a block of 64,
-/// some empty), compared with one TOVAHeadOracle per head after every call. A mismatch after the
-/// oracle met a near-tie ends the run without failing it (float32 may then pick the other row);
-/// the caller bounds how often that happens.
+/// TOVA's own rule after every call: a head holds exactly min(offset, budget) rows.
 template <class T>
-RunResult run_against_oracle(const RunConfig& rc) {
-  RunResult res;
-  std::mt19937 rng(rc.seed);
-  vc::TOVACache<T> cache(tova_config(rc.budget, rc.n_sink));
-  EXPECT_EQ(cache.layer_budget(), rc.budget);
-  EXPECT_EQ(cache.n_sink(), rc.n_sink);
-  EXPECT_FALSE(cache.is_trimmable());
-  EXPECT_TRUE(cache.positions(0, 0).empty());
-  EXPECT_TRUE(cache.scores(0, 0).empty());
-
-  std::vector<ref::TOVAHeadOracle> oracle(static_cast<std::size_t>(rc.B * rc.H),
-                                          ref::TOVAHeadOracle(rc.n_sink, rc.budget));
-  std::uniform_real_distribution<double> u01(0.0, 1.0);
-  std::int64_t offset = 0;
-  for (int call = 0; call <= rc.decode_calls; ++call) {
-    Index S = 1;
-    if (call == 0) {
-      S = rc.prefill;
-    } else {
-      const double r = u01(rng);
-      if (r < 0.03) {
-        S = 0;
-      } else if (r < 0.15) {
-        S = std::uniform_int_distribution<Index>(2, rc.budget + 5)(rng);
-      } else if (r < 0.18) {
-        S = std::uniform_int_distribution<Index>(65, 160)(rng);
-      }
-    }
-    const vc::Tensor4<double> kd = random_doubles(rng, rc.B, rc.H, S, rc.Dk);
-    const vc::Tensor4<double> vd = random_doubles(rng, rc.B, rc.H, S, rc.Dv);
-    const vc::Tensor4<T> keys = converted<T>(kd);
-    const vc::Tensor4<T> values = converted<T>(vd);
-
-    std::vector<std::vector<ref::OracleRow>> before;
-    for (const auto& o : oracle) before.push_back(o.rows());
-
-    // Oracle: one token at a time, in arrival order.
-    bool evicted = false;
-    for (Index hi = 0; hi < rc.B * rc.H; ++hi) {
-      const Index b = hi / rc.H, h = hi % rc.H;
-      auto& o = oracle[static_cast<std::size_t>(hi)];
-      for (Index s = 0; s < S; ++s) {
-        std::vector<std::int64_t> pre = o.positions();
-        pre.push_back(offset + s);
-        o.absorb(row_of(keys, b, h, s), row_of(values, b, h, s));
-        const std::vector<double> w = o.last_weights();
-        if (!w.empty()) {
-          evicted = true;
-          if (eviction_margin(w, pre, rc.n_sink) < 1e-5) res.near_tie = true;
-        }
-      }
-    }
-
-    std::string err;
-    if (rc.view) {
-      const vc::KVView<T> view =
-          rc.as_double ? cache.update_and_view(kd, vd) : cache.update_and_view(keys, values);
-      err = compare_view(view, before, keys, values, offset);
-    } else {
-      const vc::KVPair<T> got =
-          rc.as_double ? cache.update_and_fetch(kd, vd) : cache.update_and_fetch(keys, values);
-      err = compare_returned(got, before, keys, values, rc);
-    }
-    offset += S;
-    if (err.empty() && cache.offset() != offset) {
-      err = "offset " + std::to_string(cache.offset()) + ", expected " + std::to_string(offset);
-    }
-    if (err.empty() && cache.tokens_seen() != offset * rc.B * rc.H) {
-      err = "tokens_seen " + std::to_string(cache.tokens_seen());
-    }
-    if (err.empty()) err = compare_with_oracle(cache, oracle, rc, offset);
-    if (!err.empty()) {
-      if (res.near_tie) {
-        res.diverged_at_tie = true;
-      } else {
-        ADD_FAILURE() << rc.describe() << " call " << call << " (S=" << S << "): " << err;
-        res.ok = false;
-      }
-      return res;
-    }
-    ++res.calls_checked;
-    if (evicted && S > 64) ++res.big_calls_evicting;
-    if (evicted && S == 1) ++res.decode_evictions;
-  }
-  return res;
+std::function<std::string(std::int64_t)> holds_min_of_offset_and_budget(const vc::KVCache<T>& c,
+                                                                         int budget) {
+  return [&c, budget](std::int64_t offset) -> std::string {
+    if (c.tokens_kept() == std::min<std::int64_t>(offset, budget)) return "";
+    return "holds " + std::to_string(c.tokens_kept()) + " rows at offset " +
+           std::to_string(offset) + ", not min(offset, budget)";
+  };
 }
 
-/// Random runs over budgets {2, 3, 5, 8, 16, 40} x n_sink {0, 1, 4} (below the budget), with random
-/// B, H in 1..3, D in {2, 4, 8, 16}, prefills above and below the budget, 30-100 decode calls.
+/// Random runs over budgets {2, 3, 5, 8, 16, 40} x n_sink {0, 1, 4} (below the budget), with
+/// random B, H in 1..3, D in {2, 4, 8, 16}, prefills above, below and up to the budget and across
+/// blocks of 64, then 30-100 calls (some multi-token, some over 64 tokens, some empty) through
+/// every update API without queries (decode path, general path, blocked path).
 template <class T>
 void run_grid(unsigned seed_base) {
-  const std::vector<int> budgets = {2, 3, 5, 8, 16, 40};
-  const std::vector<int> sinks = {0, 1, 4};
-  const std::vector<Index> dims = {2, 4, 8, 16};
   std::mt19937 rng(seed_base);
-  int runs = 0, near_ties = 0, tie_divergences = 0, failures = 0, checked_calls = 0;
+  int runs = 0, near_ties = 0, tie_divergences = 0, checked_calls = 0;
   int prefill_over = 0, prefill_under = 0, big_calls = 0, decode_evictions = 0;
-  for (const int n_sink : sinks) {
-    for (const int budget : budgets) {
+  for (const int n_sink : {0, 1, 4}) {
+    for (const int budget : {2, 3, 5, 8, 16, 40}) {
       if (n_sink >= budget) continue;
       for (int rep = 0; rep < 4; ++rep) {
-        RunConfig rc;
-        rc.budget = budget;
-        rc.n_sink = n_sink;
-        rc.B = std::uniform_int_distribution<Index>(1, 3)(rng);
-        rc.H = std::uniform_int_distribution<Index>(1, 3)(rng);
-        rc.Dk = dims[std::uniform_int_distribution<std::size_t>(0, 3)(rng)];
-        rc.Dv = dims[std::uniform_int_distribution<std::size_t>(0, 3)(rng)];
+        const RunDims dm = random_dims(rng);
+        PlanShape shape;
         switch (rep) {
           case 0:  // above the budget, within a block
-            rc.prefill = std::uniform_int_distribution<Index>(budget + 1, 2 * budget + 8)(rng);
+            shape.prefill = std::uniform_int_distribution<Index>(budget + 1, 2 * budget + 8)(rng);
             break;
           case 1:  // below the budget
-            rc.prefill = std::uniform_int_distribution<Index>(1, std::max(1, budget - 1))(rng);
+            shape.prefill = std::uniform_int_distribution<Index>(1, std::max(1, budget - 1))(rng);
             break;
           case 2:  // above the budget, across block boundaries
-            rc.prefill = std::uniform_int_distribution<Index>(65, 200)(rng);
+            shape.prefill = std::uniform_int_distribution<Index>(65, 200)(rng);
             break;
           default:  // up to exactly the budget
-            rc.prefill = std::uniform_int_distribution<Index>(1, budget)(rng);
+            shape.prefill = std::uniform_int_distribution<Index>(1, budget)(rng);
             break;
         }
-        if (rc.prefill > budget) {
-          ++prefill_over;
-        } else {
-          ++prefill_under;
-        }
-        rc.view = (rep == 1 || rep == 2);
-        rc.as_double = (rep == 2 || rep == 3);
-        rc.decode_calls = std::uniform_int_distribution<int>(30, 100)(rng);
-        rc.seed = static_cast<unsigned>(rng());
-        const RunResult r = run_against_oracle<T>(rc);
+        (shape.prefill > budget ? prefill_over : prefill_under) += 1;
+        shape.calls = std::uniform_int_distribution<int>(30, 100)(rng);
+        shape.short_calls = 0.12;
+        shape.short_max = budget + 5;
+        shape.long_calls = 0.03;
+        shape.apis.assign(std::begin(kProxyApis), std::end(kProxyApis));
+        const auto seed = static_cast<unsigned>(rng());
+        std::mt19937 run_rng(seed);
+        Subject<T> subject = tova_subject<T>(budget, n_sink);
+        TovaHeads oracle(static_cast<std::size_t>(dm.B * dm.H), n_sink, budget);
+        RunChecks<T> checks;
+        checks.what = "tova budget=" + std::to_string(budget) + " n_sink=" + std::to_string(n_sink) +
+                      " B=" + std::to_string(dm.B) + " H=" + std::to_string(dm.H) +
+                      " Dk=" + std::to_string(dm.Dk) + " Dv=" + std::to_string(dm.Dv) +
+                      " seed=" + std::to_string(seed);
+        checks.tolerate_near_ties = true;
+        checks.after_call = holds_min_of_offset_and_budget(*subject.cache, budget);
+        const RunOutcome r =
+            run_against_oracle(subject, oracle, dm, random_plan(run_rng, shape), run_rng, checks);
         ++runs;
         if (r.near_tie) ++near_ties;
         if (r.diverged_at_tie) ++tie_divergences;
-        if (!r.ok) ++failures;
+        ASSERT_EQ(r.failure, "");
         checked_calls += r.calls_checked;
-        big_calls += r.big_calls_evicting;
+        big_calls += r.big_evicting_calls;
         decode_evictions += r.decode_evictions;
-        if (failures > 3) FAIL() << "too many failing runs; stopping";
       }
     }
   }
-  EXPECT_EQ(failures, 0);
   std::printf(
       "[ stats    ] %d runs, %d calls checked (%d evicting calls of S > 64, %d evicting "
       "decode steps), %d met a near-tie, %d diverged after one\n",
@@ -349,6 +175,35 @@ class TOVAOracleTest : public ::testing::Test {};
 TYPED_TEST_SUITE(TOVAOracleTest, StorageTypes);
 
 TYPED_TEST(TOVAOracleTest, MatchesOracleOnRandomCalls) { run_grid<TypeParam>(4004u); }
+
+/// With real queries (docs/design.md 4.6: the token's G query heads, one token at a time even in
+/// a multi-token call): 10 seeds covering G 1, 2, 4 and varying, D 3, 8, 20, budgets 8-40, n_sink
+/// 0-4, 22 calls through every API with queries, bad queries injected; then reset() and 6 more.
+TYPED_TEST(TOVAOracleTest, MatchesOracleWithQueriesOnRandomCalls) {
+  using T = TypeParam;
+  for (unsigned seed = 0; seed < 10; ++seed) {
+    std::mt19937 rng(4242u + seed * 131u);
+    const QuerySweepRun r = query_sweep_run(rng, seed);
+    const RunDims dm = r.dims;
+    const int budget = r.budget, n_sink = r.n_sink;
+    RunChecks<T> checks;
+    checks.what = r.describe("tova", seed);
+    Subject<T> subject = tova_subject<T>(budget, n_sink);
+    checks.after_call = holds_min_of_offset_and_budget(*subject.cache, budget);
+    TovaHeads oracle(static_cast<std::size_t>(dm.B * dm.H), n_sink, budget);
+    ASSERT_EQ(run_against_oracle(subject, oracle, dm, random_query_plan(rng, 22, r.G, r.vary_g), rng,
+                                 checks)
+                  .failure,
+              "");
+    subject.cache->reset();
+    oracle.reset();
+    checks.what += ", after reset()";
+    ASSERT_EQ(run_against_oracle(subject, oracle, dm, random_query_plan(rng, 6, r.G, r.vary_g), rng,
+                                 checks)
+                  .failure,
+              "");
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Properties

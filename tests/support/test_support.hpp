@@ -429,6 +429,37 @@ cache::Tensor4<T> slice_s(const cache::Tensor4<T>& t, Index s0, Index n) {
   return out;
 }
 
+/// A config of an H2O-core method (docs/design.md 4): "h2o" (`recent`: its fixed grace of
+/// protected rows), "squeeze" (reporting on its first call) or "pyramidkv" (`budget`: the average
+/// over the layers); `recent`: the recent ratio of the other two.
+inline cache::KVCacheConfig core_config(const std::string& method, int budget, int n_sink,
+                                        double recent, double decay) {
+  cache::KVCacheConfig c;
+  c.method = method;
+  c.squeeze_calibration_tokens = 1;  // report on the first call (docs/design.md 5.4)
+  const bool h2o = method == "h2o", squeeze = method == "squeeze";
+  (h2o ? c.h2o_budget : squeeze ? c.squeeze_budget : c.pyramid_budget) = budget;
+  (h2o ? c.h2o_n_sink : squeeze ? c.squeeze_n_sink : c.pyramid_n_sink) = n_sink;
+  (h2o ? c.h2o_decay : squeeze ? c.squeeze_decay : c.pyramid_decay) = decay;
+  if (h2o) {
+    c.h2o_grace = static_cast<int>(recent);
+  } else {
+    (squeeze ? c.squeeze_recent_ratio : c.pyramid_recent_ratio) = recent;
+  }
+  return c;
+}
+
+/// core_config of method "h2o", "squeeze" and "pyramidkv".
+inline cache::KVCacheConfig h2o_config(int budget, int n_sink, int grace, double decay) {
+  return core_config("h2o", budget, n_sink, grace, decay);
+}
+inline cache::KVCacheConfig squeeze_config(int budget, int n_sink, double ratio, double decay) {
+  return core_config("squeeze", budget, n_sink, ratio, decay);
+}
+inline cache::KVCacheConfig pyramid_config(int budget, int n_sink, double ratio, double decay) {
+  return core_config("pyramidkv", budget, n_sink, ratio, decay);
+}
+
 /// A TOVA config (method "tova").
 inline cache::KVCacheConfig tova_config(int budget, int n_sink) {
   cache::KVCacheConfig c;
@@ -490,25 +521,32 @@ constexpr Shape kBadCallKeys{2, 2, 3, dim(4)};
 constexpr Shape kBadCallValues{2, 2, 3, dim(3)};
 
 /// Every docs/design.md 8 error of update_and_fetch / update_and_view on a cache whose calls are
-/// kBadCallKeys / kBadCallValues: mismatched shapes, zero sizes, shapes that differ from the first
-/// call, NaN/Inf keys at several positions (also as double), and a double key that overflows T
-/// (`half`: the storage type is Eigen::half).
-inline std::vector<BadCall> bad_calls(std::mt19937& rng, bool half) {
+/// kBadCallKeys / kBadCallValues with S tokens (S >= 3; SnapKV's suite takes calls longer than its
+/// budget, which would compress): mismatched shapes, zero sizes, shapes that differ from the first
+/// call, NaN/Inf keys at the first, the last and inner elements (also as double), and a double key
+/// that overflows T (`half`: the storage type is Eigen::half).
+inline std::vector<BadCall> bad_calls(std::mt19937& rng, bool half, Index S = kBadCallKeys[2]) {
   std::vector<BadCall> out;
-  const auto shape_case = [&](std::string name, Shape k, Shape v, bool established) {
+  const Shape keys{kBadCallKeys[0], kBadCallKeys[1], S, kBadCallKeys[3]};
+  const Shape values{kBadCallValues[0], kBadCallValues[1], S, kBadCallValues[3]};
+  const auto draw = [&](std::string name, const Shape& k, const Shape& v) {
     BadCall c;
     c.name = std::move(name);
-    c.keys = random_doubles(rng, k[0], k[1], k[2], k[3]);
-    c.values = random_doubles(rng, v[0], v[1], v[2], v[3]);
+    c.keys = random_doubles(rng, k);
+    c.values = random_doubles(rng, v);
+    return c;
+  };
+  const auto shape_case = [&](std::string name, Shape k, Shape v, bool established) {
+    BadCall c = draw(std::move(name), k, v);
     c.needs_established = established;
     out.push_back(std::move(c));
   };
-  shape_case("values B differs", kBadCallKeys, {1, 2, 3, dim(3)}, false);
-  shape_case("values H differs", kBadCallKeys, {2, 1, 3, dim(3)}, false);
-  shape_case("values S differs", kBadCallKeys, {2, 2, 2, dim(3)}, false);
-  shape_case("zero key D", {2, 2, 3, 0}, kBadCallValues, false);
-  shape_case("zero value D", kBadCallKeys, {2, 2, 3, 0}, false);
-  shape_case("zero B", {0, 2, 3, dim(4)}, {0, 2, 3, dim(3)}, false);
+  shape_case("values B differs", keys, {1, 2, S, dim(3)}, false);
+  shape_case("values H differs", keys, {2, 1, S, dim(3)}, false);
+  shape_case("values S differs", keys, {2, 2, S - 1, dim(3)}, false);
+  shape_case("zero key D", {2, 2, S, 0}, values, false);
+  shape_case("zero value D", keys, {2, 2, S, 0}, false);
+  shape_case("zero B", {0, 2, S, dim(4)}, {0, 2, S, dim(3)}, false);
   shape_case("B differs from the first call", {1, 2, 1, dim(4)}, {1, 2, 1, dim(3)}, true);
   shape_case("H differs from the first call", {2, 3, 1, dim(4)}, {2, 3, 1, dim(3)}, true);
   shape_case("key D differs from the first call", {2, 2, 1, dim(5)}, {2, 2, 1, dim(3)}, true);
@@ -516,36 +554,27 @@ inline std::vector<BadCall> bad_calls(std::mt19937& rng, bool half) {
   shape_case("empty call with another H", {2, 5, 0, dim(4)}, {2, 5, 0, dim(3)}, true);
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const double inf = std::numeric_limits<double>::infinity();
-  const std::vector<std::pair<double, Shape>> bad = {
-      {nan, {0, 0, 0, 0}}, {nan, {1, 1, 2, 3}}, {inf, {0, 1, 2, 1}}, {-inf, {1, 0, 1, 2}}};
+  const std::vector<std::pair<double, Shape>> bad = {{nan, {0, 0, 0, 0}},
+                                                     {nan, {1, 1, S - 1, dim(4) - 1}},
+                                                     {inf, {0, 1, 2, 1}},
+                                                     {-inf, {1, 0, 1, 2}}};
   for (const auto& [value, at] : bad) {
     for (const bool dbl : {false, true}) {
-      BadCall c;
-      c.name = "key " + std::to_string(value) + " at [" + std::to_string(at[0]) + "," +
-               std::to_string(at[1]) + "," + std::to_string(at[2]) + "," + std::to_string(at[3]) +
-               "]" + (dbl ? " as double" : "");
-      c.keys =
-          random_doubles(rng, kBadCallKeys[0], kBadCallKeys[1], kBadCallKeys[2], kBadCallKeys[3]);
-      c.values = random_doubles(rng, kBadCallValues[0], kBadCallValues[1], kBadCallValues[2],
-                                kBadCallValues[3]);
+      BadCall c = draw("key " + std::to_string(value) + " at [" + std::to_string(at[0]) + "," +
+                           std::to_string(at[1]) + "," + std::to_string(at[2]) + "," +
+                           std::to_string(at[3]) + "]" + (dbl ? " as double" : ""),
+                       keys, values);
       c.keys(at[0], at[1], at[2], at[3]) = value;
       c.as_double = dbl;
       c.bad_index = at;
       out.push_back(std::move(c));
     }
   }
-  {
-    BadCall c;
-    c.name = "double key overflowing the storage type";
-    c.keys =
-        random_doubles(rng, kBadCallKeys[0], kBadCallKeys[1], kBadCallKeys[2], kBadCallKeys[3]);
-    c.values = random_doubles(rng, kBadCallValues[0], kBadCallValues[1], kBadCallValues[2],
-                              kBadCallValues[3]);
-    c.keys(1, 0, 2, 3) = half ? 1e6 : 1e300;
-    c.as_double = true;
-    c.bad_index = Shape{1, 0, 2, 3};
-    out.push_back(std::move(c));
-  }
+  BadCall c = draw("double key overflowing the storage type", keys, values);
+  c.keys(1, 0, 2, 3) = half ? 1e6 : 1e300;
+  c.as_double = true;
+  c.bad_index = Shape{1, 0, 2, 3};
+  out.push_back(std::move(c));
   return out;
 }
 
