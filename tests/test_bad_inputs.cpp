@@ -751,7 +751,8 @@ TEST(BadInputBuilderTest, BadLayerCountsAndHeadDims) {
         {{64, std::nullopt, -1, 0}, {2, -1}},
         {{std::nullopt, INT_MIN}, {1, INT_MIN}},
         {{8, 8, 8, 0}, {3, 0}}};
-    for (const auto& [dims, first_bad] : bad) {
+    for (const auto& [layer_dims, first_bad] : bad) {
+      const auto& dims = layer_dims;  // C++17 lambdas cannot capture a structured binding
       const std::string what =
           invalid_argument_message([&] { (void)vc::KVCacheBuilder::for_model<float>(dims, c); });
       EXPECT_TRUE(contains(what, "layer " + std::to_string(first_bad.first))) << what;
