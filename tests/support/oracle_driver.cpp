@@ -408,6 +408,7 @@ RunOutcome run_against_oracle(Subject<T>& subject, Heads& oracle, const RunDims&
     // The call returns the rows retained before it (docs/design.md 4.4), even when it starts by
     // adopting a new budget (the re-budget applies to what the call retains).
     std::vector<std::vector<reference::OracleRow>> before;
+    before.reserve(oracle.size());
     for (std::size_t h = 0; h < oracle.size(); ++h) before.push_back(oracle.rows(h));
     if (checks.before_call) checks.before_call(i, keys);
     for (Index b = 0; b < dm.B; ++b) {
@@ -419,10 +420,10 @@ RunOutcome run_against_oracle(Subject<T>& subject, Heads& oracle, const RunDims&
         }
       }
     }
-    std::vector<std::vector<reference::OracleRow>> after;
-    for (std::size_t h = 0; h < oracle.size(); ++h) after.push_back(oracle.rows(h));
-    const bool evicted = total_rows(before) + static_cast<std::size_t>(p.S) * oracle.size() >
-                         total_rows(after);
+    std::size_t rows_after = 0;
+    for (std::size_t h = 0; h < oracle.size(); ++h) rows_after += oracle.rows(h).size();
+    const bool evicted =
+        total_rows(before) + static_cast<std::size_t>(p.S) * oracle.size() > rows_after;
 
     std::string err =
         call_and_compare(c, p.api, kd, vd, keys, values, queries, into, before, offset, dm);

@@ -253,10 +253,6 @@ struct MethodSpec {
   /// KVCacheConfig::method; also the tag that names the class in a prompt-cache file (the
   /// stored config's "method" field).
   const char* name;
-  /// The config fields it owns and validate() checks begin with this ("": none).
-  const char* field_prefix;
-  /// H2O core: it also owns proxy_scoring and value_norm_power.
-  bool h2o_core;
   /// Sets its rows-per-head budget (set_budget); null: it has none.
   void (*set_budget)(KVCacheConfig&, int rows);
   /// Its own checks (validate() runs the shared ones first).
@@ -264,20 +260,19 @@ struct MethodSpec {
 };
 
 inline constexpr std::array<MethodSpec, 7> kMethodTable = {{
-    {Method::squeeze, "squeeze", "squeeze_", true,
-     [](KVCacheConfig& c, int rows) { c.squeeze_budget = rows; }, validate_squeeze},
-    {Method::h2o, "h2o", "h2o_", true, [](KVCacheConfig& c, int rows) { c.h2o_budget = rows; },
-     validate_h2o},
-    {Method::pyramidkv, "pyramidkv", "pyramid_", true,
-     [](KVCacheConfig& c, int rows) { c.pyramid_budget = rows; }, validate_pyramidkv},
-    {Method::tova, "tova", "tova_", false, [](KVCacheConfig& c, int rows) { c.tova_budget = rows; },
+    {Method::squeeze, "squeeze", [](KVCacheConfig& c, int rows) { c.squeeze_budget = rows; },
+     validate_squeeze},
+    {Method::h2o, "h2o", [](KVCacheConfig& c, int rows) { c.h2o_budget = rows; }, validate_h2o},
+    {Method::pyramidkv, "pyramidkv", [](KVCacheConfig& c, int rows) { c.pyramid_budget = rows; },
+     validate_pyramidkv},
+    {Method::tova, "tova", [](KVCacheConfig& c, int rows) { c.tova_budget = rows; },
      validate_tova},
-    {Method::streaming_llm, "streaming_llm", "stream_", false,
+    {Method::streaming_llm, "streaming_llm",
      [](KVCacheConfig& c, int rows) { c.stream_window_size = rows - c.stream_n_sink; },
      validate_streaming_llm},
-    {Method::snapkv, "snapkv", "snap_", false,
-     [](KVCacheConfig& c, int rows) { c.snap_budget = rows; }, validate_snapkv},
-    {Method::standard, "standard", "", false, nullptr, validate_standard},
+    {Method::snapkv, "snapkv", [](KVCacheConfig& c, int rows) { c.snap_budget = rows; },
+     validate_snapkv},
+    {Method::standard, "standard", nullptr, validate_standard},
 }};
 
 /// Whether every row of kMethodTable sits at the index of its id (method_spec relies on it).
@@ -320,15 +315,6 @@ inline const MethodSpec& method_of(const KVCacheConfig& config) {
                                 "' is unknown; valid methods: " + method_list());
   }
   return *m;
-}
-
-/// Whether validate() checks config field `field` for method `m`: the fields every method shares,
-/// the H2O core's two, and the fields with its prefix.
-inline bool config_field_checked(const MethodSpec& m, const std::string& field) {
-  if (field == "key_bits" || field == "value_bits" || field == "quant_group") return true;
-  if (field == "proxy_scoring" || field == "value_norm_power") return m.h2o_core;
-  const std::string prefix = m.field_prefix;
-  return !prefix.empty() && field.compare(0, prefix.size(), prefix) == 0;
 }
 
 }  // namespace detail
