@@ -16,11 +16,11 @@
 # above them is the same portable code as on x86-64, where the whole suite runs under the
 # sanitizers. So the CI runs every test of the kernel TUs (each kernel of each path against the
 # scalar path, the path selection, the quantized rows of every policy), the prompt-cache TU (the
-# checksums), the attend TU (the fused pass; its state sweep on half rows only) and the real-model
-# TU, then the determinism digests: every policy and API, at -O0, -O3 and -O3 with fp16
-# arithmetic, built with -Werror, must print the scalar digest recorded on x86-64. The contract
-# suites, the policy-oracle sweeps, the threading tests and the fuzz regressions compute the same
-# bits as on x86-64 (the digests check that) and run with --full.
+# checksums) and the attend TU (the fused pass; its state sweep on half rows only), then the
+# determinism digests: every policy and API, at -O0, -O3 and -O3 with fp16 arithmetic, built with
+# -Werror, must print the scalar digest recorded on x86-64. The contract suites, the real-model
+# TU, the policy-oracle sweeps, the threading tests and the fuzz regressions compute the same bits
+# as on x86-64 (the digests check that) and run with --full.
 #
 # Environment: BUILD_DIR (default build-aarch64), JOBS (default nproc), VELOXQUANT_FIXTURES.
 # No sanitizers (they stay on x86-64: scripts/test.sh, tsan.sh, fuzz.sh). Timings under qemu are
@@ -51,7 +51,7 @@ start=$(date +%s)
 stamp() { echo "[aarch64] $1: $(( $(date +%s) - start )) s"; }
 
 CI_TESTS="test_simd_kernels|test_simd_levels|test_kernel_checks|test_quant|test_prompt_cache|\
-test_attend|test_llama2c"
+test_attend"
 selection=""
 examples=ON
 if [ "$MODE" != "--full" ]; then
