@@ -60,7 +60,7 @@ if [ "$MODE" != "--full" ]; then
 fi
 
 # The layout of scripts/test.sh without the sanitizers: the tests at -O0, the library's instances
-# at -O2 (the NEON kernels optimised, as users build them), the two heavy TUs at -O1. The consumer
+# at -O2 (the NEON kernels optimised, as users build them), the heavy TU at -O1. The consumer
 # packaging checks are architecture-independent and stay in the x86-64 suite.
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/toolchains/aarch64-linux-gnu.cmake \
   -DCMAKE_BUILD_TYPE=Check -DCMAKE_CXX_FLAGS_CHECK="-O0" \
