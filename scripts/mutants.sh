@@ -54,13 +54,13 @@ cmake -S "$tree" -B "$build" -DCMAKE_BUILD_TYPE=Check -DCMAKE_CXX_FLAGS_CHECK="-
   -DVELOXQUANT_TEST_LIBRARY_FLAGS="-O1" -DVELOXQUANT_WERROR=OFF -DVELOXQUANT_PACKAGING_TESTS=OFF \
   -DVELOXQUANT_BUILD_EXAMPLES=OFF -DVELOXQUANT_FIXTURES_DIR="$root/../shared/fixtures" >/dev/null
 
-# Parses mutants.txt into id|file|old|new lines.
 # The test executables (tests/CMakeLists.txt: one per tests/test_*.cpp, and the contract suite over
 # quantized rows), and the CTest names that are not theirs.
 targets=$(cd "$tree/tests" && ls test_*.cpp | sed 's/\.cpp$//' | tr '\n' ' ')
 targets="$targets test_contract_q84"
 not_suite='^(headers|compile_|consumer|examples|determinism|mutants)'
 
+# Parses mutants.txt into id|file|old|new lines.
 mapfile -t mutants < <(python3 - "$root/tests/mutants/mutants.txt" <<'PY'
 import sys
 cur = None

@@ -33,8 +33,10 @@ if [ -z "${CXX:-}" ]; then
   fi
 fi
 export CXX
+cxx_is_clang=false
+"$CXX" --version | grep -qi clang && cxx_is_clang=true
 # Clang's OpenMP runtime (Debian: libomp-dev), for the OpenMP header check (tests/headers).
-if "$CXX" --version | grep -qi clang; then
+if $cxx_is_clang; then
   probe=$(mktemp -d)
   printf '#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n' \
     >"$probe/p.cpp"
@@ -52,7 +54,7 @@ if [ -n "$SANITIZE" ]; then
   probe=$(mktemp -d)
   printf 'int main() { return 0; }\n' >"$probe/p.cpp"
   if ! "$CXX" -fsanitize="$SANITIZE" "$probe/p.cpp" -o "$probe/p" >/dev/null 2>&1; then
-    if "$CXX" --version | grep -qi clang; then
+    if $cxx_is_clang; then
       v=$("$CXX" -dumpversion | cut -d. -f1)
       echo "[test] installing Clang's sanitizer runtimes (libclang-rt-$v-dev)"
       apt_install "libclang-rt-$v-dev" || apt_install "libclang-common-$v-dev"
