@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -652,6 +653,55 @@ TEST(ConcurrencyCachesTest, EveryPolicyOnSeveralThreadsEqualsSerialTwins) {
 /// std::threads (prefill big enough to take the parallel path; docs/design.md 7.3).
 TEST(ConcurrencyCachesTest, ParallelHeadsInsideThreadsEqualSerialTwins) {
   compare_lanes(2000u, 96, 24, true, 3);
+}
+
+/// A parallel-for that breaks its contract with threads (docs/robustness.md, "The engine's thread
+/// pool"): each task run on two threads at once, or the tasks run on a thread that outlives the
+/// pool's return (started before or after the call ends). Under ThreadSanitizer: no race on the
+/// cache, the call throws std::logic_error, the cache is reset and then matches a fresh twin.
+TEST(ConcurrencyPoolTest, APoolThatRacesItsOwnTasksIsCaughtWithoutARace) {
+  vc::KVCacheConfig config;
+  config.method = "h2o";
+  config.h2o_budget = 40;
+  std::mt19937 rng(31);
+  const auto k = veloxquant::test::random_float_tensor(1, 8, 120, 32, rng);
+  const auto v = veloxquant::test::random_float_tensor(1, 8, 120, 32, rng);
+  for (const int fault : {0, 1, 2}) {
+    SCOPED_TRACE("fault " + std::to_string(fault));
+    std::vector<std::thread> spawned;
+    std::atomic<bool> call_over{false};
+    const auto pool = [&spawned, &call_over, fault](int tasks,
+                                                    const std::function<void(int)>& task) {
+      if (fault == 0) {  // every task on two threads at once
+        std::vector<std::thread> twice;
+        for (int t = 0; t < tasks; ++t) {
+          twice.emplace_back(task, t);
+          twice.emplace_back(task, t);
+        }
+        for (auto& th : twice) th.join();
+        return;
+      }
+      // Returns while a thread of its own runs (a copy of) the task function: task 0 at once and
+      // the others once the call is over (1), or all of them once the call is over (2).
+      spawned.emplace_back([tasks, fault, copy = task, &call_over] {
+        if (fault == 1) copy(0);
+        while (!call_over.load()) std::this_thread::yield();
+        for (int t = fault == 1 ? 1 : 0; t < tasks; ++t) copy(t);
+      });
+    };
+    vc::H2OCache<float> cache(config);
+    cache.set_parallel_for(pool, 4);
+    cache.set_parallel_heads(true);
+    EXPECT_THROW((void)cache.update_and_view(k, v), std::logic_error);
+    call_over.store(true);
+    for (auto& th : spawned) th.join();
+    EXPECT_EQ(cache.offset(), 0);
+    EXPECT_EQ(cache.kept_bytes(), 0u);
+    vc::H2OCache<float> fresh(config);
+    cache.set_parallel_heads(false);
+    EXPECT_TRUE(veloxquant::test::bitwise_equal(cache.update_and_fetch(k, v).first,
+                                                fresh.update_and_fetch(k, v).first));
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

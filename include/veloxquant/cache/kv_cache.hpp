@@ -11,7 +11,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <functional>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -26,6 +29,7 @@
 #include "detail/scratch.hpp"
 #include "detail/state_checks.hpp"
 #include "detail/state_io.hpp"
+#include "detail/task_ledger.hpp"
 #include "kv_cache_config.hpp"
 #include "kv_view.hpp"
 #include "parallel.hpp"
@@ -588,15 +592,16 @@ class KVCache {
     const Index groups = queries ? queries->heads / keys.heads : 0;
     const detail::CallPlan plan = detail::plan_call(rule_, S, groups, att != nullptr);
     std::vector<detail::HeadStore<T>> fresh = reserve(keys, values, plan);
+    PoolCall pool = pool_call(keys.batch * keys.heads, keys, plan);
     start_call();
-    // 5. No-throw from here on.
+    // 5. No-throw from here on, unless the engine's parallel-for misbehaves (absorb_heads).
     copy_.commit(buffers);
     if (heads_.empty()) {
       heads_.swap(fresh);
       dims_ = detail::LayerDims{keys.batch, keys.heads, keys.dim, values.dim, true};
     }
     if (plan.compress) rule_.compressed = true;
-    absorb_heads(keys, values, queries, groups, plan, out != nullptr, att);
+    absorb_heads(keys, values, queries, groups, plan, out != nullptr, att, pool, api);
     rebudget_ = false;
     offset_ += S;
     tokens_seen_ += dims_.batch * dims_.heads * S;
@@ -620,12 +625,34 @@ class KVCache {
     } else {
       detail::grow_heads(heads_, S, rule_.steady_rows(), key_sum);
     }
-    const detail::ScratchSize size{plan.rows, live_rows() + S, detail::padded_dim(keys.dim),
-                                   plan.gather, plan.packed};
-    const auto workers = static_cast<std::size_t>(tasks_for(keys.batch * keys.heads, size));
+    const auto workers =
+        static_cast<std::size_t>(tasks_for(keys.batch * keys.heads, scratch_size(keys, plan)));
     if (scratch_.size() < workers) scratch_.resize(workers);
-    for (auto& s : scratch_) s.fit(size);
+    for (auto& s : scratch_) s.fit(scratch_size(keys, plan));
     return fresh;
+  }
+  detail::ScratchSize scratch_size(const detail::InputRows& keys,
+                                   const detail::CallPlan& plan) const {
+    return detail::ScratchSize{plan.rows, live_rows() + keys.seq, detail::padded_dim(keys.dim),
+                               plan.gather, plan.packed};
+  }
+
+  // What a call hands the engine's parallel-for: the task function and the ledger that checks
+  // the pool's use of it (detail/task_ledger.hpp); empty when the heads run serially. Built
+  // before the cache changes (both may allocate).
+  struct PoolCall {
+    int tasks = 1;
+    std::shared_ptr<detail::TaskLedger> ledger;
+    std::function<void(int)> task;
+  };
+  PoolCall pool_call(Index n_heads, const detail::InputRows& keys,
+                     const detail::CallPlan& plan) const {
+    PoolCall p;
+    p.tasks = tasks_for(n_heads, scratch_size(keys, plan));
+    if (p.tasks <= 1) return p;
+    p.ledger = std::make_shared<detail::TaskLedger>(p.tasks);
+    p.task = [ledger = p.ledger](int t) { ledger->run(t); };
+    return p;
   }
 
   // Tasks a call of this size runs on: 1 unless a parallel-for is set and the call is large
@@ -643,11 +670,9 @@ class KVCache {
   // scratch.
   void absorb_heads(const detail::InputRows& keys, const detail::InputRows& values,
                     const detail::InputRows* queries, Index groups, const detail::CallPlan& plan,
-                    bool copy, const detail::AttendOut* att) noexcept {
+                    bool copy, const detail::AttendOut* att, PoolCall& pool, const char* api) {
     const Index S = keys.seq;
     const Index n_heads = dims_.batch * dims_.heads;
-    const detail::ScratchSize size{plan.rows, live_rows() + S, detail::padded_dim(keys.dim),
-                                   plan.gather, plan.packed};
     const auto one = [&](Index i, detail::Scratch& sc) {
       auto& head = heads_[static_cast<std::size_t>(i)];
       const Index b = i / dims_.heads, h = i % dims_.heads;
@@ -675,15 +700,31 @@ class KVCache {
       const detail::HeadAttend a{att, b, h, groups};
       detail::absorb_head(head, rule_, plan, S, q, a, sc);
     };
-    const int tasks = tasks_for(n_heads, size);
+    const int tasks = pool.tasks;
     if (tasks <= 1) {
       for (Index i = 0; i < n_heads; ++i) one(i, scratch_.front());
       return;
     }
-    parallel_for_(tasks, [&](int task) {
+    auto range = [&](int task) {
       const Index lo = n_heads * task / tasks, hi = n_heads * (task + 1) / tasks;
       for (Index i = lo; i < hi; ++i) one(i, scratch_[static_cast<std::size_t>(task)]);
-    });
+    };
+    pool.ledger->bind(range);
+    std::exception_ptr thrown;
+    try {
+      parallel_for_(tasks, pool.task);
+    } catch (...) {
+      thrown = std::current_exception();
+    }
+    pool.ledger->close();
+    const std::string misuse = pool.ledger->misuse();
+    if (!thrown && misuse.empty()) return;
+    // Some heads took the call and others did not: no state the cache can go on from.
+    reset();
+    if (thrown) std::rethrow_exception(thrown);
+    throw std::logic_error(std::string(api) + ": the parallel-for given to set_parallel_for ran " +
+                           std::to_string(tasks) + " tasks wrongly (" + misuse +
+                           "); the cache was reset");
   }
 
   KVView<T> make_view(Index rows, Index new_rows, const detail::InputRows& keys,
