@@ -11,15 +11,25 @@
 //    fetch_into, each with and without queries, and the converting double overloads), with the
 //    strong guarantee (docs/design.md 8) and a following valid call equal to an untouched twin's;
 //  * mismatched shapes and shape changes between calls through the same table of policies/APIs;
-//  * coordinator wiring mistakes through caches: a duplicate layer id (docs/design.md 5.4.1: the first
+//  * coordinator wiring mistakes through caches: a duplicate layer id (docs/design.md 5.4.1: the
+//  first
 //    report per layer wins), a layer id the coordinator does not know (docs/design.md A(h);
 //  * squeeze_budgets / pyramid_budgets / concentration_score edge arguments; trim of a negative or
 //    extreme count on every policy; KVView accessors out of range on every policy; the builder
-//    with bad layer counts, head dims and methods.
+//    with bad layer counts, head dims and methods;
+//  * hostile input (docs/robustness.md): magnitudes at and beyond the bounds (finite outputs and
+//    scores at them, the element named beyond them), empty calls claiming 2^40 heads, shapes
+//    whose products overflow, attend's output sized only from valid shapes, integers at the
+//    extremes in set_budget, the coordinator and the builder, a null cache in the builder's
+//    reset, and every way an engine's parallel-for can break its contract.
+// Built twice (tests/CMakeLists.txt): with the suite (the library's internal assertions on), and
+// as test_bad_inputs_ndebug with -DNDEBUG and those assertions compiled out, so that the checks,
+// not the assertions, are what the tests see.
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -33,6 +43,7 @@
 #include <regex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 #include <veloxquant/cache.hpp>
@@ -319,66 +330,317 @@ TEST(BadInputConfigTest, DenormalDecaysAreAcceptedAndKeepScoresFinite) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Huge finite keys
+// Magnitudes (docs/robustness.md, "Magnitudes"): keys and queries within +-2^48, values within
+// +-2^96, head dims up to 2^16; finite input within them gives finite scores and outputs
 // ---------------------------------------------------------------------------------------------
 
-/// Keys that are finite but so large that their dot products overflow float32 are valid input
-/// (docs/design.md 8 rejects only non-finite keys). Every policy keeps its contract: each call returns the
-/// rows retained before it plus its own, heads stay within budget, sinks and the newest rows
-/// survive, positions stay ascending.
-TEST(BadInputHugeKeysTest, FiniteKeysWhoseProductsOverflowKeepThePolicyContract) {
-  using T = float;
+constexpr double kKeyLimit = 281474976710656.0;                  // 2^48
+constexpr double kValueLimit = 79228162514264337593543950336.0;  // 2^96
+
+/// Every element of `t` set to +-m with a random sign.
+template <class X>
+void fill_signed(std::mt19937& rng, vc::Tensor4<X>& t, double m) {
+  std::bernoulli_distribution coin(0.5);
+  for (Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<X>(coin(rng) ? m : -m);
+}
+
+/// Keys and queries at exactly +-2^48 and values at +-2^96 (the largest a call may hold), float
+/// and bfloat16 storage, every policy, through attend and update_and_view: every output and every
+/// score is finite, and every policy keeps its contract (each call returns the rows retained
+/// before it plus its own, bounded heads within budget, sinks and positions in order).
+template <class T>
+void extremes_at_the_limit_stay_finite() {
+  vc::KVCacheConfig config = small_config();
+  config.key_bits = config.value_bits = 16;
   for (const Kind kind : kKinds) {
     SCOPED_TRACE(kind_name(kind));
-    Subject<T> s = make_subject<T>(kind);
+    Subject<T> s = make_subject<T>(kind, config);
     std::mt19937 rng(6u);
-    vc::KVPair<T> into;
     std::int64_t offset = 0;
-    for (const Index S : {Index{9}, Index{1}, Index{1}, Index{3}, Index{1}, Index{1}}) {
-      Call c = random_call(rng, with_s(kKeys, S), with_s(kValues, S));
-      for (Index i = 0; i < c.keys.size(); ++i) c.keys.data()[i] *= 1e30;
+    int call = 0;
+    for (const Index S : {Index{9}, Index{1}, Index{1}, Index{3}, Index{1}, Index{1}, Index{2}}) {
+      vc::Tensor4<double> k(2, 2, S, 8), v(2, 2, S, 8), q(2, 4, S, 8);
+      fill_signed(rng, k, kKeyLimit);
+      fill_signed(rng, v, kValueLimit);
+      fill_signed(rng, q, kKeyLimit);
       const Index before = s.cache->tokens_kept();
-      const vc::KVPair<T> state_before = s.cache->state();
-      vc::KVPair<T> out;
-      ASSERT_NO_THROW(out = s.cache->update_and_fetch(c.keys, c.values));
-      offset += S;
-      EXPECT_EQ(s.cache->offset(), offset);
-      ASSERT_EQ(out.first.dimension(2), before + S);
-      // The returned window is the previous state followed by the call's rows.
-      for (Index b = 0; b < kKeys[0]; ++b) {
-        for (Index h = 0; h < kKeys[1]; ++h) {
-          for (Index r = 0; r < before; ++r) {
-            for (Index d = 0; d < kKeys[3]; ++d) {
-              ASSERT_EQ(out.first(b, h, r, d), state_before.first(b, h, r, d));
-            }
-          }
-          for (Index r = 0; r < S; ++r) {
-            for (Index d = 0; d < kKeys[3]; ++d) {
-              ASSERT_EQ(out.first(b, h, before + r, d), static_cast<T>(c.keys(b, h, r, d)));
-            }
-          }
-        }
+      if (call++ % 3 == 2) {  // without queries: the proxy and the query-free scorers
+        const vc::KVView<T> view = s.cache->update_and_view(k, v);
+        ASSERT_EQ(view.rows(), before + S);
+      } else if (call % 3 == 1) {
+        std::vector<float> out(static_cast<std::size_t>(2 * 4 * S * 8));
+        ASSERT_NO_THROW(s.cache->attend(vc::TensorRef<double>(q), vc::TensorRef<double>(k),
+                                        vc::TensorRef<double>(v), out.data()));
+        for (const float x : out) ASSERT_TRUE(std::isfinite(x)) << x;
+      } else {
+        const vc::KVView<T> view = s.cache->update_and_view(k, v, q);
+        ASSERT_EQ(view.rows(), before + S);
       }
+      offset += S;
+      ASSERT_EQ(s.cache->offset(), offset);
       visit_scored(*s.cache, [&](const auto& scored) {
-        for (Index b = 0; b < kKeys[0]; ++b) {
-          for (Index h = 0; h < kKeys[1]; ++h) {
+        for (Index b = 0; b < 2; ++b) {
+          for (Index h = 0; h < 2; ++h) {
+            for (const float x : scored.scores(b, h)) ASSERT_TRUE(std::isfinite(x)) << x;
             const std::vector<std::int64_t> p = scored.positions(b, h);
             ASSERT_FALSE(p.empty());
             EXPECT_EQ(p.front(), 0) << "the sink was evicted";
             EXPECT_TRUE(std::is_sorted(p.begin(), p.end()));
-            EXPECT_TRUE(std::adjacent_find(p.begin(), p.end()) == p.end());
-            // TOVA may evict the current token itself (docs/design.md 6); the others protect it.
-            if (kind != Kind::kSnap && kind != Kind::kTova) {
-              EXPECT_EQ(p.back(), offset - 1) << "the newest row was evicted";
-            }
           }
         }
       });
     }
-    if (kind != Kind::kStandard && kind != Kind::kSnap) {
-      EXPECT_LE(s.cache->tokens_kept(), 8);
+    if (kind != Kind::kStandard && kind != Kind::kSnap) EXPECT_LE(s.cache->tokens_kept(), 8);
+  }
+}
+
+TEST(BadInputMagnitudesTest, AtTheLimitScoresAndOutputsStayFiniteFloat) {
+  extremes_at_the_limit_stay_finite<float>();
+}
+
+TEST(BadInputMagnitudesTest, AtTheLimitScoresAndOutputsStayFiniteBfloat16) {
+  extremes_at_the_limit_stay_finite<Eigen::bfloat16>();
+}
+
+/// One element beyond the limit (or a finite one that overflows the storage type) is refused
+/// through update_and_view and attend, naming the tensor and the element; nothing changes.
+TEST(BadInputMagnitudesTest, BeyondTheLimitIsRefusedNamingTheElement) {
+  struct Case {
+    const char* what;   // the tensor
+    double x;           // the element put at [b=1, h=1, s=2, d=5]
+    bool half;          // half storage (else float)
+    const char* words;  // expected in the message
+  };
+  const double above_key = kKeyLimit * (1.0 + 0x1p-20);  // a float above 2^48
+  const Case cases[] = {
+      {"keys", above_key, false, "key at [b=1, h=1, s=2, d=5]"},
+      {"keys", -3e38, false, "beyond +-2^48"},
+      {"queries", -above_key, false, "query at [b=1, hq=1, s=2, d=5]"},
+      {"queries", 3e38, true, "beyond +-2^48"},
+      {"values", kValueLimit * (1.0 + 0x1p-20), false, "value at [b=1, h=1, s=2, d=5]"},
+      {"values", -3e38, false, "beyond +-2^96"},
+      {"values", 1e5, true, "value at [b=1, h=1, s=2, d=5] is finite but overflows the storage"},
+  };
+  for (const Case& c : cases) {
+    for (const bool attend : {false, true}) {
+      SCOPED_TRACE(std::string(c.what) + " " + std::to_string(c.x) + (attend ? ", attend" : ""));
+      vc::KVCacheConfig config;
+      config.method = "h2o";
+      config.h2o_budget = 8;
+      std::unique_ptr<vc::KVCache<float>> f;
+      std::unique_ptr<vc::KVCache<Eigen::half>> h;
+      std::mt19937 rng(3);
+      vc::Tensor4<double> k = random_doubles(rng, {2, 2, 6, 8});
+      vc::Tensor4<double> v = random_doubles(rng, {2, 2, 6, 8});
+      vc::Tensor4<double> q = random_doubles(rng, {2, 4, 6, 8});
+      const auto run = [&](auto& cache) {
+        (void)cache.update_and_view(k, v, q);  // a valid first call
+        const Snapshot before = snapshot(cache, nullptr);
+        (c.what[0] == 'k' ? k : c.what[0] == 'v' ? v : q)(1, 1, 2, 5) = c.x;
+        std::vector<float> out(static_cast<std::size_t>(q.size()), -1.0f);
+        const std::string message = invalid_argument_message([&] {
+          if (attend) {
+            cache.attend(vc::TensorRef<double>(q), vc::TensorRef<double>(k),
+                         vc::TensorRef<double>(v), out.data());
+          } else {
+            (void)cache.update_and_view(k, v, q);
+          }
+        });
+        EXPECT_TRUE(contains(message, c.words)) << message;
+        EXPECT_TRUE(snapshot(cache, nullptr) == before) << "the cache changed";
+        for (const float x : out) ASSERT_EQ(x, -1.0f) << "attend wrote its output";
+      };
+      if (c.half) {
+        vc::H2OCache<Eigen::half> cache(config);
+        run(cache);
+      } else {
+        vc::H2OCache<float> cache(config);
+        run(cache);
+      }
     }
   }
+}
+
+/// Values that are not finite as given are stored as given (docs/design.md 8); the limit is for
+/// finite ones.
+TEST(BadInputMagnitudesTest, NonFiniteValuesAreStillStoredAsGiven) {
+  vc::KVCacheConfig config;
+  config.method = "h2o";
+  config.h2o_budget = 8;
+  vc::H2OCache<float> cache(config);
+  std::mt19937 rng(8);
+  vc::Tensor4<double> k = random_doubles(rng, {1, 1, 3, 4});
+  vc::Tensor4<double> v = random_doubles(rng, {1, 1, 3, 4});
+  v(0, 0, 0, 1) = std::numeric_limits<double>::infinity();
+  v(0, 0, 1, 2) = std::numeric_limits<double>::quiet_NaN();
+  const vc::KVPair<float> out = cache.update_and_fetch(k, v);
+  EXPECT_TRUE(std::isinf(out.second(0, 0, 0, 1)));
+  EXPECT_TRUE(std::isnan(out.second(0, 0, 1, 2)));
+}
+
+/// A head dim above 2^16 is refused by the call and by the builder.
+TEST(BadInputMagnitudesTest, HeadDimsAbove65536AreRefused) {
+  vc::KVCache<float> cache;
+  const std::vector<float> row(65537, 0.5f);
+  const vc::TensorRef<float> wide(row.data(), 1, 1, 1, 65537);
+  const vc::TensorRef<float> ok(row.data(), 1, 1, 1, 65536);
+  EXPECT_TRUE(contains(invalid_argument_message([&] { (void)cache.update_and_view(wide, ok); }),
+                       "head dim D must be <= 65536"));
+  EXPECT_EQ(cache.offset(), 0);
+  EXPECT_NO_THROW((void)cache.update_and_view(ok, ok));
+  const std::string what = invalid_argument_message([&] {
+    (void)vc::KVCacheBuilder::for_model<float>({64, 65537}, vc::KVCacheConfig{});
+  });
+  EXPECT_TRUE(contains(what, "head dim of layer 1 (65537) must be in [1, 65536]")) << what;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Claimed sizes: work and memory follow the data, not what the shapes claim
+// ---------------------------------------------------------------------------------------------
+
+/// Empty calls (S = 0, no data) claiming 2^40 heads, and queries claiming 2^50 heads, through
+/// every pointer overload: each returns at once (or refuses), nothing changes. Before the fix,
+/// these looped over the claimed heads (hours).
+TEST(BadInputClaimsTest, EmptyCallsWithHugeClaimedSizesReturnAtOnce) {
+  for (const bool fresh : {true, false}) {
+    SCOPED_TRACE(fresh ? "first call" : "after a call");
+    vc::KVCacheConfig config;
+    config.method = "h2o";
+    config.h2o_budget = 8;
+    vc::H2OCache<Eigen::half> cache(config);
+    const std::vector<float> one(8, 0.25f);
+    if (!fresh) {
+      const vc::TensorRef<float> r(one.data(), 1, 1, 1, 8);
+      (void)cache.update_and_view(r, r);
+    }
+    const std::int64_t offset = cache.offset();
+    const Index big = Index{1} << 20;
+    const vc::TensorRef<float> k(nullptr, fresh ? big : 1, fresh ? big : 1, 0, 8);
+    const vc::TensorRef<float> q(nullptr, 1, Index{1} << 50, 0, 8);
+    const vc::TensorRef<double> kd(nullptr, fresh ? big : 1, fresh ? big : 1, 0, 8);
+    vc::KVPair<Eigen::half> into;
+    float out = 0.0f;
+    const auto quick = [&](const char* api, const std::function<void()>& f) {
+      SCOPED_TRACE(api);
+      try {
+        f();
+      } catch (const std::invalid_argument&) {
+      }
+      EXPECT_EQ(cache.offset(), offset);
+    };
+    quick("update_and_view", [&] { (void)cache.update_and_view(k, k); });
+    quick("update_and_view(double)", [&] { (void)cache.update_and_view(kd, kd); });
+    quick("update_and_fetch", [&] { (void)cache.update_and_fetch(k, k); });
+    quick("update_and_fetch_into", [&] { cache.update_and_fetch_into(k, k, into); });
+    if (!fresh) {
+      const vc::TensorRef<float> k0(nullptr, 1, 1, 0, 8);
+      quick("update_and_view(queries)", [&] { (void)cache.update_and_view(k0, k0, q); });
+      quick("update_and_fetch(queries)", [&] { (void)cache.update_and_fetch(k0, k0, q); });
+      quick("attend", [&] { cache.attend(q, k0, k0, &out); });
+      quick("attend(token_major)", [&] { cache.attend(q, k0, k0, &out, vc::Layout::token_major); });
+    }
+  }
+}
+
+/// Dimensions whose product overflows are refused even when another dimension is 0 (the strides
+/// multiply them), and attend refuses an output [B, Hq, S, Dv] that no Index can count before it
+/// computes strides or sizes anything from it.
+TEST(BadInputClaimsTest, OverflowingShapesAreRefusedBeforeAnythingIsSized) {
+  vc::KVCache<float> cache;
+  const Index huge = Index{1} << 62;
+  const vc::TensorRef<float> k(nullptr, 0, huge, huge, huge);
+  EXPECT_TRUE(contains(invalid_argument_message([&] { (void)cache.update_and_view(k, k); }),
+                       "keys has too many elements"));
+  // One row of D = 1 claims 2^50 query heads and a value dim of 2^16: the output would hold
+  // 2^66 elements. Refused before a stride is computed or an element read (the data is one
+  // float; reading the claimed rows would be a heap overflow under ASan).
+  float one = 0.5f, out = 0.0f;
+  const vc::TensorRef<float> q(&one, 1, Index{1} << 50, 1, 1);
+  const vc::TensorRef<float> k1(&one, 1, 1, 1, 1);
+  const vc::TensorRef<float> v1(&one, 1, 1, 1, Index{1} << 16);
+  for (const vc::Layout layout : {vc::Layout::head_major, vc::Layout::token_major}) {
+    const std::string what =
+        invalid_argument_message([&] { cache.attend(q, k1, v1, &out, layout); });
+    EXPECT_TRUE(contains(what,
+                         "the output [B, Hq, S, Dv] = [1, 1125899906842624, 1, 65536] has more "
+                         "elements than an Index holds"))
+        << what;
+  }
+  EXPECT_EQ(cache.offset(), 0);
+}
+
+/// The attend overload that returns its output sizes it only from shapes that passed: queries of
+/// 2^40 rows over keys of none used to allocate [1, 2^20, 2^20, 64] floats first.
+TEST(BadInputClaimsTest, AttendSizesItsOutputOnlyFromValidShapes) {
+  vc::KVCache<float> cache;
+  const vc::Tensor4<float> q(1, Index{1} << 20, Index{1} << 20, 0);
+  const vc::Tensor4<float> k(1, 1, 0, 8);
+  const vc::Tensor4<float> v(1, 1, 0, 64);
+  const std::string what = invalid_argument_message([&] { (void)cache.attend(q, k, v); });
+  EXPECT_TRUE(contains(what, "queries must have the keys' sequence length S")) << what;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Integers at the extremes outside validate(): set_budget, the coordinator, the builder
+// ---------------------------------------------------------------------------------------------
+
+TEST(BadInputIntegersTest, SetBudgetAtTheExtremesThenValidateNamesTheField) {
+  for (const int rows : {INT_MIN, INT_MIN + 1, -1, 0, INT_MAX}) {
+    for (const int sink : {INT_MIN, -1, 0, 4, INT_MAX}) {
+      vc::KVCacheConfig c;
+      c.method = "streaming_llm";
+      c.stream_n_sink = sink;
+      c.set_budget(rows);  // no overflow (UBSan): saturated
+      const long long window = static_cast<long long>(rows) - sink;
+      const long long expect = std::clamp<long long>(window, INT_MIN, INT_MAX);
+      EXPECT_EQ(c.stream_window_size, expect) << rows << " " << sink;
+      if (sink < 0 || expect < 1 || sink + expect > INT_MAX) {
+        EXPECT_THROW(c.validate(), std::invalid_argument) << rows << " " << sink;
+      } else {
+        EXPECT_NO_THROW(c.validate()) << rows << " " << sink;
+      }
+    }
+  }
+}
+
+TEST(BadInputIntegersTest, CoordinatorAndBuilderAtTheExtremes) {
+  const std::string what =
+      invalid_argument_message([] { (void)vc::SqueezeCoordinator(1, 5, INT_MAX, 1.0); });
+  EXPECT_TRUE(contains(what, "must be >= n_sink + 1 (2147483648)")) << what;
+  EXPECT_NO_THROW((void)vc::SqueezeCoordinator(1, INT_MAX, INT_MAX - 1, 1.0));
+  // A bad configuration is named before anything is sized from the layer count.
+  vc::KVCacheConfig bad;
+  bad.method = "bogus";
+  const std::string b =
+      invalid_argument_message([&] { (void)vc::KVCacheBuilder::for_model<float>(INT_MAX, bad); });
+  EXPECT_TRUE(contains(b, "bogus")) << b;
+}
+
+/// A null entry in a model's caches is refused by KVCacheBuilder::reset before anything is reset.
+TEST(BadInputIntegersTest, BuilderResetRefusesANullEntryAndResetsNothing) {
+  vc::KVCacheConfig c;
+  c.method = "squeeze";
+  c.squeeze_calibration_tokens = 1;
+  auto caches = vc::KVCacheBuilder::for_model<float>(3, c);
+  std::mt19937 rng(2);
+  const vc::Tensor4<float> k = random_float_tensor(1, 2, 5, 8, rng);
+  for (auto& cache : caches) (void)cache->update_and_view(k, k);
+  caches[1].reset();
+  const std::string what = invalid_argument_message([&] { vc::KVCacheBuilder::reset(caches); });
+  EXPECT_TRUE(contains(what, "cache 1 is null")) << what;
+  EXPECT_EQ(caches[0]->offset(), 5);
+  EXPECT_EQ(caches[2]->offset(), 5);
+}
+
+/// concentration_score of double rows whose squares overflow double is the score of the same rows
+/// scaled down (cosines do not depend on the scale), not NaN.
+TEST(BadInputIntegersTest, ConcentrationOfHugeDoubleRowsIsFinite) {
+  Eigen::MatrixXd m(3, 2);
+  m << 1e200, 1e200, 2e200, 2e200, 1e200, -1e200;
+  Eigen::MatrixXd small = m / 1e200;
+  const double got = vc::concentration_score(m);
+  ASSERT_TRUE(std::isfinite(got));
+  EXPECT_NEAR(got, vc::concentration_score(small), 1e-7);  // the 1e-8 of u = k / (|k| + 1e-8)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -757,6 +1019,172 @@ TEST(BadInputBuilderTest, BadLayerCountsAndHeadDims) {
           invalid_argument_message([&] { (void)vc::KVCacheBuilder::for_model<float>(dims, c); });
       EXPECT_TRUE(contains(what, "layer " + std::to_string(first_bad.first))) << what;
       EXPECT_TRUE(contains(what, std::to_string(first_bad.second))) << what;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The engine's parallel-for breaking its contract (docs/robustness.md, "The engine's thread pool")
+// ---------------------------------------------------------------------------------------------
+
+/// Ways an engine's parallel-for can break its contract.
+enum class PoolFault {
+  kThrowsFirst,
+  kThrowsAfterOne,
+  kSkipsLast,
+  kRepeats,
+  kOutOfRange,
+  kReturnsEarly
+};
+
+const char* fault_name(PoolFault f) {
+  switch (f) {
+    case PoolFault::kThrowsFirst:
+      return "throws before any task";
+    case PoolFault::kThrowsAfterOne:
+      return "throws after task 0";
+    case PoolFault::kSkipsLast:
+      return "skips the last task";
+    case PoolFault::kRepeats:
+      return "runs every task twice";
+    case PoolFault::kOutOfRange:
+      return "also runs task `tasks`";
+    case PoolFault::kReturnsEarly:
+      return "returns while its thread still runs the tasks";
+  }
+  return "";
+}
+
+/// A parallel-for with `fault`. kReturnsEarly runs the tasks from a copy of the task function on
+/// `late` (joined by the test), starting while the call may already have moved on.
+vc::ParallelFor faulty_pool(PoolFault fault, std::thread& late) {
+  return [fault, &late](int tasks, const std::function<void(int)>& task) {
+    switch (fault) {
+      case PoolFault::kThrowsFirst:
+        throw std::runtime_error("pool is shutting down");
+      case PoolFault::kThrowsAfterOne:
+        task(0);
+        throw std::runtime_error("pool is shutting down");
+      case PoolFault::kSkipsLast:
+        for (int t = 0; t + 1 < tasks; ++t) task(t);
+        return;
+      case PoolFault::kRepeats:
+        for (int t = 0; t < tasks; ++t) task(t);
+        for (int t = 0; t < tasks; ++t) task(t);
+        return;
+      case PoolFault::kOutOfRange:
+        for (int t = 0; t <= tasks; ++t) task(t);
+        return;
+      case PoolFault::kReturnsEarly:
+        late = std::thread([tasks, copy = task] {
+          for (int t = 0; t < tasks; ++t) {
+            copy(t);
+            std::this_thread::sleep_for(std::chrono::milliseconds(2));
+          }
+        });
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        return;
+    }
+  };
+}
+
+/// Every policy, every fault, through attend and update_and_view: the call throws (the pool's
+/// own exception, or std::logic_error naming the misuse), the cache is reset (offset 0, no rows),
+/// and it goes on: the next calls, serial, give bitwise what a fresh cache gives.
+TEST(MisbehavingPoolTest, EveryFaultThrowsAndLeavesAResetCacheThatGoesOn) {
+  using T = Eigen::half;
+  vc::KVCacheConfig config = small_config();
+  config.key_bits = config.value_bits = 16;
+  // 130 tokens of 8 heads of D = 64: above kParallelWork (kv_cache.hpp) for every policy, the
+  // unscored ones included (130 columns x 64 x 8 heads), so every call takes the pool.
+  const Index B = 1, H = 8, G = 2, D = 64;
+  std::mt19937 rng(5);
+  const vc::Tensor4<T> k = random_tensor<T>(rng, B, H, 130, D);
+  const vc::Tensor4<T> v = random_tensor<T>(rng, B, H, 130, D);
+  const vc::Tensor4<float> q = random_queries(rng, B, G * H, 130, D);
+  const vc::Tensor4<T> k1 = random_tensor<T>(rng, B, H, 1, D);
+  const vc::Tensor4<T> v1 = random_tensor<T>(rng, B, H, 1, D);
+  const vc::Tensor4<float> q1 = random_queries(rng, B, G * H, 1, D);
+  for (const Kind kind : kKinds) {
+    for (const PoolFault fault :
+         {PoolFault::kThrowsFirst, PoolFault::kThrowsAfterOne, PoolFault::kSkipsLast,
+          PoolFault::kRepeats, PoolFault::kOutOfRange, PoolFault::kReturnsEarly}) {
+      for (const bool attend : {true, false}) {
+        const std::string ctx = std::string(kind_name(kind)) + ", pool " + fault_name(fault) +
+                                (attend ? ", attend" : ", update_and_view");
+        Subject<T> s = make_subject<T>(kind, config);
+        Subject<T> fresh = make_subject<T>(kind, config);
+        std::thread late;
+        s.cache->set_parallel_for(faulty_pool(fault, late), 4);
+        s.cache->set_parallel_heads(true);
+        const auto bad_call = [&] {
+          if (attend) {
+            (void)s.cache->attend(q, k, v);
+          } else {
+            (void)s.cache->update_and_view(k, v);
+          }
+        };
+        const bool pool_threw =
+            fault == PoolFault::kThrowsFirst || fault == PoolFault::kThrowsAfterOne;
+        try {
+          bad_call();
+          ADD_FAILURE() << ctx << ": no exception";
+        } catch (const std::runtime_error& e) {
+          EXPECT_TRUE(pool_threw) << ctx << ": " << e.what();
+          EXPECT_STREQ(e.what(), "pool is shutting down") << ctx;
+        } catch (const std::logic_error& e) {
+          EXPECT_FALSE(pool_threw) << ctx << ": " << e.what();
+          EXPECT_NE(std::string(e.what()).find("the cache was reset"), std::string::npos) << ctx;
+        }
+        if (late.joinable()) late.join();
+        EXPECT_EQ(s.cache->offset(), 0) << ctx;
+        EXPECT_EQ(s.cache->kept_bytes(), 0u) << ctx;
+        // It goes on (serially) exactly like a fresh cache; a coordinated layer's report stays
+        // with its coordinator (first report wins), so the fresh subject reports the same.
+        s.cache->set_parallel_heads(false);
+        for (Subject<T>* x : {&s, &fresh}) {
+          if (x->coordinator) x->coordinator->reset();
+          x->cache->reset();
+        }
+        for (int step = 0; step < 3; ++step) {
+          const vc::Tensor4<float> a =
+              step == 0 ? s.cache->attend(q, k, v) : s.cache->attend(q1, k1, v1);
+          const vc::Tensor4<float> b =
+              step == 0 ? fresh.cache->attend(q, k, v) : fresh.cache->attend(q1, k1, v1);
+          ASSERT_TRUE(bitwise_equal(a, b)) << ctx << ", step " << step;
+          ASSERT_TRUE(logical_state(s) == logical_state(fresh)) << ctx << ", step " << step;
+        }
+      }
+    }
+  }
+}
+
+/// The detection names what the pool did.
+TEST(MisbehavingPoolTest, TheErrorNamesTheMisuse) {
+  vc::KVCacheConfig config = small_config();
+  config.key_bits = config.value_bits = 16;
+  config.method = "h2o";
+  vc::H2OCache<float> cache(config);
+  std::mt19937 rng(9);
+  const vc::Tensor4<float> k = random_tensor<float>(rng, 1, 8, 150, 64);
+  std::thread unused;
+  const std::pair<PoolFault, const char*> cases[] = {
+      {PoolFault::kSkipsLast, "1 task never run"},
+      {PoolFault::kRepeats, "4 repeated task runs"},
+      {PoolFault::kOutOfRange, "1 task indices out of range"}};
+  for (const auto& [fault, words] : cases) {
+    cache.reset();
+    cache.set_parallel_for(faulty_pool(fault, unused), 4);
+    try {
+      (void)cache.update_and_view(k, k);
+      ADD_FAILURE() << fault_name(fault) << ": no exception";
+    } catch (const std::logic_error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("update_and_view: the parallel-for given to set_parallel_for ran 4 "
+                          "tasks wrongly"),
+                std::string::npos)
+          << what;
+      EXPECT_NE(what.find(words), std::string::npos) << what;
     }
   }
 }

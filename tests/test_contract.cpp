@@ -587,12 +587,13 @@ TYPED_TEST(ContractTest, DoubleKeyOverflowingTheStorageTypeOnEveryPolicy) {
           << api_name(api) << ": " << what;
       EXPECT_TRUE(snapshot(subject) == before) << api_name(api);
     }
-    // The largest finite value of T is accepted (its scores may overflow: see HugeKeys below);
-    // quantized keys hold up to the half range (in bfloat16: its largest value below 65504).
+    // The largest key a call may hold is accepted: half's largest finite value, 2^48 in float
+    // and bfloat16 (docs/robustness.md, "Magnitudes"); quantized keys hold up to the half range
+    // (in bfloat16: its largest value below 65504).
     const double largest_quantized = std::is_same_v<T, Eigen::bfloat16> ? 65280.0 : 65504.0;
-    call.keys(1, 1, 2, 3) = kKeyBits < 16                     ? largest_quantized
+    call.keys(1, 1, 2, 3) = kKeyBits < 16                    ? largest_quantized
                             : std::is_same_v<T, Eigen::half> ? 65504.0
-                                                             : 3.0e38;
+                                                             : 0x1p48;
     call.keys(0, 1, 0, 2) = 1.0;
     vc::KVPair<T> a_out, b_out;
     EXPECT_TRUE(invoke(*subject.cache, Api::kFetchDouble, call, a_out) ==

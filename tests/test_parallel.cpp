@@ -2,24 +2,17 @@
 // (docs/design.md 7.3), tested once for the whole library: every policy (the subjects of
 // support/subjects.hpp) x every entry point (update_and_fetch, update_and_view,
 // update_and_fetch_into, each with and without queries, and attend) x half and float storage, and
-// quantized rows; and the blocked prefill path agrees with token-by-token calls. A parallel-for
-// that misbehaves (throws, skips, repeats or invents a task, or returns while one still runs)
-// reaches the caller as an exception and leaves a reset cache, never corrupted memory
-// (docs/robustness.md).
+// quantized rows; and the blocked prefill path agrees with token-by-token calls. (A parallel-for
+// that misbehaves is bad input: test_bad_inputs.cpp.)
 #include <gtest/gtest.h>
 
-#include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <iterator>
 #include <memory>
 #include <optional>
 #include <random>
-#include <stdexcept>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
 #include <veloxquant/cache.hpp>
@@ -158,164 +151,6 @@ TEST(ParallelHeadsTest, FloatIsBitIdenticalToSerialOnEveryPolicyAndEntryPoint) {
 
 TEST(ParallelHeadsTest, QuantizedRowsAreBitIdenticalToSerialOnEveryPolicyAndEntryPoint) {
   parallel_equals_serial<Eigen::half>(8, 4);
-}
-
-/// Ways an engine's parallel-for can break its contract.
-enum class PoolFault {
-  kThrowsFirst,
-  kThrowsAfterOne,
-  kSkipsLast,
-  kRepeats,
-  kOutOfRange,
-  kReturnsEarly
-};
-
-const char* fault_name(PoolFault f) {
-  switch (f) {
-    case PoolFault::kThrowsFirst:
-      return "throws before any task";
-    case PoolFault::kThrowsAfterOne:
-      return "throws after task 0";
-    case PoolFault::kSkipsLast:
-      return "skips the last task";
-    case PoolFault::kRepeats:
-      return "runs every task twice";
-    case PoolFault::kOutOfRange:
-      return "also runs task `tasks`";
-    case PoolFault::kReturnsEarly:
-      return "returns while its thread still runs the tasks";
-  }
-  return "";
-}
-
-/// A parallel-for with `fault`. kReturnsEarly runs the tasks from a copy of the task function on
-/// `late` (joined by the test), starting while the call may already have moved on.
-vc::ParallelFor faulty_pool(PoolFault fault, std::thread& late) {
-  return [fault, &late](int tasks, const std::function<void(int)>& task) {
-    switch (fault) {
-      case PoolFault::kThrowsFirst:
-        throw std::runtime_error("pool is shutting down");
-      case PoolFault::kThrowsAfterOne:
-        task(0);
-        throw std::runtime_error("pool is shutting down");
-      case PoolFault::kSkipsLast:
-        for (int t = 0; t + 1 < tasks; ++t) task(t);
-        return;
-      case PoolFault::kRepeats:
-        for (int t = 0; t < tasks; ++t) task(t);
-        for (int t = 0; t < tasks; ++t) task(t);
-        return;
-      case PoolFault::kOutOfRange:
-        for (int t = 0; t <= tasks; ++t) task(t);
-        return;
-      case PoolFault::kReturnsEarly:
-        late = std::thread([tasks, copy = task] {
-          for (int t = 0; t < tasks; ++t) {
-            copy(t);
-            std::this_thread::sleep_for(std::chrono::milliseconds(2));
-          }
-        });
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        return;
-    }
-  };
-}
-
-/// Every policy, every fault, through attend and update_and_view: the call throws (the pool's
-/// own exception, or std::logic_error naming the misuse), the cache is reset (offset 0, no rows),
-/// and it goes on: the next calls, serial, give bitwise what a fresh cache gives.
-TEST(MisbehavingPoolTest, EveryFaultThrowsAndLeavesAResetCacheThatGoesOn) {
-  using T = Eigen::half;
-  const vc::KVCacheConfig config = wide_config(16, 16);
-  const Index B = 2, H = 8, G = 2, D = 64;
-  std::mt19937 rng(5);
-  const vc::Tensor4<T> k = random_tensor<T>(rng, B, H, 150, D);
-  const vc::Tensor4<T> v = random_tensor<T>(rng, B, H, 150, D);
-  const vc::Tensor4<float> q = random_queries(rng, B, G * H, 150, D);
-  const vc::Tensor4<T> k1 = random_tensor<T>(rng, B, H, 1, D);
-  const vc::Tensor4<T> v1 = random_tensor<T>(rng, B, H, 1, D);
-  const vc::Tensor4<float> q1 = random_queries(rng, B, G * H, 1, D);
-  for (const Kind kind : kKinds) {
-    for (const PoolFault fault :
-         {PoolFault::kThrowsFirst, PoolFault::kThrowsAfterOne, PoolFault::kSkipsLast,
-          PoolFault::kRepeats, PoolFault::kOutOfRange, PoolFault::kReturnsEarly}) {
-      for (const bool attend : {true, false}) {
-        const std::string ctx = std::string(kind_name(kind)) + ", pool " + fault_name(fault) +
-                                (attend ? ", attend" : ", update_and_view");
-        Subject<T> s = make_subject<T>(kind, config);
-        Subject<T> fresh = make_subject<T>(kind, config);
-        std::thread late;
-        s.cache->set_parallel_for(faulty_pool(fault, late), 4);
-        s.cache->set_parallel_heads(true);
-        const auto bad_call = [&] {
-          if (attend) {
-            (void)s.cache->attend(q, k, v);
-          } else {
-            (void)s.cache->update_and_view(k, v);
-          }
-        };
-        const bool pool_threw =
-            fault == PoolFault::kThrowsFirst || fault == PoolFault::kThrowsAfterOne;
-        try {
-          bad_call();
-          ADD_FAILURE() << ctx << ": no exception";
-        } catch (const std::runtime_error& e) {
-          EXPECT_TRUE(pool_threw) << ctx << ": " << e.what();
-          EXPECT_STREQ(e.what(), "pool is shutting down") << ctx;
-        } catch (const std::logic_error& e) {
-          EXPECT_FALSE(pool_threw) << ctx << ": " << e.what();
-          EXPECT_NE(std::string(e.what()).find("the cache was reset"), std::string::npos) << ctx;
-        }
-        if (late.joinable()) late.join();
-        EXPECT_EQ(s.cache->offset(), 0) << ctx;
-        EXPECT_EQ(s.cache->kept_bytes(), 0u) << ctx;
-        // It goes on (serially) exactly like a fresh cache; a coordinated layer's report stays
-        // with its coordinator (first report wins), so the fresh subject reports the same.
-        s.cache->set_parallel_heads(false);
-        for (Subject<T>* x : {&s, &fresh}) {
-          if (x->coordinator) x->coordinator->reset();
-          x->cache->reset();
-        }
-        for (int step = 0; step < 3; ++step) {
-          const vc::Tensor4<float> a =
-              step == 0 ? s.cache->attend(q, k, v) : s.cache->attend(q1, k1, v1);
-          const vc::Tensor4<float> b =
-              step == 0 ? fresh.cache->attend(q, k, v) : fresh.cache->attend(q1, k1, v1);
-          ASSERT_TRUE(bitwise_equal(a, b)) << ctx << ", step " << step;
-          ASSERT_TRUE(logical_state(s) == logical_state(fresh)) << ctx << ", step " << step;
-        }
-      }
-    }
-  }
-}
-
-/// The detection names what the pool did.
-TEST(MisbehavingPoolTest, TheErrorNamesTheMisuse) {
-  vc::KVCacheConfig config = wide_config(16, 16);
-  config.method = "h2o";
-  vc::H2OCache<float> cache(config);
-  std::mt19937 rng(9);
-  const vc::Tensor4<float> k = random_tensor<float>(rng, 1, 8, 150, 64);
-  std::thread unused;
-  const std::pair<PoolFault, const char*> cases[] = {
-      {PoolFault::kSkipsLast, "1 task never run"},
-      {PoolFault::kRepeats, "4 repeated task runs"},
-      {PoolFault::kOutOfRange, "1 task indices out of range"}};
-  for (const auto& [fault, words] : cases) {
-    cache.reset();
-    cache.set_parallel_for(faulty_pool(fault, unused), 4);
-    try {
-      (void)cache.update_and_view(k, k);
-      ADD_FAILURE() << fault_name(fault) << ": no exception";
-    } catch (const std::logic_error& e) {
-      const std::string what = e.what();
-      EXPECT_NE(what.find("update_and_view: the parallel-for given to set_parallel_for ran 4 "
-                          "tasks wrongly"),
-                std::string::npos)
-          << what;
-      EXPECT_NE(what.find(words), std::string::npos) << what;
-    }
-  }
 }
 
 template <class T>

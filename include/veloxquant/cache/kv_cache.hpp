@@ -181,12 +181,16 @@ class KVCache {
   template <class Q, class U>
   Tensor4<float> attend(const Tensor4<Q>& queries, const Tensor4<U>& keys,
                         const Tensor4<U>& values) {
-    Tensor4<float> out(queries.dimension(0), queries.dimension(1), queries.dimension(2),
-                       values.dimension(3));
+    const detail::InputRows q = rows_of(queries, "queries", "attend");
+    const detail::InputRows k = rows_of(keys, "keys", "attend");
+    const detail::InputRows v = rows_of(values, "values", "attend");
+    // The whole call is checked before the output is sized from its shapes (run() checks it
+    // again: this overload allocates anyway; the pointer overloads are the hot path).
+    validate_call(k, v, &q, "attend");
+    detail::check_attend_output(q, v);
+    Tensor4<float> out(q.batch, q.heads, q.seq, v.dim);
     float empty = 0.0f;  // an empty output has no data but is not "out == nullptr"
-    attend_rows(rows_of(queries, "queries", "attend"), rows_of(keys, "keys", "attend"),
-                rows_of(values, "values", "attend"), out.size() ? out.data() : &empty,
-                Layout::head_major);
+    attend_rows(q, k, v, out.size() ? out.data() : &empty, Layout::head_major);
     return out;
   }
 
@@ -492,6 +496,7 @@ class KVCache {
   void attend_rows(const detail::InputRows& queries, const detail::InputRows& keys,
                    const detail::InputRows& values, float* out, Layout layout) {
     if (out == nullptr) throw std::invalid_argument("attend: out is null");
+    detail::check_attend_output(queries, values);  // the strides below fit
     const Index Hq = queries.heads, S = queries.seq, Dv = values.dim;
     detail::AttendOut att{out, 0, 0, 0};
     if (layout == Layout::head_major) {
@@ -537,6 +542,18 @@ class KVCache {
     return detail::RowFormat{storage_.value_bits, dv, storage_.group};
   }
 
+  // Throws std::invalid_argument when offset() + S or tokens_seen() + B·H·S would leave int64 (a
+  // prompt cache may load a cache near 2^62).
+  void check_counters(const detail::InputRows& keys, const char* api) const {
+    const std::optional<std::int64_t> bhs =
+        detail::checked_product<std::int64_t>({keys.batch, keys.heads, keys.seq});
+    (void)detail::value_or_throw(bhs, api, "B * H * S");
+    (void)detail::value_or_throw(detail::checked_add<std::int64_t>(offset_, keys.seq), api,
+                                 "offset() + S");
+    (void)detail::value_or_throw(detail::checked_add<std::int64_t>(tokens_seen_, *bhs), api,
+                                 "tokens_seen() + B * H * S");
+  }
+
   // Rows each head holds (the same for all heads), 0 before the first call. A cache loaded from a
   // prompt cache with no rows holds no head objects until its next call brings rows (their
   // number is B·H, which only the call's own tensors make real; docs/design.md G).
@@ -546,16 +563,17 @@ class KVCache {
     return static_cast<std::size_t>(dims_.key_dim + dims_.value_dim) * sizeof(T);
   }
 
-  // The one body of every update API; `api` names the caller in errors; `out` (fetch and
-  // fetch_into) receives a copy of the window. keys: [B, H, S, Dk], values: [B, H, S, Dv],
-  // queries: [B, G·H, S, Dk] or nullptr.
-  KVView<T> run(const detail::InputRows& keys, const detail::InputRows& values,
-                const detail::InputRows* queries, const char* api, KVPair<T>* out,
-                const detail::AttendOut* att = nullptr) {
-    // 1. Validation: nothing has changed if it throws.
-    detail::check_update<T>(keys, values, dims_, api);
+  // Step 1 of run(): throws std::invalid_argument for a call it must refuse. The keys' and
+  // values' shapes and counts first (nothing is read before the shapes are known to describe
+  // data), then the quantized formats' own limits (the more specific message), then the
+  // magnitude bounds of every row; the queries after everything about the keys and values
+  // (docs/design.md 4.6). keys: [B, H, S, Dk], values: [B, H, S, Dv], queries: [B, G·H, S, Dk]
+  // or nullptr.
+  void validate_call(const detail::InputRows& keys, const detail::InputRows& values,
+                     const detail::InputRows* queries, const char* api) const {
+    detail::check_update_shapes(keys, values, dims_, api);
     detail::check_rows_fit(live_rows(), keys.seq, api);
-    if (queries) detail::check_queries(*queries, keys, api);
+    check_counters(keys, api);
     // (An empty call stores nothing: its D is either the first call's or still free.)
     if (storage_.key_bits < 16 && keys.seq > 0) {
       detail::check_quantizable<T>(keys, key_format(keys.dim), "keys", "key_bits", api);
@@ -563,12 +581,21 @@ class KVCache {
     if (storage_.value_bits < 16 && keys.seq > 0) {
       detail::check_quantizable<T>(values, value_format(values.dim), "values", "value_bits", api);
     }
+    detail::check_update_rows<T>(keys, values, api);
+    if (queries) detail::check_queries(*queries, keys, api);
+  }
+
+  // The one body of every update API; `api` names the caller in errors; `out` (fetch and
+  // fetch_into) receives a copy of the window. keys: [B, H, S, Dk], values: [B, H, S, Dv],
+  // queries: [B, G·H, S, Dk] or nullptr.
+  KVView<T> run(const detail::InputRows& keys, const detail::InputRows& values,
+                const detail::InputRows* queries, const char* api, KVPair<T>* out,
+                const detail::AttendOut* att = nullptr) {
+    // 1. Validation: nothing has changed if it throws.
+    validate_call(keys, values, queries, api);
     const Index S = keys.seq;
     // A view of a quantized cache shows a dequantized copy of the window (docs/design.md 2.3).
     const bool view_copy = !out && !att && storage_.quantized();
-    // The output is sized first (the window is the retained rows plus the call's), so a bad_alloc
-    // leaves the cache unchanged.
-    if (out) resize_pair(*out, keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim);
     // The view's buffers and the row buffer, allocated now and swapped in at step 5.
     typename detail::CopyBuffers<T>::Refit buffers;
     if (view_copy) {
@@ -577,6 +604,7 @@ class KVCache {
       if (S == 0) copy_.commit(buffers);  // nothing else can throw now
     }
     if (S == 0) {
+      if (out && !dims_.known) resize_pair(*out, keys.batch, keys.heads, 0, keys.dim, values.dim);
       for (auto& h : heads_) h.compact();
       if (out && dims_.known) copy_retained(*out);
       if (view_copy && dims_.known) copy_slots();
@@ -592,6 +620,10 @@ class KVCache {
     const Index groups = queries ? queries->heads / keys.heads : 0;
     const detail::CallPlan plan = detail::plan_call(rule_, S, groups, att != nullptr);
     std::vector<detail::HeadStore<T>> fresh = reserve(keys, values, plan);
+    // The output (the retained rows plus the call's) is sized once nothing else can fail before
+    // the cache changes: a failed call leaves `out` as it was, and a bad_alloc here leaves the
+    // cache unchanged.
+    if (out) resize_pair(*out, keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim);
     PoolCall pool = pool_call(keys.batch * keys.heads, keys, plan);
     start_call();
     // 5. No-throw from here on, unless the engine's parallel-for misbehaves (absorb_heads).
@@ -659,8 +691,11 @@ class KVCache {
   // enough to be worth a fork.
   int tasks_for(Index n_heads, const detail::ScratchSize& size) const {
     if (!parallel_for_ || !parallel_heads_ || workers_ < 2 || n_heads < 2) return 1;
-    const Index work = std::max<Index>(size.rows, 1) * size.columns * size.dim * n_heads;
-    if (work < kParallelWork) return 1;
+    // In double: the product of four counts may not fit an Index.
+    const double work = static_cast<double>(std::max<Index>(size.rows, 1)) *
+                        static_cast<double>(size.columns) * static_cast<double>(size.dim) *
+                        static_cast<double>(n_heads);
+    if (work < static_cast<double>(kParallelWork)) return 1;
     return static_cast<int>(std::min<Index>(workers_, n_heads));
   }
 
@@ -705,8 +740,13 @@ class KVCache {
       for (Index i = 0; i < n_heads; ++i) one(i, scratch_.front());
       return;
     }
+    // Task t takes heads [start(t), start(t + 1)): n / tasks each, the first n % tasks one more
+    // (no product that could overflow).
+    const auto start = [&](int t) {
+      return n_heads / tasks * t + std::min<Index>(t, n_heads % tasks);
+    };
     auto range = [&](int task) {
-      const Index lo = n_heads * task / tasks, hi = n_heads * (task + 1) / tasks;
+      const Index lo = start(task), hi = start(task + 1);
       for (Index i = lo; i < hi; ++i) one(i, scratch_[static_cast<std::size_t>(task)]);
     };
     pool.ledger->bind(range);

@@ -2,14 +2,14 @@
 // the pyramid schedule wired in (docs/design.md 2.7).
 #pragma once
 
+#include <Eigen/Core>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-#include <Eigen/Core>
 
 #include "kv_cache.hpp"
 #include "kv_cache_config.hpp"
@@ -41,6 +41,7 @@ class KVCacheBuilder {
       throw std::invalid_argument("KVCacheBuilder::for_model: n_layers (" +
                                   std::to_string(n_layers) + ") must be >= 0");
     }
+    config.validate();  // before anything is sized from n_layers
     // The head dims are unknown: the caches learn D (and check quant_group against it) from the
     // first call.
     return build<T>(std::vector<std::optional<int>>(static_cast<std::size_t>(n_layers), 1), config,
@@ -48,8 +49,15 @@ class KVCacheBuilder {
   }
 
   /// Starts a new sequence: resets each distinct SqueezeCoordinator once, then every cache.
+  /// Throws std::invalid_argument, before anything is reset, for a null entry.
   template <class T>
   static void reset(std::vector<std::unique_ptr<KVCache<T>>>& caches) {
+    for (std::size_t i = 0; i < caches.size(); ++i) {
+      if (!caches[i]) {
+        throw std::invalid_argument("KVCacheBuilder::reset: cache " + std::to_string(i) +
+                                    " is null");
+      }
+    }
     std::set<SqueezeCoordinator*> seen;
     for (auto& c : caches) {
       if (auto* sq = dynamic_cast<SqueezeAttentionCache<T>*>(c.get())) {
@@ -68,15 +76,20 @@ class KVCacheBuilder {
       const std::vector<std::optional<int>>& layer_head_dims, const KVCacheConfig& config,
       bool dims_known) {
     config.validate();
+    if (layer_head_dims.size() > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
+      throw std::invalid_argument(
+          "KVCacheBuilder::for_model: " + std::to_string(layer_head_dims.size()) +
+          " layers (layer ids are ints: at most 2^31 - 1)");
+    }
     const bool quantized = config.key_bits < 16 || config.value_bits < 16;
     std::vector<int> attention_layers;
     for (std::size_t i = 0; i < layer_head_dims.size(); ++i) {
       const std::optional<int>& d = layer_head_dims[i];
       if (!d) continue;
-      if (*d < 1) {
-        throw std::invalid_argument("KVCacheBuilder::for_model: head dim of layer " +
-                                    std::to_string(i) + " (" + std::to_string(*d) +
-                                    ") must be >= 1");
+      if (*d < 1 || *d > detail::kMaxHeadDim) {
+        throw std::invalid_argument(
+            "KVCacheBuilder::for_model: head dim of layer " + std::to_string(i) + " (" +
+            std::to_string(*d) + ") must be in [1, " + std::to_string(detail::kMaxHeadDim) + "]");
       }
       if (dims_known && quantized && *d % config.quant_group != 0) {
         throw std::invalid_argument("KVCacheBuilder::for_model: quant_group (" +

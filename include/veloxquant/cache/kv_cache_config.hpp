@@ -6,10 +6,13 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+
+#include "detail/checked.hpp"
 
 namespace veloxquant::cache {
 
@@ -265,10 +268,14 @@ inline constexpr std::array<MethodSpec, 7> kMethodTable = {{
     {Method::h2o, "h2o", [](KVCacheConfig& c, int rows) { c.h2o_budget = rows; }, validate_h2o},
     {Method::pyramidkv, "pyramidkv", [](KVCacheConfig& c, int rows) { c.pyramid_budget = rows; },
      validate_pyramidkv},
-    {Method::tova, "tova", [](KVCacheConfig& c, int rows) { c.tova_budget = rows; },
-     validate_tova},
+    {Method::tova, "tova", [](KVCacheConfig& c, int rows) { c.tova_budget = rows; }, validate_tova},
     {Method::streaming_llm, "streaming_llm",
-     [](KVCacheConfig& c, int rows) { c.stream_window_size = rows - c.stream_n_sink; },
+     [](KVCacheConfig& c, int rows) {
+       // Saturated to the int range (validate() refuses what comes of it).
+       c.stream_window_size = checked_sub(rows, c.stream_n_sink)
+                                  .value_or(c.stream_n_sink > 0 ? std::numeric_limits<int>::min()
+                                                                : std::numeric_limits<int>::max());
+     },
      validate_streaming_llm},
     {Method::snapkv, "snapkv", [](KVCacheConfig& c, int rows) { c.snap_budget = rows; },
      validate_snapkv},

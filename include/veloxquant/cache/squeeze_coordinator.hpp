@@ -40,9 +40,9 @@ class SqueezeCoordinator {
       os << "SqueezeCoordinator: n_layers (" << n_layers << ") must be >= 1";
     } else if (n_sink < 0) {
       os << "SqueezeCoordinator: n_sink (" << n_sink << ") must be >= 0";
-    } else if (avg_budget < n_sink + 1) {
+    } else if (avg_budget <= n_sink) {  // avg_budget >= n_sink + 1, without the sum
       os << "SqueezeCoordinator: avg_budget (" << avg_budget << ") must be >= n_sink + 1 ("
-         << n_sink + 1 << ")";
+         << static_cast<long long>(n_sink) + 1 << ")";
     } else if (!(strength >= 0.0 && strength <= 1.0)) {
       os << "SqueezeCoordinator: strength (" << strength << ") must be in [0, 1]";
     }

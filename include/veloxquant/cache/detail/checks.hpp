@@ -7,12 +7,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "checked.hpp"
 #include "input.hpp"
 #include "quant.hpp"
 
@@ -67,36 +69,80 @@ bool all_finite(const T* x, Index n) {
   return bad == 0;
 }
 
-/// Index of the first element of row (b, h, s) of `in` that is not finite once converted to X
-/// (the storage type for keys, float32 for queries), and that value; -1 when all are.
-/// buf: scratch of in.dim elements of X.
+/// What a call may hold (docs/robustness.md, "Magnitudes"). Keys and queries within +-2^48 and
+/// head dims up to 2^16 keep every logit q.k (at most 2^16 * 2^96 = 2^112) and every squared key
+/// norm inside float32; values within +-2^96 keep the attention output's sums (at most 2^31 rows
+/// of weight <= 1) inside it too. Powers of two: exact in every storage type but half, whose finite
+/// values (+-65504) all lie within both.
+inline constexpr float kMaxKeyMagnitude = 0x1p48f;
+inline constexpr float kMaxQueryMagnitude = 0x1p48f;
+inline constexpr float kMaxValueMagnitude = 0x1p96f;
+inline constexpr Index kMaxHeadDim = Index{1} << 16;
+
+/// |x| as a float, or as a double for double input (so that a double beyond float's range is
+/// compared as it is).
 template <class X>
-Index first_non_finite(const InputRows& in, Index b, Index h, Index s, std::vector<X>& buf,
-                       double& value) {
-  const Index d = in.dim;
-  if (in.type == element_type_of<X>()) {
-    const X* p = in.row<X>(b, h, s);
-    if (all_finite(p, d)) return -1;
-    for (Index j = 0; j < d; ++j) {
-      if (!all_finite(p + j, 1)) {
-        value = static_cast<double>(p[j]);
-        return j;
-      }
-    }
-    return -1;
+auto magnitude(X x) {
+  if constexpr (std::is_same_v<X, double>) {
+    return std::abs(x);
+  } else {
+    return std::abs(static_cast<float>(x));
   }
-  buf.resize(static_cast<std::size_t>(d));
-  with_row(in, b, h, s, [&](const auto* p) {
-    for (Index j = 0; j < d; ++j) buf[static_cast<std::size_t>(j)] = static_cast<X>(p[j]);
-  });
-  if (all_finite(buf.data(), d)) return -1;
+}
+
+/// True when every element of x[0, n) is finite and within +-limit (a half: finite is enough).
+template <class X>
+bool all_within(const X* x, Index n, float limit) {
+  if constexpr (std::is_same_v<X, Eigen::half>) {
+    return all_finite(x, n);
+  } else {
+    bool ok = true;
+    for (Index i = 0; i < n; ++i) ok &= magnitude(x[i]) <= limit;  // false for NaN
+    return ok;
+  }
+}
+
+/// Index of the first element of row (b, h, s) of `in` that is not finite or beyond +-limit once
+/// converted to X (the storage type for keys, float32 for queries), and that value; -1 when none
+/// is. buf: scratch of in.dim elements of X.
+template <class X>
+Index first_out_of_range(const InputRows& in, Index b, Index h, Index s, float limit,
+                         std::vector<X>& buf, double& value) {
+  const Index d = in.dim;
+  const X* p = nullptr;
+  if (in.type == element_type_of<X>()) {
+    p = in.row<X>(b, h, s);
+  } else {
+    buf.resize(static_cast<std::size_t>(d));
+    with_row(in, b, h, s, [&](const auto* r) {
+      for (Index j = 0; j < d; ++j) buf[static_cast<std::size_t>(j)] = static_cast<X>(r[j]);
+    });
+    p = buf.data();
+  }
+  if (all_within(p, d, limit)) return -1;
   for (Index j = 0; j < d; ++j) {
-    if (!all_finite(buf.data() + j, 1)) {
-      value = static_cast<double>(buf[static_cast<std::size_t>(j)]);
+    if (!all_within(p + j, 1, limit)) {
+      value = static_cast<double>(p[j]);
       return j;
     }
   }
   return -1;
+}
+
+/// Where an element was out of range: "<what> at [b=.., h=.., s=.., d=..] (value .. after
+/// conversion to <type>) is not finite" or "... is beyond +-<limit>".
+inline std::string out_of_range_message(const char* what, const char* head, Index b, Index h,
+                                        Index s, Index d, double value, const char* type,
+                                        float limit) {
+  std::ostringstream os;
+  os << what << " at [b=" << b << ", " << head << "=" << h << ", s=" << s << ", d=" << d
+     << "] (value " << value << " after conversion to " << type << ") is ";
+  if (std::isfinite(value)) {
+    os << "beyond +-2^" << std::ilogb(limit) << ", the largest magnitude a call may hold";
+  } else {
+    os << "not finite";
+  }
+  return os.str();
 }
 
 /// Throws std::invalid_argument for a tensor reference (`what`: "keys", "values", "queries")
@@ -110,15 +156,19 @@ inline void check_tensor_ref(const void* data, const Index (&dims)[4], const cha
        << dims[2] << ", " << dims[3] << "])";
     throw std::invalid_argument(os.str());
   };
-  Index size = 1;
   for (const Index d : dims) {
     if (d < 0) fail("has a negative dimension");
   }
+  // The product of the non-zero dims fits, so every product of some of them does (strides, the
+  // B·H of an empty call).
+  std::optional<Index> product = 1;
+  bool empty = false;
   for (const Index d : dims) {
-    if (d != 0 && size > std::numeric_limits<Index>::max() / d) fail("has too many elements");
-    size *= d;
+    empty = empty || d == 0;
+    if (d != 0 && product) product = checked_mul(*product, d);
   }
-  if (data == nullptr && size != 0) fail("has null data but a non-zero size");
+  if (!product) fail("has too many elements");
+  if (data == nullptr && !empty) fail("has null data but a non-zero size");
 }
 
 /// Throws std::invalid_argument when a head that holds `live` rows cannot take `new_rows` more:
@@ -133,33 +183,13 @@ inline void check_rows_fit(Index live, Index new_rows, const char* api) {
   }
 }
 
-/// Throws std::invalid_argument for keys/values whose shapes disagree with each other or with the
-/// dims of the first call, for a zero B, H or D, and for a key that is not finite once stored as
-/// T (the first bad index). keys: [B, H, S, Dk], values: [B, H, S, Dv]
-template <class T>
-void check_update(const InputRows& keys, const InputRows& values, const LayerDims& dims,
-                  const char* api) {
-  const auto fail = [&](const std::string& what) {
-    std::ostringstream os;
-    os << api << ": " << what << " (keys " << shape_str(keys) << ", values " << shape_str(values)
-       << ')';
-    throw std::invalid_argument(os.str());
-  };
-  if (keys.batch != values.batch || keys.heads != values.heads || keys.seq != values.seq) {
-    fail("keys and values must share B, H and S");
-  }
-  if (keys.batch == 0 || keys.heads == 0) fail("B and H must be >= 1");
-  if (keys.dim == 0 || values.dim == 0) fail("head dim D must be >= 1");
-  if (dims.known && (keys.batch != dims.batch || keys.heads != dims.heads ||
-                     keys.dim != dims.key_dim || values.dim != dims.value_dim)) {
-    std::ostringstream os;
-    os << "B, H or D differ from the first call's (B=" << dims.batch << ", H=" << dims.heads
-       << ", key D=" << dims.key_dim << ", value D=" << dims.value_dim << ")";
-    fail(os.str());
-  }
+/// The keys of a call with S >= 1: finite and within +-kMaxKeyMagnitude once stored as T;
+/// fail(message) on the first that is not.
+template <class T, class Fail>
+void check_key_rows(const InputRows& keys, const Fail& fail) {
   // A dense input of the storage type (any layout): one pass over all of it first.
   if (keys.type == element_type_of<T>() && keys.dense &&
-      all_finite(static_cast<const T*>(keys.data), keys.size())) {
+      all_within(static_cast<const T*>(keys.data), keys.size(), kMaxKeyMagnitude)) {
     return;
   }
   std::vector<T> buf;
@@ -167,15 +197,113 @@ void check_update(const InputRows& keys, const InputRows& values, const LayerDim
   for (Index b = 0; b < keys.batch; ++b) {
     for (Index h = 0; h < keys.heads; ++h) {
       for (Index s = 0; s < keys.seq; ++s) {
-        const Index d = first_non_finite<T>(keys, b, h, s, buf, value);
+        const Index d = first_out_of_range<T>(keys, b, h, s, kMaxKeyMagnitude, buf, value);
+        if (d < 0) continue;
+        fail(out_of_range_message(std::isfinite(value) ? "key" : "non-finite key", "h", b, h, s, d,
+                                  value, "the storage type", kMaxKeyMagnitude));
+      }
+    }
+  }
+}
+
+/// Index of the first element of `row` ([n] of U) that is finite as given but not finite or
+/// beyond +-kMaxValueMagnitude once converted to T, and that converted value; -1 when none is.
+template <class T, class U>
+Index first_unstorable_value(const U* row, Index n, double& value) {
+  if constexpr (std::is_same_v<U, T> && std::is_same_v<T, Eigen::half>) {
+    return -1;  // every finite half is within range, and nothing is converted
+  } else {
+    bool ok = true;
+    for (Index j = 0; j < n; ++j) {
+      const auto x = magnitude(row[j]);
+      const float y = magnitude(static_cast<T>(row[j]));
+      ok &= !(x <= std::numeric_limits<decltype(x)>::max()) || y <= kMaxValueMagnitude;
+    }
+    if (ok) return -1;
+    for (Index j = 0; j < n; ++j) {
+      const auto x = magnitude(row[j]);
+      const float y = magnitude(static_cast<T>(row[j]));
+      if (x <= std::numeric_limits<decltype(x)>::max() && !(y <= kMaxValueMagnitude)) {
+        value = static_cast<double>(static_cast<float>(static_cast<T>(row[j])));
+        return j;
+      }
+    }
+    return -1;
+  }
+}
+
+/// The values of a call with S >= 1: a value that is finite as given must stay finite and within
+/// +-kMaxValueMagnitude once stored as T (a NaN or infinite value is stored as given);
+/// fail(message) on the first that does not.
+template <class T, class Fail>
+void check_value_rows(const InputRows& values, const Fail& fail) {
+  if (values.type == element_type_of<T>() && std::is_same_v<T, Eigen::half>) return;
+  double value = 0.0;
+  for (Index b = 0; b < values.batch; ++b) {
+    for (Index h = 0; h < values.heads; ++h) {
+      for (Index s = 0; s < values.seq; ++s) {
+        const Index d = with_row(values, b, h, s, [&](const auto* p) {
+          return first_unstorable_value<T>(p, values.dim, value);
+        });
         if (d < 0) continue;
         std::ostringstream os;
-        os << "non-finite key at [b=" << b << ", h=" << h << ", s=" << s << ", d=" << d
-           << "] (value " << value << " after conversion to the storage type)";
+        os << "value at [b=" << b << ", h=" << h << ", s=" << s << ", d=" << d
+           << "] is finite but ";
+        if (std::isfinite(value)) {
+          os << value << " once stored in the storage type, beyond +-2^"
+             << std::ilogb(kMaxValueMagnitude) << ", the largest magnitude a call may hold";
+        } else {
+          os << "overflows the storage type";
+        }
         fail(os.str());
       }
     }
   }
+}
+
+/// The std::invalid_argument of an update call: "<api>: <what> (keys [..], values [..])".
+[[noreturn]] inline void update_error(const char* api, const InputRows& keys,
+                                      const InputRows& values, const std::string& what) {
+  std::ostringstream os;
+  os << api << ": " << what << " (keys " << shape_str(keys) << ", values " << shape_str(values)
+     << ')';
+  throw std::invalid_argument(os.str());
+}
+
+/// Throws std::invalid_argument for keys/values whose shapes disagree with each other or with the
+/// dims of the first call, and for a zero B, H or D or a D above kMaxHeadDim. Looks at no
+/// element. keys: [B, H, S, Dk], values: [B, H, S, Dv]
+inline void check_update_shapes(const InputRows& keys, const InputRows& values,
+                                const LayerDims& dims, const char* api) {
+  const auto fail = [&](const std::string& what) { update_error(api, keys, values, what); };
+  if (keys.batch != values.batch || keys.heads != values.heads || keys.seq != values.seq) {
+    fail("keys and values must share B, H and S");
+  }
+  if (keys.batch == 0 || keys.heads == 0) fail("B and H must be >= 1");
+  if (keys.dim == 0 || values.dim == 0) fail("head dim D must be >= 1");
+  if (keys.dim > kMaxHeadDim || values.dim > kMaxHeadDim) {
+    fail("head dim D must be <= " + std::to_string(kMaxHeadDim));
+  }
+  if (dims.known && (keys.batch != dims.batch || keys.heads != dims.heads ||
+                     keys.dim != dims.key_dim || values.dim != dims.value_dim)) {
+    std::ostringstream os;
+    os << "B, H or D differ from the first call's (B=" << dims.batch << ", H=" << dims.heads
+       << ", key D=" << dims.key_dim << ", value D=" << dims.value_dim << ")";
+    fail(os.str());
+  }
+}
+
+/// The rows of a call whose shapes passed check_update_shapes (only those it has: an empty call
+/// looks at nothing, whatever B and H claim): a key that is not finite or beyond
+/// +-kMaxKeyMagnitude once stored as T, or a value that is finite as given but not finite or
+/// beyond +-kMaxValueMagnitude once stored as T, throws std::invalid_argument naming the first
+/// such element (a NaN or infinite value is stored as given, docs/design.md 8).
+template <class T>
+void check_update_rows(const InputRows& keys, const InputRows& values, const char* api) {
+  if (keys.seq == 0) return;
+  const auto fail = [&](const std::string& what) { update_error(api, keys, values, what); };
+  check_key_rows<T>(keys, fail);
+  check_value_rows<T>(values, fail);
 }
 
 /// Throws std::invalid_argument for the rows of a call that a quantized format (quant.hpp) cannot
@@ -191,7 +319,7 @@ void check_quantizable(const InputRows& rows, const RowFormat& f, const char* wh
        << rows.dim << ") when " << bits_field << " is " << f.bits;
     throw std::invalid_argument(os.str());
   }
-  for (Index b = 0; b < rows.batch; ++b) {
+  for (Index b = 0; b < rows.batch && rows.seq > 0; ++b) {
     for (Index h = 0; h < rows.heads; ++h) {
       for (Index s = 0; s < rows.seq; ++s) {
         Index bad = -1;
@@ -222,16 +350,20 @@ void check_quantizable(const InputRows& rows, const RowFormat& f, const char* wh
   }
 }
 
-/// Throws std::invalid_argument unless `queries` fits the call: [B, G * H, S, Dk] with the keys'
-/// B, S and Dk and an integer G >= 1, every element finite once converted to float32. Called after
-/// check_update, before the cache changes. queries: [B, Hq, S, Dk]; keys: [B, H, S, Dk]
-inline void check_queries(const InputRows& queries, const InputRows& keys, const char* api) {
-  const auto fail = [&](const std::string& what) {
-    std::ostringstream os;
-    os << api << ": " << what << " (queries " << shape_str(queries) << ", keys " << shape_str(keys)
-       << ')';
-    throw std::invalid_argument(os.str());
-  };
+/// The std::invalid_argument of a call with queries: "<api>: <what> (queries [..], keys [..])".
+[[noreturn]] inline void query_error(const char* api, const InputRows& queries,
+                                     const InputRows& keys, const std::string& what) {
+  std::ostringstream os;
+  os << api << ": " << what << " (queries " << shape_str(queries) << ", keys " << shape_str(keys)
+     << ')';
+  throw std::invalid_argument(os.str());
+}
+
+/// Throws std::invalid_argument unless `queries` is [B, G * H, S, Dk] with the keys' B, S and Dk
+/// and an integer G >= 1. Called after check_update_shapes (H >= 1). Looks at no element.
+/// queries: [B, Hq, S, Dk]; keys: [B, H, S, Dk]
+inline void check_query_shapes(const InputRows& queries, const InputRows& keys, const char* api) {
+  const auto fail = [&](const std::string& what) { query_error(api, queries, keys, what); };
   const Index H = keys.heads;
   const Index Hq = queries.heads;
   if (queries.batch != keys.batch) fail("queries must have the keys' batch size B");
@@ -241,19 +373,38 @@ inline void check_queries(const InputRows& queries, const InputRows& keys, const
   }
   if (queries.seq != keys.seq) fail("queries must have the keys' sequence length S");
   if (queries.dim != keys.dim) fail("queries must have the keys' head dim D");
+}
+
+/// check_query_shapes, then every element finite and within +-kMaxQueryMagnitude once converted
+/// to float32 (the first that is not is named). Called after check_update, before the cache
+/// changes. queries: [B, Hq, S, Dk]; keys: [B, H, S, Dk]
+inline void check_queries(const InputRows& queries, const InputRows& keys, const char* api) {
+  check_query_shapes(queries, keys, api);
+  if (queries.seq == 0) return;
   std::vector<float> buf;
   double value = 0.0;
   for (Index b = 0; b < queries.batch; ++b) {
-    for (Index h = 0; h < Hq; ++h) {
+    for (Index h = 0; h < queries.heads; ++h) {
       for (Index s = 0; s < queries.seq; ++s) {
-        const Index d = first_non_finite<float>(queries, b, h, s, buf, value);
+        const Index d = first_out_of_range<float>(queries, b, h, s, kMaxQueryMagnitude, buf, value);
         if (d < 0) continue;
-        std::ostringstream os;
-        os << "non-finite query at [b=" << b << ", hq=" << h << ", s=" << s << ", d=" << d
-           << "] (value " << static_cast<float>(value) << " after conversion to float32)";
-        fail(os.str());
+        query_error(api, queries, keys,
+                    out_of_range_message(std::isfinite(value) ? "query" : "non-finite query", "hq",
+                                         b, h, s, d, value, "float32", kMaxQueryMagnitude));
       }
     }
+  }
+}
+
+/// attend's output [B, Hq, S, Dv] (queries' B, Hq, S; values' Dv) must have an element count an
+/// Index holds; checked before its strides are computed from the shapes. Everything else about
+/// the shapes is run()'s to check, in its order.
+inline void check_attend_output(const InputRows& queries, const InputRows& values) {
+  if (!checked_product({queries.batch, queries.heads, queries.seq, values.dim})) {
+    std::ostringstream os;
+    os << "attend: the output [B, Hq, S, Dv] = [" << queries.batch << ", " << queries.heads << ", "
+       << queries.seq << ", " << values.dim << "] has more elements than an Index holds";
+    throw std::invalid_argument(os.str());
   }
 }
 

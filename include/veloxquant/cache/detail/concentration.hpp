@@ -3,6 +3,7 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cmath>
 #include <utility>
 #include <vector>
@@ -21,11 +22,30 @@ class ConcentrationSums {
     if (sum_.empty()) sum_.assign(static_cast<std::size_t>(d), 0.0);
     double nrm2 = 0.0;
     for (Eigen::Index j = 0; j < d; ++j) nrm2 += product(x(j), x(j));
+    if (!std::isfinite(nrm2)) return add_scaled(d, x);
     const double inv = 1.0 / (std::sqrt(nrm2) + 1e-8);
     for (Eigen::Index j = 0; j < d; ++j) sum_[static_cast<std::size_t>(j)] += product(x(j), inv);
     diag_ += product(product(nrm2, inv), inv);
     ++n_;
   }
+  /// add() for a row whose squared norm overflows double (finite elements beyond about 1e154,
+  /// only from double input: a cache's rows are far smaller): u = (k / m) / (|k / m| + 1e-8 / m),
+  /// m = max |k_j|, the same u without the overflow. A non-finite element still gives a
+  /// non-finite sum, as in add().
+  template <class Get>
+  void add_scaled(Eigen::Index d, Get x) {
+    double m = 0.0;
+    for (Eigen::Index j = 0; j < d; ++j) m = std::max(m, std::abs(x(j)));
+    double nrm2 = 0.0;
+    for (Eigen::Index j = 0; j < d; ++j) nrm2 += product(x(j) / m, x(j) / m);
+    const double inv = 1.0 / (std::sqrt(nrm2) + 1e-8 / m);
+    for (Eigen::Index j = 0; j < d; ++j) {
+      sum_[static_cast<std::size_t>(j)] += product(x(j) / m, inv);
+    }
+    diag_ += product(product(nrm2, inv), inv);
+    ++n_;
+  }
+
   /// Mean off-diagonal cosine similarity of the rows added; 0.0 for fewer than two.
   double score() const {
     if (n_ < 2) return 0.0;

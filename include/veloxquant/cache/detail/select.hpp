@@ -1,8 +1,9 @@
 // veloxquant — the one selection kernel (docs/design.md 4.2, 4.5, 6): which rows go when a head is
 // over budget. Every policy ranks rows by one order: lower score first, and among equal scores the
 // earlier position first (H2O core, TOVA, re-budget: "ties evict the earliest") or the later first
-// (SnapKV: "ties keep the earliest"). A NaN score (only possible with keys whose products
-// overflow float32) ranks below every number, so the order stays a strict weak order.
+// (SnapKV: "ties keep the earliest"). A NaN (only possible in a value-weighted rank, from a NaN or
+// infinite value stored as given, docs/design.md E) ranks below every number, so the order stays a
+// strict weak order.
 #pragma once
 
 #include <algorithm>

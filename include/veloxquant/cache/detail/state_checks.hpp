@@ -7,6 +7,7 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
@@ -65,6 +66,10 @@ void check_saved_dims(const SavedCache<T>& s, const Rule& rule, const RowFormat&
                 "] are not in [1, 2^31 - 1]");
     }
   }
+  if (s.key_dim > kMaxHeadDim || s.value_dim > kMaxHeadDim) {
+    bad_state("head dims " + std::to_string(s.key_dim) + " / " + std::to_string(s.value_dim) +
+              " are beyond " + std::to_string(kMaxHeadDim) + ", the most a call may bring");
+  }
   // Far beyond any sequence, and room left for the counters to grow without overflow.
   constexpr std::int64_t kMaxCount = std::int64_t{1} << 62;
   if (s.offset > kMaxCount || s.tokens_seen > kMaxCount) {
@@ -119,26 +124,26 @@ void check_saved_rows(const SavedCache<T>& s, const Rule& rule) {
   }
 }
 
-/// Scores are sums of softmax weights (or the weights themselves): never negative, never
-/// infinite; NaN only where keys overflowed float32 (docs/design.md E). K-norm (4.7) writes
-/// negative scores (-|k|; -inf for a key whose norm overflows float32); KeyDiff recomputes its
-/// weights from the keys before it uses them, whatever the file says.
+/// Scores are sums of softmax weights (or the weights themselves): never negative, always finite
+/// (the bounds on keys and queries keep every logit finite, docs/design.md E). K-norm (4.7) writes
+/// negative scores (-|k|, finite for keys within bounds); KeyDiff recomputes its weights from the
+/// keys before it uses them, whatever the file says.
 inline void check_saved_scores(const std::vector<float>& score, const Rule& rule) {
   const bool signed_scores =
       rule.kind == RuleKind::cumulative && rule.proxy != ProxyScoring::key_as_query;
   for (const float x : score) {
-    if ((x < 0.0f && !signed_scores) || x == std::numeric_limits<float>::infinity()) {
-      bad_state("a score (" + std::to_string(x) + ") is negative or infinite");
+    if ((x < 0.0f && !signed_scores) || !std::isfinite(x)) {
+      bad_state("a score (" + std::to_string(x) + ") is negative or not finite");
     }
   }
 }
-/// Keys are finite (the update calls refuse others); a quantized row's scales and offsets are
-/// finite halves (keys and values alike).
+/// Keys are finite and within +-kMaxKeyMagnitude (the update calls refuse others); a quantized
+/// row's scales and offsets are finite halves (keys and values alike).
 template <class T>
 void check_stored_rows(const HeadStore<T>& head, Index n) {
   const RowFormat& kf = head.key_format();
-  if (!kf.quantized() && n > 0 && !all_finite(head.key_ptr(0), n * kf.dim)) {
-    bad_state("a key is not finite");
+  if (!kf.quantized() && n > 0 && !all_within(head.key_ptr(0), n * kf.dim, kMaxKeyMagnitude)) {
+    bad_state("a key is not finite or beyond +-2^48");
   }
   for (const bool keys : {true, false}) {
     const RowFormat& f = keys ? kf : head.value_format();

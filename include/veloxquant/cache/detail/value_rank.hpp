@@ -32,10 +32,9 @@ float value_norm_weight(const StoredRows<T>& values, Index j, Index dv, double p
 }
 
 /// rank[s] = score[s] * weight[s] for each slot s in cand[0, n_cand), computed in double and
-/// saturated to the float range (no float conversion out of range). NaN only from a NaN score or
-/// weight (keys or values that overflowed, docs/design.md E) or from a K-norm score of -inf times
-/// a weight of 0; the selection evicts NaN first, as it does for NaN scores. A score is negative
-/// only where a query-free K-norm call left -|k|. score, weight, rank: by slot.
+/// saturated to the float range (no float conversion out of range). NaN only from a NaN weight (a
+/// NaN value stored as given, docs/design.md E); the selection evicts NaN first. A score is
+/// negative only where a query-free K-norm call left -|k|. score, weight, rank: by slot.
 inline void value_weighted_rank(const float* score, const float* weight, const std::int32_t* cand,
                                 Index n_cand, float* rank) {
   constexpr double kMaxFloat = static_cast<double>(std::numeric_limits<float>::max());
