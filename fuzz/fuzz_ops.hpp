@@ -16,8 +16,8 @@
 //     (pyramid_resolved_budget) or one layer of a builder model, tova, streaming_llm, snapkv;
 //   * the storage type (float, Eigen::half, Eigen::bfloat16);
 //   * a small valid configuration (budgets 1..24, n_sink 0..5, grace, recent ratio, decay, beta,
-//     window, obs window), or, 1 time in 12, a configuration with exactly one invalid field, which
-//     must throw std::invalid_argument naming that field at construction;
+//     window, obs window), or, 1 time in 12, a configuration with exactly one invalid field (counts
+//     down to INT_MIN), which must throw std::invalid_argument naming that field at construction;
 //   * per sequence (at the start and after every reset): B 1..2, H 1..3, Dk and Dv 1..8, and the
 //     query mode (no queries / every call with queries / mixed per call);
 //   * then up to kMaxOps operations: calls with S in 0..40 through update_and_fetch,
@@ -27,8 +27,13 @@
 //     cache of the run (carrying on with the loaded set), set_parallel_heads, a reused output
 //     tensor of the wrong shape, reports of other layers to the coordinator, and bad inputs:
 //     NaN/Inf keys at a chosen index, a double key overflowing the storage type, keys/values that
-//     disagree in B, H or S, zero B/H/D, B/H/D changed after the first call, and bad queries (Hq
-//     not a positive multiple of H, wrong B/S/D, NaN/Inf query, double query overflowing float).
+//     disagree in B, H or S, zero B/H/D, B/H/D changed after the first call, bad queries (Hq
+//     not a positive multiple of H, wrong B/S/D, NaN/Inf query, double query overflowing float),
+//     and the hostile ones of docs/robustness.md: finite keys and queries beyond +-2^48 and values
+//     beyond +-2^96 (or beyond half), a head dim of 65537, empty calls through null TensorRefs
+//     claiming 2^40 heads (refused once the dims are known) or dims whose product overflows, and
+//     an empty call with null queries claiming 2^40 * H query heads (valid: it must return at
+//     once).
 //   Data: every key, value and query entry is a multiple of 0.25 in [-2, 2] (some modes use
 //   {-1, 0, 1}, mostly-zero rows, or a small palette of repeated rows), so every storage type holds
 //   it exactly, dot products are exact in float32, and exact ties (identical keys, identical

@@ -4,10 +4,12 @@
 // update_and_fetch_into, with or without queries of each type) and the window it returned.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ops_input.hpp"
@@ -52,16 +54,20 @@ inline CallPlan decode_call(Bytes& in, QueryMode mode, bool dims_known, Bad bad)
   }
   p.bad = bad;
   if (is_query_bad(bad)) p.with_queries = true;
-  // Changes of dims are only bad once the first call fixed them.
+  // Changes of dims are only bad once the first call fixed them (an empty call claiming other
+  // heads fixes nothing before that).
   if (!dims_known && (bad == Bad::ChangeB || bad == Bad::ChangeH || bad == Bad::ChangeDk ||
-                      bad == Bad::ChangeDv)) {
+                      bad == Bad::ChangeDv || bad == Bad::ClaimedHeads)) {
     p.bad = Bad::None;
   }
   // Keys that are bad only through conversion need the double overload (fetch_into has no
   // converting overload without queries).
   if (p.bad == Bad::OverflowKey && p.api == Api::FetchInto && !p.with_queries) p.api = Api::Fetch;
   if (p.api == Api::FetchInto && !p.with_queries) p.as_double = false;
-  if (p.bad == Bad::OverflowKey) p.as_double = true;
+  // A value that overflows half is stored as given (inf) when converted before the call: only the
+  // converting overloads see it finite.
+  if (p.bad == Bad::HugeValue && p.api == Api::FetchInto && !p.with_queries) p.api = Api::Fetch;
+  if (p.bad == Bad::OverflowKey || p.bad == Bad::HugeValue) p.as_double = true;
   if (p.bad == Bad::QueryOverflow) p.qtype = 1;
   p.key_data = static_cast<DataMode>((kmode & 7) % static_cast<int>(DataMode::kCount));
   p.query_data = static_cast<DataMode>((kmode >> 3) % static_cast<int>(DataMode::kCount));
@@ -137,6 +143,13 @@ inline CallDims call_dims(const CallPlan& p, Index S, Rng& rng, Index B, Index H
     case Bad::QueryD:
       d.qD = Dk + 1;
       break;
+    case Bad::HugeDim:
+      if (rng.below(2) == 0) {
+        d.kD = d.qD = 65537;
+      } else {
+        d.vD = 65537;
+      }
+      break;
     default:
       break;
   }
@@ -181,12 +194,21 @@ CallInputs<T> call_inputs(const CallPlan& p, const CallDims& d, Rng& rng, const 
   };
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const double inf = std::numeric_limits<double>::infinity();
+  // Finite magnitudes beyond the bounds (2^48 for keys and queries, 2^96 for values; half holds
+  // at most 65504, so a value of 1e5 is beyond it once stored).
+  const double huge_kq = std::array<double, 3>{0x1p49, 1e20, 3e38}[rng.below(3)];
+  const double huge_v =
+      std::is_same_v<T, Eigen::half> ? 1e5 : std::array<double, 2>{0x1p97, 3e38}[rng.below(2)];
   for (const Planted& e :
        {Planted{Bad::NanKey, false, nan}, Planted{Bad::InfKey, false, inf},
         Planted{Bad::OverflowKey, false, 1e300}, Planted{Bad::QueryNan, true, nan},
-        Planted{Bad::QueryInf, true, inf}, Planted{Bad::QueryOverflow, true, 1e300}}) {
+        Planted{Bad::QueryInf, true, inf}, Planted{Bad::QueryOverflow, true, 1e300},
+        Planted{Bad::HugeKey, false, huge_kq}, Planted{Bad::HugeQuery, true, huge_kq}}) {
     if (p.bad == e.bad) c.expect_reject = poke(e.in_queries ? c.qd : c.kd, rng, e.x);
   }
+  if (p.bad == Bad::HugeValue) c.expect_reject = poke(c.vd, rng, huge_v);
+  // Valid: an empty call with queries claiming 2^40 * H heads returns the retained set at once.
+  if (p.bad == Bad::ClaimedQueryHeads) c.expect_reject = false;
   // A value-only change of S with S = 0 keys still disagrees; a zero-size NaN poke is no error.
   c.kt = c.kd.template cast<T>();
   c.vt = c.vd.template cast<T>();
@@ -262,10 +284,11 @@ Window<T> from_view(const vc::KVView<T>& v) {
   return w;
 }
 
-/// A call with queries q (of the plan's query type) through the plan's entry point.
-template <class T, class Q>
+/// A call with queries q (of the plan's query type: a tensor or a TensorRef) through the plan's
+/// entry point.
+template <class T, class QT>
 Window<T> invoke_q(vc::KVCache<T>& c, vc::KVPair<T>& out, const CallPlan& p,
-                   const CallInputs<T>& in, const vc::Tensor4<Q>& q) {
+                   const CallInputs<T>& in, const QT& q) {
   switch (p.api) {
     case Api::Fetch:
       return from_pair(p.as_double ? c.update_and_fetch(in.kd, in.vd, q)
@@ -289,6 +312,27 @@ Window<T> invoke_q(vc::KVCache<T>& c, vc::KVPair<T>& out, const CallPlan& p,
 template <class T>
 Window<T> invoke(vc::KVCache<T>& c, vc::KVPair<T>& out, const CallPlan& p,
                  const CallInputs<T>& in) {
+  if (p.bad == Bad::ClaimedHeads || p.bad == Bad::OverflowShape) {
+    // Shapes that claim what no data backs: refused at once, nothing walked or sized.
+    const Index big = Index{1} << 20, huge = Index{1} << 62;
+    const vc::TensorRef<T> r = p.bad == Bad::ClaimedHeads
+                                   ? vc::TensorRef<T>(nullptr, big, big, 0, in.kt.dimension(3))
+                                   : vc::TensorRef<T>(nullptr, 0, huge, huge, huge);
+    switch (p.api) {
+      case Api::Fetch:
+        return from_pair(c.update_and_fetch(r, r));
+      case Api::View:
+        return from_view(c.update_and_view(r, r));
+      case Api::FetchInto:
+        c.update_and_fetch_into(r, r, out);
+        return from_pair(out);
+    }
+  }
+  if (p.bad == Bad::ClaimedQueryHeads) {
+    const vc::TensorRef<float> q(nullptr, in.kt.dimension(0), (Index{1} << 40) * in.kt.dimension(1),
+                                 0, in.kt.dimension(3));
+    return invoke_q(c, out, p, in, q);
+  }
   if (!p.with_queries) {
     switch (p.api) {
       case Api::Fetch:

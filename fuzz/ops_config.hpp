@@ -149,20 +149,33 @@ inline bool validated_for(const std::string& field, const std::string& method) {
 inline constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 inline constexpr double kInf = std::numeric_limits<double>::infinity();
 
+/// An invalid count: -hi..-lo, or (one time in four) INT_MIN or -2^30, the extremes a caller's
+/// arithmetic can produce (docs/robustness.md, "Integers").
+inline int negative(Bytes& in, int lo, int hi) {
+  switch (in.pick(8)) {
+    case 0:
+      return std::numeric_limits<int>::min();
+    case 1:
+      return -(1 << 30);
+    default:
+      return -in.range(lo, hi);
+  }
+}
+
 /// Breakage `k` (0..5) of a squeeze field; returns the field's name.
 inline std::string break_squeeze(Bytes& in, vc::KVCacheConfig& c, int k) {
   switch (k) {
     case 0:
-      c.squeeze_budget = -in.range(0, 3);
+      c.squeeze_budget = negative(in, 0, 3);
       return "squeeze_budget";
     case 1:
-      c.squeeze_n_sink = -in.range(1, 3);
+      c.squeeze_n_sink = negative(in, 1, 3);
       return "squeeze_n_sink";
     case 2:
       c.squeeze_strength = pick_from(in, {1.5, -0.1, kNaN, kInf});
       return "squeeze_strength";
     case 3:
-      c.squeeze_resolved_budget = -in.range(0, 2);
+      c.squeeze_resolved_budget = negative(in, 0, 2);
       return "squeeze_resolved_budget";
     case 4:
       c.squeeze_recent_ratio = pick_from(in, {kNaN, 1.01, -0.5});
@@ -177,13 +190,13 @@ inline std::string break_squeeze(Bytes& in, vc::KVCacheConfig& c, int k) {
 inline std::string break_h2o(Bytes& in, vc::KVCacheConfig& c, int k) {
   switch (k) {
     case 6:
-      c.h2o_budget = -in.range(0, 3);
+      c.h2o_budget = negative(in, 0, 3);
       return "h2o_budget";
     case 7:
-      c.h2o_n_sink = -in.range(1, 3);
+      c.h2o_n_sink = negative(in, 1, 3);
       return "h2o_n_sink";
     case 8:
-      c.h2o_grace = -in.range(1, 3);
+      c.h2o_grace = negative(in, 1, 3);
       return "h2o_grace";
     default:
       c.h2o_decay = pick_from(in, {0.0, 2.0, kNaN});
@@ -195,16 +208,16 @@ inline std::string break_h2o(Bytes& in, vc::KVCacheConfig& c, int k) {
 inline std::string break_pyramid(Bytes& in, vc::KVCacheConfig& c, int k) {
   switch (k) {
     case 10:
-      c.pyramid_budget = -in.range(0, 3);
+      c.pyramid_budget = negative(in, 0, 3);
       return "pyramid_budget";
     case 11:
-      c.pyramid_n_sink = -in.range(1, 3);
+      c.pyramid_n_sink = negative(in, 1, 3);
       return "pyramid_n_sink";
     case 12:
       c.pyramid_beta = pick_from(in, {0.5, kNaN, kInf, 0.999});
       return "pyramid_beta";
     case 13:
-      c.pyramid_resolved_budget = -in.range(0, 2);
+      c.pyramid_resolved_budget = negative(in, 0, 2);
       return "pyramid_resolved_budget";
     case 14:
       c.pyramid_recent_ratio = pick_from(in, {-0.5, 2.0, kNaN});
@@ -219,25 +232,25 @@ inline std::string break_pyramid(Bytes& in, vc::KVCacheConfig& c, int k) {
 inline std::string break_tova_stream_snap(Bytes& in, vc::KVCacheConfig& c, int k) {
   switch (k) {
     case 16:
-      c.tova_budget = -in.range(0, 3);
+      c.tova_budget = negative(in, 0, 3);
       return "tova_budget";
     case 17:
-      c.tova_n_sink = -in.range(1, 3);
+      c.tova_n_sink = negative(in, 1, 3);
       return "tova_n_sink";
     case 18:
-      c.stream_n_sink = -in.range(1, 3);
+      c.stream_n_sink = negative(in, 1, 3);
       return "stream_n_sink";
     case 19:
-      c.stream_window_size = -in.range(0, 3);
+      c.stream_window_size = negative(in, 0, 3);
       return "stream_window_size";
     case 20:
-      c.snap_budget = -in.range(0, 3);
+      c.snap_budget = negative(in, 0, 3);
       return "snap_budget";
     case 21:
-      c.snap_obs_window = -in.range(0, 3);
+      c.snap_obs_window = negative(in, 0, 3);
       return "snap_obs_window";
     default:
-      c.snap_n_sink = -in.range(1, 3);
+      c.snap_n_sink = negative(in, 1, 3);
       return "snap_n_sink";
   }
 }

@@ -310,7 +310,8 @@ class Harness {
 
   void do_call(Index S, Bad bad) {
     const CallPlan p = decode_call(in_, seq_.qmode, seq_.dims_known, bad);
-    execute(S, p);
+    // Claimed query heads are claimed by an empty call.
+    execute(p.bad == Bad::ClaimedQueryHeads ? 0 : S, p);
   }
 
   void execute(Index S, const CallPlan& p) {

@@ -73,22 +73,55 @@ enum class Bad {
   ChangeH,
   ChangeDk,
   ChangeDv,
-  QueryHq,  // Hq not a positive multiple of H
+  HugeKey,        // a finite key beyond +-2^48 once stored (docs/robustness.md, "Magnitudes")
+  HugeValue,      // a finite value beyond +-2^96, or beyond the storage type, once stored
+  HugeDim,        // a head dim of 65537
+  ClaimedHeads,   // an empty call through null TensorRefs claiming 2^20 x 2^20 heads
+  OverflowShape,  // TensorRefs whose non-zero dims overflow an Index, one dim 0
+  QueryHq,        // Hq not a positive multiple of H
   QueryB,
   QueryS,
   QueryD,
   QueryNan,
   QueryInf,
-  QueryOverflow,  // double query that is inf in float32
+  QueryOverflow,      // double query that is inf in float32
+  HugeQuery,          // a finite query beyond +-2^48 in float32
+  ClaimedQueryHeads,  // an empty call with null queries claiming 2^40 * H heads: valid, and quick
   kCount
 };
 
 inline const char* bad_name(Bad b) {
-  static const char* names[] = {
-      "none",     "nan-key",   "inf-key",   "overflow-key",  "values-B", "values-H",
-      "values-S", "zero-B",    "zero-H",    "zero-Dk",       "zero-Dv",  "change-B",
-      "change-H", "change-Dk", "change-Dv", "query-Hq",      "query-B",  "query-S",
-      "query-D",  "query-nan", "query-inf", "query-overflow"};
+  static const char* names[] = {"none",
+                                "nan-key",
+                                "inf-key",
+                                "overflow-key",
+                                "values-B",
+                                "values-H",
+                                "values-S",
+                                "zero-B",
+                                "zero-H",
+                                "zero-Dk",
+                                "zero-Dv",
+                                "change-B",
+                                "change-H",
+                                "change-Dk",
+                                "change-Dv",
+                                "huge-key",
+                                "huge-value",
+                                "huge-dim",
+                                "claimed-heads",
+                                "overflow-shape",
+                                "query-Hq",
+                                "query-B",
+                                "query-S",
+                                "query-D",
+                                "query-nan",
+                                "query-inf",
+                                "query-overflow",
+                                "huge-query",
+                                "claimed-query-heads"};
+  static_assert(sizeof(names) / sizeof(names[0]) == static_cast<int>(Bad::kCount),
+                "a name for every bad input");
   return names[static_cast<int>(b)];
 }
 
