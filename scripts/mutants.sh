@@ -54,10 +54,11 @@ cmake -S "$tree" -B "$build" -DCMAKE_BUILD_TYPE=Check -DCMAKE_CXX_FLAGS_CHECK="-
   -DVELOXQUANT_TEST_LIBRARY_FLAGS="-O1" -DVELOXQUANT_WERROR=OFF -DVELOXQUANT_PACKAGING_TESTS=OFF \
   -DVELOXQUANT_BUILD_EXAMPLES=OFF -DVELOXQUANT_FIXTURES_DIR="$root/../shared/fixtures" >/dev/null
 
-# The test executables (tests/CMakeLists.txt: one per tests/test_*.cpp, and the contract suite over
-# quantized rows), and the CTest names that are not theirs.
+# The test executables (tests/CMakeLists.txt: one per tests/test_*.cpp, the contract suite over
+# quantized rows and the bad-input suite with the library's asserts compiled out), and the CTest
+# names that are not theirs.
 targets=$(cd "$tree/tests" && ls test_*.cpp | sed 's/\.cpp$//' | tr '\n' ' ')
-targets="$targets test_contract_q84"
+targets="$targets test_contract_q84 test_bad_inputs_ndebug"
 not_suite='^(headers|compile_|consumer|examples|determinism|mutants)'
 
 # Parses mutants.txt into id|file|old|new lines.
