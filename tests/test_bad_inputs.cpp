@@ -1159,6 +1159,50 @@ TEST(MisbehavingPoolTest, EveryFaultThrowsAndLeavesAResetCacheThatGoesOn) {
   }
 }
 
+/// A pool that runs other work while it waits (a work-stealing pool picking up the engine's next
+/// job on the same layer) starts a second call on a cache whose first call is still running: the
+/// second call is refused by name and changes nothing, and the first one completes exactly as it
+/// would have without it.
+TEST(MisbehavingPoolTest, ACallFromInsideThePoolIsRefusedAndChangesNothing) {
+  vc::KVCacheConfig config = small_config();
+  config.key_bits = config.value_bits = 16;
+  config.method = "h2o";
+  vc::H2OCache<float> cache(config), serial(config);
+  std::mt19937 rng(11);
+  const vc::Tensor4<float> k = random_tensor<float>(rng, 1, 8, 150, 64);
+  const vc::Tensor4<float> v = random_tensor<float>(rng, 1, 8, 150, 64);
+  const vc::Tensor4<float> q = random_queries(rng, 1, 8, 150, 64);
+  const vc::Tensor4<float> k1 = random_tensor<float>(rng, 1, 8, 1, 64);
+  const vc::Tensor4<float> q1 = random_queries(rng, 1, 8, 1, 64);
+  std::vector<std::string> refused;
+  int pool_calls = 0;
+  cache.set_parallel_for(
+      [&](int tasks, const std::function<void(int)>& task) {
+        ++pool_calls;
+        try {
+          (void)cache.update_and_view(k1, k1);
+          ADD_FAILURE() << "the nested call was accepted";
+        } catch (const std::logic_error& e) {
+          refused.emplace_back(e.what());
+        }
+        for (int t = 0; t < tasks; ++t) task(t);
+      },
+      4);
+  for (int step = 0; step < 3; ++step) {
+    const vc::Tensor4<float> a = step == 0 ? cache.attend(q, k, v) : cache.attend(q1, k1, k1);
+    const vc::Tensor4<float> b = step == 0 ? serial.attend(q, k, v) : serial.attend(q1, k1, k1);
+    ASSERT_TRUE(bitwise_equal(a, b)) << "step " << step;
+    ASSERT_EQ(cache.offset(), serial.offset()) << "step " << step;
+  }
+  ASSERT_GE(pool_calls, 1);  // the prefill is large enough to take the pool
+  ASSERT_EQ(refused.size(), static_cast<std::size_t>(pool_calls));
+  EXPECT_NE(
+      refused.front().find("update_and_view: called while another call on this cache is running"),
+      std::string::npos)
+      << refused.front();
+  EXPECT_NE(refused.front().find("this call changed nothing"), std::string::npos);
+}
+
 /// The detection names what the pool did.
 TEST(MisbehavingPoolTest, TheErrorNamesTheMisuse) {
   vc::KVCacheConfig config = small_config();

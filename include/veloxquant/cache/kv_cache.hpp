@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "detail/call_gate.hpp"
 #include "detail/checks.hpp"
 #include "detail/head_store.hpp"
 #include "detail/input.hpp"
@@ -591,6 +592,8 @@ class KVCache {
   KVView<T> run(const detail::InputRows& keys, const detail::InputRows& values,
                 const detail::InputRows* queries, const char* api, KVPair<T>* out,
                 const detail::AttendOut* att = nullptr) {
+    // 0. One call at a time: a second call while this one runs throws, changing nothing.
+    const detail::CallGate::Entry entry = gate_.enter(api);
     // 1. Validation: nothing has changed if it throws.
     validate_call(keys, values, queries, api);
     const Index S = keys.seq;
@@ -823,6 +826,7 @@ class KVCache {
   std::int64_t offset_ = 0;
   std::int64_t tokens_seen_ = 0;
   ParallelFor parallel_for_;
+  detail::CallGate gate_;  // refuses a call that starts while another runs (run(), step 0)
   int workers_ = 1;
   bool parallel_heads_ = true;
 };
