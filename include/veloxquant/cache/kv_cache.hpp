@@ -77,16 +77,14 @@ class KVCache {
   /// ascending position. keys: [B, H, S, Dk], values: [B, H, S, Dv]; returns [B, H, n, D].
   virtual KVPair<T> update_and_fetch(const Tensor4<T>& keys, const Tensor4<T>& values) {
     KVPair<T> out;
-    (void)run(rows_of(keys, "keys", "update_and_fetch"),
-              rows_of(values, "values", "update_and_fetch"), nullptr, "update_and_fetch", &out);
+    (void)run_tensors("update_and_fetch", keys, values, &out);
     return out;
   }
   /// update_and_fetch for every other input (see above). keys: [B, H, S, Dk], values: [B, H, S, Dv]
   template <class K, class V, class = detail::same_input_t<K, V>>
   KVPair<T> update_and_fetch(const K& keys, const V& values) {
     KVPair<T> out;
-    (void)run(rows_of(keys, "keys", "update_and_fetch"),
-              rows_of(values, "values", "update_and_fetch"), nullptr, "update_and_fetch", &out);
+    (void)run_tensors("update_and_fetch", keys, values, &out);
     return out;
   }
 
@@ -94,27 +92,21 @@ class KVCache {
   /// a decode loop that passes the same `out` every step copies without allocating.
   /// keys: [B, H, S, Dk], values: [B, H, S, Dv]; out: [B, H, n, Dk] and [B, H, n, Dv]
   void update_and_fetch_into(const Tensor4<T>& keys, const Tensor4<T>& values, KVPair<T>& out) {
-    (void)run(rows_of(keys, "keys", "update_and_fetch_into"),
-              rows_of(values, "values", "update_and_fetch_into"), nullptr, "update_and_fetch_into",
-              &out);
+    (void)run_tensors("update_and_fetch_into", keys, values, &out);
   }
   template <class K, class V, class = detail::same_input_t<K, V>>
   void update_and_fetch_into(const K& keys, const V& values, KVPair<T>& out) {
-    (void)run(rows_of(keys, "keys", "update_and_fetch_into"),
-              rows_of(values, "values", "update_and_fetch_into"), nullptr, "update_and_fetch_into",
-              &out);
+    (void)run_tensors("update_and_fetch_into", keys, values, &out);
   }
 
   /// Same work as update_and_fetch, but returns a view into the cache's own storage.
   /// keys: [B, H, S, Dk], values: [B, H, S, Dv]
   KVView<T> update_and_view(const Tensor4<T>& keys, const Tensor4<T>& values) {
-    return run(rows_of(keys, "keys", "update_and_view"),
-               rows_of(values, "values", "update_and_view"), nullptr, "update_and_view", nullptr);
+    return run_tensors("update_and_view", keys, values, nullptr);
   }
   template <class K, class V, class = detail::same_input_t<K, V>>
   KVView<T> update_and_view(const K& keys, const V& values) {
-    return run(rows_of(keys, "keys", "update_and_view"),
-               rows_of(values, "values", "update_and_view"), nullptr, "update_and_view", nullptr);
+    return run_tensors("update_and_view", keys, values, nullptr);
   }
 
   /// Real-query scoring ("observed attention", docs/design.md 4.6): the same call, with the queries
@@ -129,9 +121,7 @@ class KVCache {
             class = detail::input_element_t<Q>>
   KVPair<T> update_and_fetch(const K& keys, const V& values, const Q& queries) {
     KVPair<T> out;
-    const detail::InputRows q = rows_of(queries, "queries", "update_and_fetch");
-    (void)run(rows_of(keys, "keys", "update_and_fetch"),
-              rows_of(values, "values", "update_and_fetch"), &q, "update_and_fetch", &out);
+    (void)run_tensors("update_and_fetch", keys, values, queries, &out);
     return out;
   }
   /// update_and_view with real queries (see update_and_fetch above).
@@ -139,9 +129,7 @@ class KVCache {
   template <class K, class V, class Q, class = detail::same_input_t<K, V>,
             class = detail::input_element_t<Q>>
   KVView<T> update_and_view(const K& keys, const V& values, const Q& queries) {
-    const detail::InputRows q = rows_of(queries, "queries", "update_and_view");
-    return run(rows_of(keys, "keys", "update_and_view"),
-               rows_of(values, "values", "update_and_view"), &q, "update_and_view", nullptr);
+    return run_tensors("update_and_view", keys, values, queries, nullptr);
   }
   /// update_and_fetch_into with real queries (see update_and_fetch above).
   /// keys: [B, H, S, Dk], values: [B, H, S, Dv], queries: [B, Hq = G·H, S, Dk];
@@ -149,10 +137,7 @@ class KVCache {
   template <class K, class V, class Q, class = detail::same_input_t<K, V>,
             class = detail::input_element_t<Q>>
   void update_and_fetch_into(const K& keys, const V& values, const Q& queries, KVPair<T>& out) {
-    const detail::InputRows q = rows_of(queries, "queries", "update_and_fetch_into");
-    (void)run(rows_of(keys, "keys", "update_and_fetch_into"),
-              rows_of(values, "values", "update_and_fetch_into"), &q, "update_and_fetch_into",
-              &out);
+    (void)run_tensors("update_and_fetch_into", keys, values, queries, &out);
   }
 
   /// Fused attention (docs/design.md 2.8): absorbs the call exactly as update_and_view(keys,
@@ -167,24 +152,22 @@ class KVCache {
   template <class Q, class U>
   void attend(TensorRef<Q> queries, TensorRef<U> keys, TensorRef<U> values, float* out,
               Layout out_layout = Layout::head_major) {
-    attend_rows(rows_of(queries, "queries", "attend"), rows_of(keys, "keys", "attend"),
-                rows_of(values, "values", "attend"), out, out_layout);
+    attend_call(queries, keys, values, out, out_layout);
   }
   /// attend for Tensor4s and TensorMaps (see above).
   template <class QX, class K, class V, class = detail::same_input_t<K, V>,
             class = detail::input_element_t<QX>>
   void attend(const QX& queries, const K& keys, const V& values, float* out,
               Layout out_layout = Layout::head_major) {
-    attend_rows(rows_of(queries, "queries", "attend"), rows_of(keys, "keys", "attend"),
-                rows_of(values, "values", "attend"), out, out_layout);
+    attend_call(queries, keys, values, out, out_layout);
   }
   /// attend into a new tensor: returns [B, Hq, S, Dv] float32.
   template <class Q, class U>
   Tensor4<float> attend(const Tensor4<Q>& queries, const Tensor4<U>& keys,
                         const Tensor4<U>& values) {
-    const detail::InputRows q = rows_of(queries, "queries", "attend");
     const detail::InputRows k = rows_of(keys, "keys", "attend");
     const detail::InputRows v = rows_of(values, "values", "attend");
+    const detail::InputRows q = rows_of(queries, "queries", "attend");
     // The whole call is checked before the output is sized from its shapes (run() checks it
     // again: this overload allocates anyway; the pointer overloads are the hot path).
     validate_call(k, v, &q, "attend");
@@ -491,6 +474,32 @@ class KVCache {
     return t.layout == Layout::head_major
                ? detail::head_major_rows(t.data, t.batch, t.heads, t.seq, t.dim)
                : detail::token_major_rows(t.data, t.batch, t.heads, t.seq, t.dim);
+  }
+
+  // Every update API's entry: the tensors' rows taken in a fixed order (keys, values, then
+  // queries), so the first malformed tensor named is the same whichever order a compiler
+  // evaluates function arguments in; then run().
+  template <class K, class V>
+  KVView<T> run_tensors(const char* api, const K& keys, const V& values, KVPair<T>* out) {
+    const detail::InputRows k = rows_of(keys, "keys", api);
+    const detail::InputRows v = rows_of(values, "values", api);
+    return run(k, v, nullptr, api, out);
+  }
+  template <class K, class V, class Q>
+  KVView<T> run_tensors(const char* api, const K& keys, const V& values, const Q& queries,
+                        KVPair<T>* out) {
+    const detail::InputRows k = rows_of(keys, "keys", api);
+    const detail::InputRows v = rows_of(values, "values", api);
+    const detail::InputRows q = rows_of(queries, "queries", api);
+    return run(k, v, &q, api, out);
+  }
+  // attend's entry, in the same order.
+  template <class Q, class K, class V>
+  void attend_call(const Q& queries, const K& keys, const V& values, float* out, Layout layout) {
+    const detail::InputRows k = rows_of(keys, "keys", "attend");
+    const detail::InputRows v = rows_of(values, "values", "attend");
+    const detail::InputRows q = rows_of(queries, "queries", "attend");
+    attend_rows(q, k, v, out, layout);
   }
 
   // The body of attend: the output's strides, then run().
