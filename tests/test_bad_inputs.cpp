@@ -29,6 +29,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cmath>
@@ -1055,9 +1056,20 @@ const char* fault_name(PoolFault f) {
   return "";
 }
 
-/// A parallel-for with `fault`. kReturnsEarly runs the tasks from a copy of the task function on
-/// `late` (joined by the test), starting while the call may already have moved on.
-vc::ParallelFor faulty_pool(PoolFault fault, std::thread& late) {
+/// The thread a kReturnsEarly pool leaves behind: it runs every task but the last at once, and the
+/// last (from its own copy of the task function) only once the test says the call has ended, so
+/// the pool always returns with that task unstarted whatever the scheduler does.
+struct LateRunner {
+  std::thread thread;
+  std::atomic<bool> call_ended{false};
+  void finish() {
+    call_ended.store(true);
+    if (thread.joinable()) thread.join();
+  }
+};
+
+/// A parallel-for with `fault` (kReturnsEarly: see LateRunner).
+vc::ParallelFor faulty_pool(PoolFault fault, LateRunner& late) {
   return [fault, &late](int tasks, const std::function<void(int)>& task) {
     switch (fault) {
       case PoolFault::kThrowsFirst:
@@ -1076,11 +1088,10 @@ vc::ParallelFor faulty_pool(PoolFault fault, std::thread& late) {
         for (int t = 0; t <= tasks; ++t) task(t);
         return;
       case PoolFault::kReturnsEarly:
-        late = std::thread([tasks, copy = task] {
-          for (int t = 0; t < tasks; ++t) {
-            copy(t);
-            std::this_thread::sleep_for(std::chrono::milliseconds(2));
-          }
+        late.thread = std::thread([tasks, copy = task, &ended = late.call_ended] {
+          for (int t = 0; t + 1 < tasks; ++t) copy(t);
+          while (!ended.load()) std::this_thread::yield();
+          copy(tasks - 1);  // after the call: finds its ledger closed and does nothing
         });
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
         return;
@@ -1114,7 +1125,7 @@ TEST(MisbehavingPoolTest, EveryFaultThrowsAndLeavesAResetCacheThatGoesOn) {
                                 (attend ? ", attend" : ", update_and_view");
         Subject<T> s = make_subject<T>(kind, config);
         Subject<T> fresh = make_subject<T>(kind, config);
-        std::thread late;
+        LateRunner late;
         s.cache->set_parallel_for(faulty_pool(fault, late), 4);
         s.cache->set_parallel_heads(true);
         const auto bad_call = [&] {
@@ -1136,7 +1147,7 @@ TEST(MisbehavingPoolTest, EveryFaultThrowsAndLeavesAResetCacheThatGoesOn) {
           EXPECT_FALSE(pool_threw) << ctx << ": " << e.what();
           EXPECT_NE(std::string(e.what()).find("the cache was reset"), std::string::npos) << ctx;
         }
-        if (late.joinable()) late.join();
+        late.finish();
         EXPECT_EQ(s.cache->offset(), 0) << ctx;
         EXPECT_EQ(s.cache->kept_bytes(), 0u) << ctx;
         // It goes on (serially) exactly like a fresh cache; a coordinated layer's report stays
@@ -1211,7 +1222,7 @@ TEST(MisbehavingPoolTest, TheErrorNamesTheMisuse) {
   vc::H2OCache<float> cache(config);
   std::mt19937 rng(9);
   const vc::Tensor4<float> k = random_tensor<float>(rng, 1, 8, 150, 64);
-  std::thread unused;
+  LateRunner unused;
   const std::pair<PoolFault, const char*> cases[] = {
       {PoolFault::kSkipsLast, "1 task never run"},
       {PoolFault::kRepeats, "4 repeated task runs"},
