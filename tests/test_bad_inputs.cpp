@@ -567,6 +567,18 @@ TEST(BadInputClaimsTest, OverflowingShapesAreRefusedBeforeAnythingIsSized) {
                          "elements than an Index holds"))
         << what;
   }
+  // An empty output still has strides: with B = 0 (head-major) or S = 0 (token-major) the
+  // non-zero dims' product must fit too (Hq * S * Dv, or Hq * Dv, would overflow).
+  const Index p20 = Index{1} << 20, p30 = Index{1} << 30, p40 = Index{1} << 40;
+  const vc::TensorRef<float> qb(nullptr, 0, p20, p20, 1), kb(nullptr, 0, 1, p20, 1),
+      vb(nullptr, 0, 1, p20, p30);
+  const vc::TensorRef<float> qs(nullptr, 1, p40, 0, 1), ks(nullptr, 1, 1, 0, 1),
+      vs(nullptr, 1, 1, 0, p30);
+  EXPECT_TRUE(contains(invalid_argument_message([&] { cache.attend(qb, kb, vb, &out); }),
+                       "has more elements than an Index holds"));
+  EXPECT_TRUE(contains(
+      invalid_argument_message([&] { cache.attend(qs, ks, vs, &out, vc::Layout::token_major); }),
+      "has more elements than an Index holds"));
   EXPECT_EQ(cache.offset(), 0);
 }
 
@@ -1195,6 +1207,14 @@ TEST(MisbehavingPoolTest, ACallFromInsideThePoolIsRefusedAndChangesNothing) {
           ADD_FAILURE() << "the nested call was accepted";
         } catch (const std::logic_error& e) {
           refused.emplace_back(e.what());
+        }
+        try {
+          (void)cache.trim(1);
+          ADD_FAILURE() << "the nested trim was accepted";
+        } catch (const std::logic_error& e) {
+          EXPECT_NE(std::string(e.what()).find("trim: called while another call"),
+                    std::string::npos)
+              << e.what();
         }
         for (int t = 0; t < tasks; ++t) task(t);
       },

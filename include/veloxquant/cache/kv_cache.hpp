@@ -146,7 +146,9 @@ class KVCache {
   /// softmax(q K^T / sqrt(Dk)) over the rows retained before the call and the call's rows 0..s
   /// (the lower-right causal mask). The scored policies take their scores from the same softmax
   /// rows the output uses. Errors as update_and_view with queries, and out == nullptr; on any
-  /// error nothing is written and the cache is unchanged.
+  /// of those nothing is written and the cache is unchanged. If the engine's parallel-for fails
+  /// (docs/robustness.md, "The engine's thread pool"), part of `out` may be written and the cache
+  /// is reset.
   /// queries: [B, Hq = G·H, S, Dk], keys: [B, H, S, Dk], values: [B, H, S, Dv];
   /// out: [B, Hq, S, Dv] float32 (head_major) or [B, S, Hq, Dv] (token_major), dense
   template <class Q, class U>
@@ -220,6 +222,7 @@ class KVCache {
   /// caches return 0 and change nothing. Throws std::invalid_argument for n < 0.
   virtual std::int64_t trim(std::int64_t n) {
     if (n < 0) throw std::invalid_argument("trim: n (" + std::to_string(n) + ") must be >= 0");
+    const detail::CallGate::Entry entry = gate_.enter("trim");
     if (!is_trimmable()) return 0;
     n = std::min(n, offset_);
     for (auto& h : heads_) {
@@ -632,11 +635,11 @@ class KVCache {
     const Index groups = queries ? queries->heads / keys.heads : 0;
     const detail::CallPlan plan = detail::plan_call(rule_, S, groups, att != nullptr);
     std::vector<detail::HeadStore<T>> fresh = reserve(keys, values, plan);
-    // The output (the retained rows plus the call's) is sized once nothing else can fail before
-    // the cache changes: a failed call leaves `out` as it was, and a bad_alloc here leaves the
-    // cache unchanged.
-    if (out) resize_pair(*out, keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim);
     PoolCall pool = pool_call(keys.batch * keys.heads, keys, plan);
+    // The output (the retained rows plus the call's) is sized last before the policy starts the
+    // call: a call refused before here leaves `out` as it was, and a bad_alloc here leaves the
+    // cache unchanged (a policy that refuses in start_call leaves `out` resized).
+    if (out) resize_pair(*out, keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim);
     start_call();
     // 5. No-throw from here on, unless the engine's parallel-for misbehaves (absorb_heads).
     copy_.commit(buffers);
@@ -769,13 +772,13 @@ class KVCache {
       thrown = std::current_exception();
     }
     pool.ledger->close();
-    const std::string misuse = pool.ledger->misuse();
-    if (!thrown && misuse.empty()) return;
-    // Some heads took the call and others did not: no state the cache can go on from.
+    if (!thrown && !pool.ledger->misused()) return;
+    // Some heads took the call and others did not: no state the cache can go on from. Reset
+    // before the message is built (building it may throw bad_alloc).
     reset();
     if (thrown) std::rethrow_exception(thrown);
     throw std::logic_error(std::string(api) + ": the parallel-for given to set_parallel_for ran " +
-                           std::to_string(tasks) + " tasks wrongly (" + misuse +
+                           std::to_string(tasks) + " tasks wrongly (" + pool.ledger->misuse() +
                            "); the cache was reset");
   }
 

@@ -424,11 +424,14 @@ inline void check_queries(const InputRows& queries, const InputRows& keys, const
   }
 }
 
-/// attend's output [B, Hq, S, Dv] (queries' B, Hq, S; values' Dv) must have an element count an
-/// Index holds; checked before its strides are computed from the shapes. Everything else about
-/// the shapes is run()'s to check, in its order.
+/// attend's output [B, Hq, S, Dv] (queries' B, Hq, S; values' Dv): the product of its non-zero
+/// dims must fit an Index, so every stride computed from them does (an empty output, one dim 0,
+/// still has strides); checked before they are computed. Everything else about the shapes is
+/// run()'s to check, in its order.
 inline void check_attend_output(const InputRows& queries, const InputRows& values) {
-  if (!checked_product({queries.batch, queries.heads, queries.seq, values.dim})) {
+  const auto nonzero = [](Index d) { return d == 0 ? Index{1} : d; };
+  if (!checked_product({nonzero(queries.batch), nonzero(queries.heads), nonzero(queries.seq),
+                        nonzero(values.dim)})) {
     std::ostringstream os;
     os << "attend: the output [B, Hq, S, Dv] = [" << queries.batch << ", " << queries.heads << ", "
        << queries.seq << ", " << values.dim << "] has more elements than an Index holds";

@@ -73,6 +73,10 @@ class TaskLedger {
     skipped_ = skipped;
     return skipped;
   }
+  /// True when the pool misused the tasks (call after close()); allocates nothing.
+  bool misused() const {
+    return skipped_ != 0 || repeated_.load() != 0 || out_of_range_.load() != 0;
+  }
   /// The misuse seen ("" when none; call after close()): tasks skipped, repeated, out of range.
   std::string misuse() const {
     std::ostringstream os;
