@@ -35,6 +35,28 @@ inline std::string shape_str(const InputRows& t) {
   return os.str();
 }
 
+/// The word-at-a-time scan behind all_finite and all_within: x[0..n) read as 64-bit words of
+/// 8 / sizeof(T) lanes (a zero-padded word for the tail); true when ((w & mask) + add) & top is
+/// non-zero for any word, i.e. when some lane's masked bits plus `add` carry into its top bit.
+template <class T>
+bool any_lane_carries(const T* x, Index n, std::uint64_t mask, std::uint64_t add,
+                      std::uint64_t top) {
+  constexpr Index kPer = static_cast<Index>(8 / sizeof(T));
+  std::uint64_t carried = 0;
+  Index i = 0;
+  for (; i + kPer <= n; i += kPer) {
+    std::uint64_t w;
+    std::memcpy(&w, x + i, sizeof(w));
+    carried |= ((w & mask) + add) & top;
+  }
+  if (i < n) {
+    std::uint64_t w = 0;
+    std::memcpy(&w, x + i, sizeof(T) * static_cast<std::size_t>(n - i));
+    carried |= ((w & mask) + add) & top;
+  }
+  return carried != 0;
+}
+
 /// True when every element of x[0..n) is finite: a branch-free test of the exponent bits, a 64-bit
 /// word (four halves, two floats) at a time. Within each lane, exponent bits plus the lowest
 /// exponent bit carry into the lane's top bit exactly when the exponent is all ones, and never
@@ -53,20 +75,7 @@ bool all_finite(const T* x, Index n) {
   constexpr std::uint64_t kTop = std::is_same_v<T, double>  ? 0x8000000000000000ull
                                  : std::is_same_v<T, float> ? 0x8000000080000000ull
                                                             : 0x8000800080008000ull;
-  constexpr Index kPer = static_cast<Index>(8 / sizeof(T));
-  std::uint64_t bad = 0;
-  Index i = 0;
-  for (; i + kPer <= n; i += kPer) {
-    std::uint64_t w;
-    std::memcpy(&w, x + i, sizeof(w));
-    bad |= ((w & kExp) + kOne) & kTop;
-  }
-  if (i < n) {
-    std::uint64_t w = 0;
-    std::memcpy(&w, x + i, sizeof(T) * static_cast<std::size_t>(n - i));
-    bad |= ((w & kExp) + kOne) & kTop;
-  }
-  return bad == 0;
+  return !any_lane_carries(x, n, kExp, kOne, kTop);
 }
 
 /// What a call may hold (docs/robustness.md, "Magnitudes"). Keys and queries within +-2^48 and
@@ -103,7 +112,6 @@ bool all_within(const X* x, Index n, float limit) {
     static_assert(std::is_same_v<X, float> || std::is_same_v<X, Eigen::bfloat16>,
                   "float32 or bfloat16 elements");
     constexpr int kLaneBits = 8 * static_cast<int>(sizeof(X));
-    constexpr Index kPer = static_cast<Index>(8 / sizeof(X));
     std::uint32_t limit_bits = 0;
     std::memcpy(&limit_bits, &limit, sizeof(limit_bits));
     if constexpr (kLaneBits == 16) limit_bits >>= 16;  // bfloat16: float32's top half
@@ -114,19 +122,7 @@ bool all_within(const X* x, Index n, float limit) {
       add |= (lane_abs - limit_bits) << l;
       top |= (lane_abs + 1) << l;
     }
-    std::uint64_t bad = 0;
-    Index i = 0;
-    for (; i + kPer <= n; i += kPer) {
-      std::uint64_t w;
-      std::memcpy(&w, x + i, sizeof(w));
-      bad |= ((w & abs) + add) & top;
-    }
-    if (i < n) {
-      std::uint64_t w = 0;
-      std::memcpy(&w, x + i, sizeof(X) * static_cast<std::size_t>(n - i));
-      bad |= ((w & abs) + add) & top;
-    }
-    return bad == 0;
+    return !any_lane_carries(x, n, abs, add, top);
   }
 }
 
