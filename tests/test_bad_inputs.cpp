@@ -391,7 +391,9 @@ void extremes_at_the_limit_stay_finite() {
         }
       });
     }
-    if (kind != Kind::kStandard && kind != Kind::kSnap) EXPECT_LE(s.cache->tokens_kept(), 8);
+    if (kind != Kind::kStandard && kind != Kind::kSnap) {
+      EXPECT_LE(s.cache->tokens_kept(), 8);
+    }
   }
 }
 
