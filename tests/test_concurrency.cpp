@@ -14,9 +14,8 @@
 //  * One coordinator read from many threads while layers report stays consistent.
 //
 // Every cache here runs with set_parallel_heads(false) unless a test says otherwise: the point is
-// std::thread concurrency between caches, and libgomp (OpenMP) is not TSan-instrumented, so the
-// TSan build has OpenMP off anyway. One test keeps the OpenMP head parallelism on inside the
-// threads (skipped in the TSan build, where OpenMP is off).
+// std::thread concurrency between caches. The lanes test also runs some caches with their heads
+// spread over a parallel-for of 3 std::threads of their own, inside the threads.
 
 #include <gtest/gtest.h>
 
@@ -245,7 +244,7 @@ vc::KVCacheConfig model_config(bool defer) {
 template <class T>
 std::vector<std::unique_ptr<vc::KVCache<T>>> build_model(bool defer) {
   auto caches = vc::KVCacheBuilder::for_model<T>(kHeadDims, model_config(defer));
-  for (auto& c : caches) c->set_parallel_heads(false);  // no OpenMP inside the threads (TSan)
+  for (auto& c : caches) c->set_parallel_heads(false);  // one thread per layer, heads serial
   return caches;
 }
 

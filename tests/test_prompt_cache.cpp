@@ -971,6 +971,25 @@ std::string crafted(const std::string& bytes, const fmt::FileMap& map, const std
   return out;
 }
 
+/// Sets the integer field `f` of `bytes` (1, 4 or 8 bytes; the 3 reserved header bytes: the
+/// first) to `value`, without sealing.
+void patch_int(std::string& bytes, fmt::Field f, std::int64_t value) {
+  if (f.size == 3) f.size = 1;
+  switch (f.size) {
+    case 1:
+      fmt::patch(bytes, f, static_cast<std::uint8_t>(value));
+      break;
+    case 4:
+      fmt::patch(bytes, f, static_cast<std::int32_t>(value));
+      break;
+    case 8:
+      fmt::patch(bytes, f, value);
+      break;
+    default:
+      throw std::runtime_error("patch_int: a field of " + std::to_string(f.size) + " bytes");
+  }
+}
+
 /// Files whose checksums are right but whose content no cache can hold: each is refused, naming
 /// the problem. (The independent format reader of support/prompt_cache_format.hpp places the
 /// changes and seals the checksums again.)
@@ -1005,29 +1024,76 @@ TEST(PromptCacheLoad, CraftedFilesAreRefusedNamingTheProblem) {
       {"cache2.tokens_seen", 10, "tokens_seen 10 does not fit"},
       {"cache3.flags", 1 | 2, "a SnapKV cache that has not compressed holds every row"},
       {"cache3.budget", 5, "its budget is not the one its configuration gives"},
+      // The descriptor every cache has.
+      {"cache0.offset", (std::int64_t{1} << 62) + 1, "is beyond 2^62"},
+      {"cache3.config.quant_group", 16, "quant_group 16 does not divide the key dim 8"},
+      {"cache0.rows", 0, "no rows after a call"},
+      {"cache0.flags", 1 | 2 | 4, "compressed, but not a SnapKV cache that has seen a call"},
+      {"cache0.budget", 0, "budget 0 is below 1"},
+      {"cache0.budget", 5, "8 rows per head over its budget of 5"},
+      {"cache1.flags", 0, "a cache that has seen no call holds dims"},
+      // A squeeze layer's own part: cache 0 is calibrated and has reported (flags 1 | 2 | 4),
+      // cache 2 (layer 2) still calibrates (flags 1 | 16).
+      {"cache2.squeeze_flags", 16, "no layer id but a layer id value"},
+      {"cache0.layer_id", -1, "layer_id (-1) must be >= 0"},
+      {"cache0.squeeze_flags", 1 | 4, "calibrated is false at offset 8"},
+      {"cache0.squeeze_flags", 1 | 2, "reported must be: calibrated, with a coordinator"},
+      {"cache0.squeeze_flags", 2 | 8, "adopted a budget without reporting"},
+      {"cache2.report_generation", 1, "a report generation without a report"},
   };
   for (const Craft& c : crafts) {
-    fmt::Field f = map.at(c.field);
-    if (f.size == 3) f.size = 1;  // the reserved bytes: the first one
-    std::string bad;
-    switch (f.size) {
-      case 1:
-        bad = bytes;
-        fmt::patch(bad, f, static_cast<std::uint8_t>(c.value));
-        fmt::reseal(bad, map);
-        break;
-      case 4:
-        bad = crafted(bytes, map, c.field, static_cast<std::int32_t>(c.value));
-        break;
-      case 8:
-        bad = crafted(bytes, map, c.field, static_cast<std::int64_t>(c.value));
-        break;
-      default:
-        ADD_FAILURE() << c.field << " has " << f.size << " bytes";
-        continue;
-    }
+    std::string bad = bytes;
+    patch_int(bad, map.at(c.field), c.value);
+    fmt::reseal(bad, map);
     const std::string msg = load_error<T>(bad);
     EXPECT_NE(msg.find(c.message), std::string::npos) << c.field << " = " << c.value << ": " << msg;
+  }
+}
+
+/// Squeeze layers that have adopted their coordinator's budgets, and a third one (of its own, no
+/// coordinator) that has seen no call: states no run reaches, each made by changing several
+/// fields at once, are refused naming the problem.
+TEST(PromptCacheLoad, CraftedSqueezeLayersAreRefusedNamingTheProblem) {
+  using T = float;
+  vc::KVCacheConfig c = small_config();
+  c.squeeze_calibration_tokens = 6;
+  Caches<T> set = vc::KVCacheBuilder::for_model<T>(std::vector<std::optional<int>>{8, 8}, c);
+  set.push_back(vc::KVCacheFactory::create<T>(c));
+  std::mt19937 rng(5u);
+  for (const Index S : {7, 1}) {  // both report, then both adopt
+    for (std::size_t i = 0; i < 2; ++i) {
+      (void)set[i]->update_and_fetch(random_doubles(rng, 1, 2, S, 8),
+                                     random_doubles(rng, 1, 2, S, 8));
+    }
+  }
+  ASSERT_TRUE(set[0]->layer_budget() > 0 && set[1]->layer_budget() > 0);
+  const std::string bytes = save_to_string(set);
+  const fmt::FileMap map = fmt::walk<T>(bytes);
+  EXPECT_NO_THROW((void)load_from_string<T>(bytes));
+  // A layer that never reported: its layer id and calibration stay, the rest is what a layer
+  // without a coordinator holds (the fallback budget, 8).
+  const auto uncoordinated = [](const std::string& cache) -> std::vector<Craft> {
+    return {{cache + ".coordinator", -1, ""},
+            {cache + ".squeeze_flags", 1 | 2, ""},
+            {cache + ".report_generation", 0, ""},
+            {cache + ".budget", 8, ""}};
+  };
+  std::vector<Craft> unused = uncoordinated("cache0");
+  for (const Craft& x : uncoordinated("cache1")) unused.push_back(x);
+  const std::vector<std::pair<std::vector<Craft>, std::string>> crafts = {
+      {{{"cache0.budget", 100, ""}}, "adopted budget 100 is not the one its coordinator published"},
+      {{{"cache2.squeeze_flags", 2, ""}}, "a cache that has seen no call is calibrated"},
+      {{{"cache0.flags", 1, ""}, {"cache0.budget", 0, ""}},
+       "no budget, but not a deferring layer waiting for its coordinator"},
+      {unused, "coordinator 0: no cache of the file uses it"},
+      {{{"coord0.n_layers", 1, ""}}, "2 reports for 1 layers"},
+  };
+  for (const auto& [changes, message] : crafts) {
+    std::string bad = bytes;
+    for (const Craft& x : changes) patch_int(bad, map.at(x.field), x.value);
+    fmt::reseal(bad, map);
+    const std::string msg = load_error<T>(bad);
+    EXPECT_NE(msg.find(message), std::string::npos) << changes.front().field << ": " << msg;
   }
 }
 
@@ -1098,6 +1164,12 @@ TEST(PromptCacheLoad, CraftedHeadsAreRefusedNamingTheProblem) {
   bad = bytes;
   fmt::patch(bad, map.at("cache2.head0.diagonal"), std::numeric_limits<double>::infinity());
   expect_refused(bad, "the concentration sums are not finite");
+  bad = bytes;
+  fmt::patch(bad, map.at("cache2.head0.diagonal"), 4.5);  // 4 unit vectors add up to at most 4
+  expect_refused(bad, "the concentration sums exceed what 4 rows can add up to");
+  bad = bytes;
+  fmt::patch(bad, map.at("coord0.report0.concentration"), std::numeric_limits<double>::quiet_NaN());
+  expect_refused(bad, "the report of layer 0 is not finite");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -86,4 +86,37 @@ TEST(SelectTest, OrderWorstFirstAgreesWithAFullSort) {
   }
 }
 
+/// worst_in_order (the one-token calls' eviction: a gather and the SIMD argmin, with a scalar
+/// pass when a NaN is among the scores) picks the row worst_of picks over the same rows, for both
+/// tie rules, with many ties, NaNs and sub-ranges of every length.
+TEST(SelectTest, WorstInOrderAgreesWithWorstOf) {
+  std::mt19937 rng(9);
+  for (int trial = 0; trial < 400; ++trial) {
+    const Index n = 1 + static_cast<Index>(rng() % 80);
+    std::vector<float> score(static_cast<std::size_t>(n));
+    std::vector<std::int64_t> pos(static_cast<std::size_t>(n));
+    std::vector<std::uint8_t> alive(static_cast<std::size_t>(n), 1);
+    for (std::size_t i = 0; i < score.size(); ++i) {
+      score[i] = static_cast<float>(rng() % 4) * 0.5f;
+      if (trial % 2 == 0 && rng() % 9 == 0) score[i] = std::numeric_limits<float>::quiet_NaN();
+    }
+    // Rows stored in any order; `order` lists them by ascending position.
+    std::vector<std::int32_t> order(score.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    for (std::size_t r = 0; r < order.size(); ++r) {
+      pos[static_cast<std::size_t>(order[r])] = static_cast<std::int64_t>(2 * r);
+    }
+    const Index lo = static_cast<Index>(rng() % static_cast<unsigned>(n));
+    const Index hi = lo + static_cast<Index>(rng() % static_cast<unsigned>(n - lo + 1));
+    std::vector<float> buf(score.size());
+    for (const vd::Tie tie : {vd::Tie::evict_earliest, vd::Tie::evict_latest}) {
+      const Index got = vd::worst_in_order(order.data(), lo, hi, score.data(), tie, buf.data());
+      const Index want = vd::worst_of(score.data(), pos.data(), alive.data(), n, 2 * lo, 2 * hi, tie);
+      ASSERT_EQ(got < 0 ? -1 : order[static_cast<std::size_t>(got)], want)
+          << "trial " << trial << " n=" << n << " [" << lo << ", " << hi << ")";
+    }
+  }
+}
+
 }  // namespace
