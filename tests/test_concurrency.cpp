@@ -2,9 +2,9 @@
 #include "support/checked_asserts.hpp"  // must precede every veloxquant header
 // clang-format on
 
-// Concurrency (docs/design.md 2.4: "all methods are thread-safe: layers may run on different threads";
-// docs/design.md 7: results identical to a serial run). Built and run under ThreadSanitizer by
-// scripts/sanitize.sh.
+// Concurrency (docs/design.md 2.4: "all methods are thread-safe: layers may run on different
+// threads"; docs/design.md 7: results identical to a serial run). Built and run under
+// ThreadSanitizer by scripts/sanitize.sh.
 //
 //  * The layers of one model (KVCacheBuilder::for_model, squeeze with the shared coordinator, with
 //    and without squeeze_defer), each driven from its own std::thread through prefill and decode

@@ -112,7 +112,8 @@ TEST(SelectTest, WorstInOrderAgreesWithWorstOf) {
     std::vector<float> buf(score.size());
     for (const vd::Tie tie : {vd::Tie::evict_earliest, vd::Tie::evict_latest}) {
       const Index got = vd::worst_in_order(order.data(), lo, hi, score.data(), tie, buf.data());
-      const Index want = vd::worst_of(score.data(), pos.data(), alive.data(), n, 2 * lo, 2 * hi, tie);
+      const Index want =
+          vd::worst_of(score.data(), pos.data(), alive.data(), n, 2 * lo, 2 * hi, tie);
       ASSERT_EQ(got < 0 ? -1 : order[static_cast<std::size_t>(got)], want)
           << "trial " << trial << " n=" << n << " [" << lo << ", " << hi << ")";
     }
