@@ -1,6 +1,7 @@
 // Prompt caches on disk (docs/design.md G): save_prompt_cache / load_prompt_cache of a 7B-class
 // layer set, to and from memory and a file, against copying the same number of bytes in the same
-// binary (BENCHMARKS.md section 9).
+// binary (BENCHMARKS.md section 9); and KVCacheBuilder::fork of the same set against new +
+// memcpy of its kept_bytes() (docs/design.md 10.1, BENCHMARKS.md section 14).
 //
 // The set: 32 layers of SqueezeAttention (KVCacheBuilder, one shared coordinator), B = 1,
 // H = 32 KV heads, D = 128, half rows, average budget 2048 rows per head, after a 2048-token prompt
@@ -149,6 +150,58 @@ void BM_NewAndMemcpySameBytes(benchmark::State& state) {
   bytes_processed(state);
 }
 
+// ---- fork (docs/design.md 10.1) ----------------------------------------------------------------
+
+std::size_t kept_bytes(const Caches& caches) {
+  std::size_t n = 0;
+  for (const auto& c : caches) n += c->kept_bytes();
+  return n;
+}
+void kept_bytes_processed(benchmark::State& state) {
+  const std::size_t kept = kept_bytes(layer_set().caches);
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
+                          static_cast<std::int64_t>(kept));
+  state.counters["MB"] = static_cast<double>(kept) / 1e6;
+}
+
+void BM_Fork(benchmark::State& state) {
+  const LayerSet& set = layer_set();
+  std::size_t heap = 0;
+  for (auto _ : state) {
+    Caches copy = vc::KVCacheBuilder::fork(set.caches);
+    benchmark::DoNotOptimize(copy.data());
+    state.PauseTiming();
+    heap = 0;
+    for (const auto& c : copy) heap += c->heap_bytes();
+    copy = {};
+    state.ResumeTiming();
+  }
+  kept_bytes_processed(state);
+  state.counters["heap/kept"] =
+      static_cast<double>(heap) / static_cast<double>(kept_bytes(set.caches));
+}
+
+// The yardstick: the kept bytes into freshly allocated memory, page faults included, one buffer
+// per layer as the copy allocates its own.
+void BM_NewAndMemcpyKeptBytes(benchmark::State& state) {
+  const LayerSet& set = layer_set();
+  const std::size_t per_layer = kept_bytes(set.caches) / set.caches.size();
+  std::vector<char> src(per_layer, 1);
+  for (auto _ : state) {
+    std::vector<std::unique_ptr<char[]>> bufs;
+    for (std::size_t l = 0; l < set.caches.size(); ++l) {
+      bufs.emplace_back(new char[per_layer]);
+      std::memcpy(bufs.back().get(), src.data(), per_layer);
+    }
+    benchmark::DoNotOptimize(bufs.data());
+    benchmark::ClobberMemory();
+    state.PauseTiming();
+    bufs.clear();
+    state.ResumeTiming();
+  }
+  kept_bytes_processed(state);
+}
+
 // ---- a file -------------------------------------------------------------------------------
 
 void BM_SaveToFile(benchmark::State& state) {
@@ -206,6 +259,8 @@ BENCHMARK(BM_SaveToFile)->Unit(benchmark::kMillisecond)->MinTime(2.0)->UseRealTi
 BENCHMARK(BM_WriteSameBytesToFile)->Unit(benchmark::kMillisecond)->MinTime(2.0)->UseRealTime();
 BENCHMARK(BM_LoadFromFile)->Unit(benchmark::kMillisecond)->MinTime(2.0)->UseRealTime();
 BENCHMARK(BM_ReadSameBytesFromFile)->Unit(benchmark::kMillisecond)->MinTime(2.0)->UseRealTime();
+BENCHMARK(BM_Fork)->Unit(benchmark::kMillisecond)->MinTime(2.0)->UseRealTime();
+BENCHMARK(BM_NewAndMemcpyKeptBytes)->Unit(benchmark::kMillisecond)->MinTime(2.0)->UseRealTime();
 
 }  // namespace
 

@@ -15,7 +15,8 @@
 //  * the heap stays bounded over a long decode;
 //  * reset() starts a fresh sequence (bitwise a new cache's), trim() only on the standard cache;
 //  * a cache saved and loaded after any call (save_prompt_cache / load_prompt_cache) continues
-//    bitwise as if it had never been saved, and saves again to the same bytes;
+//    bitwise as if it had never been saved, and saves again to the same bytes; a cache forked
+//    after any call (KVCacheBuilder::fork) and its source both do, neither changing the other;
 //  * every bad call throws std::invalid_argument naming the problem and changes nothing
 //    (docs/design.md 8): one snapshot, one list of bad calls, the next call as on a twin.
 // What is particular to a policy (its semantics against its oracle, hand-computed cases) stays in
@@ -381,29 +382,71 @@ void save_and_load(Subject<T>& s, const std::string& ctx) {
   }
 }
 
-/// A cache saved after any call of the sequence and loaded (docs/design.md G) continues bitwise
-/// as its twin that was never saved: the same returns and attention outputs, and everything
-/// observable equal after every call, through every API.
-TYPED_TEST(ContractTest, SavedAndLoadedAfterAnyCallContinuesBitIdentically) {
-  using T = TypeParam;
+/// Forks `s` (KVCacheBuilder::fork of its one-cache set, docs/design.md 10.1): returns the
+/// source and its copy, which has a coordinator of its own when the source has one, the same
+/// logical state, and no more heap than the source (the bound against the kept bytes, for rows
+/// of real size: test_serving.cpp).
+template <class T>
+std::vector<Subject<T>> fork_of(Subject<T>& s, const std::string& ctx) {
+  std::vector<std::unique_ptr<vc::KVCache<T>>> set;
+  set.push_back(std::move(s.cache));
+  std::vector<std::unique_ptr<vc::KVCache<T>>> copies = vc::KVCacheBuilder::fork(set);
+  std::vector<Subject<T>> out(2);
+  out[0].cache = std::move(set.front());
+  out[0].coordinator = s.coordinator;
+  out[1].cache = std::move(copies.front());
+  if (s.coordinator) {
+    const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(out[1].cache.get());
+    EXPECT_TRUE(sq && sq->coordinator() && sq->coordinator() != s.coordinator)
+        << ctx << ": the copy has no coordinator of its own";
+    if (sq) out[1].coordinator = sq->coordinator();
+  }
+  EXPECT_TRUE(logical_state(out[1]) == logical_state(out[0])) << ctx << ": the copy differs";
+  EXPECT_LE(out[1].cache->heap_bytes(), out[0].cache->heap_bytes())
+      << ctx << ": the copy holds more than its source";
+  return out;
+}
+
+/// Saves `s` and loads it back: returns the loaded cache (save_and_load).
+template <class T>
+std::vector<Subject<T>> saved_and_loaded(Subject<T>& s, const std::string& ctx) {
+  save_and_load(s, ctx);
+  std::vector<Subject<T>> out;
+  out.push_back(std::move(s));
+  return out;
+}
+
+/// A subject turned, after any call of the sequence, into the caches `make` gives (a loaded copy;
+/// a fork and its source) continues bitwise as its twin that never was: every one of them makes
+/// the same calls, in turn, and gives the same returns and attention outputs, with everything
+/// observable equal after every call, through every API. (With a source and its fork, either one
+/// changing the other would show at the next comparison.)
+template <class T, class Make>
+void continues_like_its_twin(const Make& make, const char* what) {
   const Api apis[] = {Api::kFetch, Api::kViewQ, Api::kFetchInto, Api::kView, Api::kFetchQ,
                       Api::kFetchIntoDoubleQ, Api::kViewDouble};
   const std::vector<Index>& sizes = sequence_sizes();
   for (const Kind kind : kKinds) {
     for (std::size_t at = 0; at <= sizes.size(); ++at) {
-      const std::string ctx = std::string(kind_name(kind)) + ", saved before call " + std::to_string(at);
+      const std::string ctx =
+          std::string(kind_name(kind)) + ", " + what + " before call " + std::to_string(at);
       std::mt19937 rng(900u + static_cast<unsigned>(kind));
       Subject<T> twin = make_subject<T>(kind);
-      Subject<T> subject = make_subject<T>(kind);
+      std::vector<Subject<T>> subjects;
+      subjects.push_back(make_subject<T>(kind));
       for (std::size_t i = 0; i <= sizes.size(); ++i) {
         if (i == at) {
-          save_and_load(subject, ctx);
-          EXPECT_TRUE(logical_state(subject) == logical_state(twin)) << ctx << ": state after loading";
+          subjects = make(subjects.front(), ctx);
+          for (Subject<T>& s : subjects) {
+            EXPECT_TRUE(logical_state(s) == logical_state(twin)) << ctx << ": state after it";
+          }
           // An empty call's view first (a quantized cache's goes through its row buffer).
           const vc::Tensor4<T> k0(kKeys[0], kKeys[1], 0, kKeys[3]), v0(kValues[0], kValues[1], 0, kValues[3]);
-          EXPECT_TRUE(from_view(subject.cache->update_and_view(k0, v0)) ==
-                      from_view(twin.cache->update_and_view(k0, v0)))
-              << ctx << ": an empty view after loading";
+          const Returned want = from_view(twin.cache->update_and_view(k0, v0));
+          for (Subject<T>& s : subjects) {
+            EXPECT_TRUE(from_view(s.cache->update_and_view(k0, v0)) == want)
+                << ctx << ": an empty view after it";
+          }
         }
         if (i == sizes.size()) break;
         const Call call = random_call(rng, with_s(kKeys, sizes[i]), with_s(kValues, sizes[i]));
@@ -412,18 +455,39 @@ TYPED_TEST(ContractTest, SavedAndLoadedAfterAnyCallContinuesBitIdentically) {
           // attend: the fused attention output too (docs/design.md 2.8).
           const vc::Tensor4<T> k = converted<T>(call.keys), v = converted<T>(call.values);
           const vc::Tensor4<float> q = converted<float>(call.queries);
-          EXPECT_EQ(bytes_of(subject.cache->attend(q, k, v)), bytes_of(twin.cache->attend(q, k, v)))
-              << where << ": attend";
+          const std::vector<unsigned char> want = bytes_of(twin.cache->attend(q, k, v));
+          for (Subject<T>& s : subjects) {
+            EXPECT_EQ(bytes_of(s.cache->attend(q, k, v)), want) << where << ": attend";
+          }
         } else {
           const Api api = apis[i % (sizeof(apis) / sizeof(apis[0]))];
           vc::KVPair<T> a, b;
-          EXPECT_TRUE(invoke(*subject.cache, api, call, a) == invoke(*twin.cache, api, call, b))
-              << where << ": " << api_name(api) << " returned other rows";
+          const Returned want = invoke(*twin.cache, api, call, b);
+          for (Subject<T>& s : subjects) {
+            EXPECT_TRUE(invoke(*s.cache, api, call, a) == want)
+                << where << ": " << api_name(api) << " returned other rows";
+          }
         }
-        EXPECT_TRUE(logical_state(subject) == logical_state(twin)) << where << ": state differs";
+        for (Subject<T>& s : subjects) {
+          EXPECT_TRUE(logical_state(s) == logical_state(twin)) << where << ": state differs";
+        }
       }
     }
   }
+}
+
+/// A cache saved and loaded after any call (docs/design.md G) continues bitwise as its twin.
+TYPED_TEST(ContractTest, SavedAndLoadedAfterAnyCallContinuesBitIdentically) {
+  continues_like_its_twin<TypeParam>(
+      [](Subject<TypeParam>& s, const std::string& ctx) { return saved_and_loaded(s, ctx); },
+      "saved");
+}
+
+/// A cache forked after any call (KVCacheBuilder::fork) and its source both continue bitwise as
+/// their twin, each unchanged by the other's calls.
+TYPED_TEST(ContractTest, ForkedAfterAnyCallBothContinueBitIdentically) {
+  continues_like_its_twin<TypeParam>(
+      [](Subject<TypeParam>& s, const std::string& ctx) { return fork_of(s, ctx); }, "forked");
 }
 
 /// Only the standard cache is trimmable; on every other policy trim() removes nothing and

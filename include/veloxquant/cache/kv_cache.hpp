@@ -38,6 +38,8 @@
 
 namespace veloxquant::cache {
 
+class KVCacheBuilder;  // kv_cache_builder.hpp: fork, checkpoint and rollback of a model's set
+
 namespace detail {
 /// The scorer KVCacheConfig::proxy_scoring names (validated before: an unknown name is an error
 /// there), by its place in kProxyScorings.
@@ -334,6 +336,40 @@ class KVCache {
   virtual void link_state(detail::StateLinks& /*links*/) const {}
 
  protected:
+  // The builder forks, checkpoints and rolls back a model's set through the hooks below (the
+  // set's operations: a squeeze layer's coordinator is shared by the set).
+  friend class KVCacheBuilder;
+
+  /// Fork (KVCacheBuilder::fork, docs/design.md 10.1): makes this cache, fresh from the factory
+  /// with `src`'s config (so of its class), an independent copy of `src`'s state: rows (only the
+  /// retained ones, compacted), positions, scores, budget, offset, counters, the pending
+  /// re-budget and the engine's parallel-for. A class that adds state overrides it, calls this and
+  /// takes its coordinator's copy from `links` (StateLinks::counterpart). Only allocates before it
+  /// changes this cache; `src` is only read.
+  virtual void fork_from(const KVCache& src, detail::StateLinks& /*links*/) {
+    std::vector<detail::HeadStore<T>> heads;
+    heads.reserve(src.heads_.size());
+    for (const auto& h : src.heads_) heads.push_back(h.forked());
+    std::vector<float> row;
+    if (storage_.quantized() && src.dims_.known && src.live_rows() > 0) {
+      row.assign(
+          static_cast<std::size_t>(detail::row_floats(src.dims_.key_dim, src.dims_.value_dim)),
+          0.0f);
+    }
+    ParallelFor run = src.parallel_for_;
+    // No-throw from here on.
+    heads_.swap(heads);
+    dims_ = src.dims_;
+    offset_ = src.offset_;
+    tokens_seen_ = src.tokens_seen_;
+    rule_ = src.rule_;
+    rebudget_ = src.rebudget_;
+    if (!row.empty()) copy_.install_row(row);
+    parallel_for_.swap(run);
+    workers_ = src.workers_;
+    parallel_heads_ = src.parallel_heads_;
+  }
+
   /// A policy's cache: `rule` says what the calls do with rows (docs/design.md 7.1).
   /// `config` gives the storage of rows (key_bits, value_bits, quant_group; docs/design.md 2.9).
   /// `method` names the policy (config().method).

@@ -9,6 +9,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <typeinfo>
 #include <vector>
 
 #include "kv_cache.hpp"
@@ -48,16 +49,47 @@ class KVCacheBuilder {
                     false);
   }
 
+  /// An independent copy of a model's set (docs/design.md 10.1, SPEC 13.1): the same classes,
+  /// configs, retained rows (quantized rows stay quantized, compacted, at a capacity of exactly
+  /// the rows retained), positions, scores, budgets, offset and counters; the copy's squeeze
+  /// layers share one new coordinator per coordinator of the source, a copy of it (generation,
+  /// reports, published budgets). Calls on the copy never change the source nor the other way
+  /// round, and the same calls on both give bit-identical results. An empty set gives an empty
+  /// set. Throws std::invalid_argument for a null entry or a cache of a class the library does
+  /// not build (an engine's own subclass), and std::logic_error for a cache a call is running
+  /// on; the source is never changed.
+  template <class T>
+  static std::vector<std::unique_ptr<KVCache<T>>> fork(
+      const std::vector<std::unique_ptr<KVCache<T>>>& caches) {
+    check_entries(caches, "KVCacheBuilder::fork");
+    detail::StateLinks links;
+    for (const auto& c : caches) c->link_state(links);
+    links.copy_saved([](const SqueezeCoordinator& co) {
+      return SqueezeCoordinator::from_saved_state(co.saved_state());
+    });
+    std::vector<std::unique_ptr<KVCache<T>>> out;
+    out.reserve(caches.size());
+    for (std::size_t i = 0; i < caches.size(); ++i) {
+      KVCache<T>& src = *caches[i];
+      std::unique_ptr<KVCache<T>> copy = KVCacheFactory::create<T>(src.config());
+      const KVCache<T>& made = *copy;
+      if (typeid(made) != typeid(src)) {
+        throw std::invalid_argument("KVCacheBuilder::fork: cache " + std::to_string(i) +
+                                    " is of a class the library does not build; it cannot be "
+                                    "forked");
+      }
+      const detail::CallGate::Entry entry = src.gate_.enter("KVCacheBuilder::fork");
+      copy->fork_from(src, links);
+      out.push_back(std::move(copy));
+    }
+    return out;
+  }
+
   /// Starts a new sequence: resets each distinct SqueezeCoordinator once, then every cache.
   /// Throws std::invalid_argument, before anything is reset, for a null entry.
   template <class T>
   static void reset(std::vector<std::unique_ptr<KVCache<T>>>& caches) {
-    for (std::size_t i = 0; i < caches.size(); ++i) {
-      if (!caches[i]) {
-        throw std::invalid_argument("KVCacheBuilder::reset: cache " + std::to_string(i) +
-                                    " is null");
-      }
-    }
+    check_entries(caches, "KVCacheBuilder::reset");
     std::set<SqueezeCoordinator*> seen;
     for (auto& c : caches) {
       if (auto* sq = dynamic_cast<SqueezeAttentionCache<T>*>(c.get())) {
@@ -69,6 +101,17 @@ class KVCacheBuilder {
   }
 
  private:
+  // Throws std::invalid_argument naming the first null entry of `caches`.
+  template <class T>
+  static void check_entries(const std::vector<std::unique_ptr<KVCache<T>>>& caches,
+                            const char* api) {
+    for (std::size_t i = 0; i < caches.size(); ++i) {
+      if (!caches[i]) {
+        throw std::invalid_argument(std::string(api) + ": cache " + std::to_string(i) + " is null");
+      }
+    }
+  }
+
   // for_model; `dims_known`: the head dims are real (quant_group must divide them when some
   // width is below 16).
   template <class T>

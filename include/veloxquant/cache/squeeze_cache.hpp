@@ -154,6 +154,24 @@ class SqueezeAttentionCache : public KVCache<T> {
   }
 
  protected:
+  /// Fork: the base state, then the layer's own (layer id, calibration and its sums, report,
+  /// adoption) with the copy of its coordinator that `links` holds.
+  void fork_from(const KVCache<T>& src, detail::StateLinks& links) override {
+    const auto& from = static_cast<const SqueezeAttentionCache&>(src);
+    std::shared_ptr<SqueezeCoordinator> coordinator = links.counterpart(from.coordinator_.get());
+    std::vector<detail::ConcentrationSums> sums = from.sums_;
+    KVCache<T>::fork_from(src, links);
+    // No-throw from here on.
+    layer_id_ = from.layer_id_;
+    coordinator_.swap(coordinator);
+    concentration_ = from.concentration_;
+    sums_.swap(sums);
+    calibrated_ = from.calibrated_;
+    reported_ = from.reported_;
+    adopted_ = from.adopted_;
+    report_generation_ = from.report_generation_;
+  }
+
   void inspect_call(const detail::InputRows& keys) override {
     if (calibrated_) return;
     // The running sums of every (b, h) with this call's keys as stored (T) added; the

@@ -113,6 +113,48 @@ class HeadStore {
     for_each_compaction_move([&](Index from, Index to) { src[at(to)] = static_cast<Slot>(from); });
   }
 
+  /// An independent copy of the head holding its live rows only, in the slots compact() would
+  /// leave them in, at a capacity of exactly live() and with no window: what a fork copies
+  /// (docs/design.md 10.1). Rows are copied in runs of consecutive slots (one run unless the last
+  /// call evicted). Allocates only (the source is untouched).
+  HeadStore forked() const {
+    HeadStore c(kf_, vf_);
+    if (value_power_ > 0.0) c.enable_value_weights(value_power_);
+    const Index n = live();
+    c.reserve(n);
+    // No room for a window: the copy's next call with rows grows the head (its capacity is full),
+    // which reserves one, and a call without rows keeps no window.
+    c.window_ = std::vector<Slot>{};
+    c.key_sum_ = key_sum_;
+    std::vector<Slot> src;  // src[i]: the slot whose row lands in slot i
+    compacted_slots(src);
+    std::vector<Slot> to(static_cast<std::size_t>(n_phys_));  // the inverse, on live slots
+    for (Index i = 0; i < n;) {
+      Index j = i + 1;
+      while (j < n && src[at(j)] == src[at(j - 1)] + 1) ++j;
+      const auto run = static_cast<std::size_t>(j - i);
+      const Slot first = src[at(i)];
+      std::memcpy(c.key_ptr(i), key_ptr(first), sizeof(T) * run * static_cast<std::size_t>(ks_));
+      std::memcpy(c.value_ptr(i), value_ptr(first),
+                  sizeof(T) * run * static_cast<std::size_t>(vs_));
+      for (Index r = i; r < j; ++r) {
+        const Slot from = src[at(r)];
+        c.pos_[at(r)] = pos_[at(from)];
+        c.score_[at(r)] = score_[at(from)];
+        if (value_power_ > 0.0) c.value_weight_[at(r)] = value_weight_[at(from)];
+        c.alive_[at(r)] = kAlive;
+        to[at(from)] = static_cast<Slot>(r);
+      }
+      i = j;
+    }
+    c.order_.resize(order_.size());
+    for (std::size_t i = 0; i < order_.size(); ++i) c.order_[i] = to[at(order_[i])];
+    c.n_phys_ = n;
+    c.call_begin_ = n;
+    c.key_sum_valid_ = key_sum_valid_;
+    return c;
+  }
+
   /// Restoring a saved head, step 1 (on a head with no slot in use): room for `rows` slots,
   /// keeping the rows of the first `keep` slots already written through key_ptr / value_ptr.
   /// Strong exception guarantee.

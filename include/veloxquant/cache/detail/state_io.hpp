@@ -68,6 +68,19 @@ class StateLinks {
     ++uses_[static_cast<std::size_t>(index)];
     return table_[static_cast<std::size_t>(index)];
   }
+  /// Forking (docs/design.md 10.1): once link() has seen every coordinator of a set, the table
+  /// becomes a copy of each, `copy(co)` making one, so that counterpart(co) is co's copy.
+  template <class Copy>
+  void copy_saved(const Copy& copy) {
+    std::vector<std::shared_ptr<SqueezeCoordinator>> table;
+    for (const SqueezeCoordinator* co : saved_) table.push_back(copy(*co));
+    table_.swap(table);
+    uses_.assign(table_.size(), 0);
+  }
+  /// Forking: the copy of `co` (null for null).
+  std::shared_ptr<SqueezeCoordinator> counterpart(const SqueezeCoordinator* co) {
+    return take(link(co));
+  }
   /// Loading: the first entry of the table no cache took, or -1.
   std::int64_t first_unused() const {
     for (std::size_t i = 0; i < uses_.size(); ++i) {

@@ -1,0 +1,199 @@
+// clang-format off
+#include "support/checked_asserts.hpp"  // must precede every veloxquant header
+// clang-format on
+
+// Serving many sequences with a model's set of caches (docs/design.md 10, SPEC 13), where the
+// set matters: a model's layers sharing a coordinator, sets loaded from a prompt cache, the
+// errors, and the memory a copy holds at a real head size. (That one cache of every policy, storage
+// type and width continues bit-identically after a fork, and its source too: the contract suite,
+// test_contract.cpp.)
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <typeinfo>
+#include <vector>
+#include <veloxquant/cache.hpp>
+
+#include "support/contract.hpp"
+#include "support/test_support.hpp"
+
+namespace {
+
+namespace vc = veloxquant::cache;
+using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
+
+template <class T>
+using Caches = std::vector<std::unique_ptr<vc::KVCache<T>>>;
+
+/// A model of four layers, the third without attention (a standard cache), SqueezeAttention
+/// deferring to its coordinator, calibrating on 12 tokens.
+vc::KVCacheConfig model_config() {
+  vc::KVCacheConfig c = small_config();
+  c.method = "squeeze";
+  c.squeeze_budget = 10;
+  c.squeeze_calibration_tokens = 12;
+  c.squeeze_defer = true;
+  return c;
+}
+const std::vector<std::optional<int>>& model_dims() {
+  static const std::vector<std::optional<int>> dims = {16, 16, std::nullopt, 16};
+  return dims;
+}
+
+/// The same attend call on every layer of `set` (a decode step or a prompt chunk of S tokens);
+/// returns the outputs' bytes, layer after layer.
+template <class T>
+std::vector<unsigned char> step(Caches<T>& set, unsigned seed, Index S) {
+  std::mt19937 rng(seed);
+  std::vector<unsigned char> out;
+  for (auto& c : set) {
+    const vc::Tensor4<T> k = random_tensor<T>(rng, 1, 2, S, 16);
+    const vc::Tensor4<T> v = random_tensor<T>(rng, 1, 2, S, 16);
+    const vc::Tensor4<float> q = random_queries(rng, 1, 4, S, 16);
+    const std::vector<unsigned char> b = bytes_of(c->attend(q, k, v));
+    out.insert(out.end(), b.begin(), b.end());
+  }
+  return out;
+}
+
+/// Everything observable about every layer of `set` and its coordinator.
+template <class T>
+std::vector<Snapshot> state_of(const Caches<T>& set) {
+  std::vector<Snapshot> out;
+  for (const auto& c : set) {
+    const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(c.get());
+    Snapshot s = snapshot(*c, sq ? sq->coordinator().get() : nullptr);
+    s.heap = 0;
+    out.push_back(s);
+  }
+  return out;
+}
+
+/// A fork of a model's set made mid-calibration (some layers reported, none adopted) and one
+/// made after adoption: the copy's squeeze layers share one coordinator, a new one; the
+/// standard layer stays standard; the source, its fork and a set that never forked then give
+/// bitwise the same outputs and states through prompt chunks and decode steps, the copy's calls
+/// never changing the source (its state is compared before and after them).
+TEST(ForkTest, AModelsSetForksWithOneNewCoordinatorAndContinuesLikeASetThatNeverForked) {
+  using T = Eigen::half;
+  for (const int forked_after : {1, 3}) {
+    const std::string ctx = "forked after " + std::to_string(forked_after) + " steps";
+    Caches<T> source = vc::KVCacheBuilder::for_model<T>(model_dims(), model_config());
+    Caches<T> twin = vc::KVCacheBuilder::for_model<T>(model_dims(), model_config());
+    // 8 tokens (no layer calibrated), 1 token for layer 0 only... then 6 and decode steps.
+    const std::vector<Index> sizes = {8, 6, 1, 1, 5, 1, 1};
+    std::size_t i = 0;
+    for (; i < static_cast<std::size_t>(forked_after); ++i) {
+      ASSERT_EQ(step(source, 10u + static_cast<unsigned>(i), sizes[i]),
+                step(twin, 10u + static_cast<unsigned>(i), sizes[i]));
+    }
+    Caches<T> copy = vc::KVCacheBuilder::fork(source);
+    ASSERT_EQ(copy.size(), source.size());
+    std::shared_ptr<vc::SqueezeCoordinator> shared;
+    for (std::size_t l = 0; l < copy.size(); ++l) {
+      const vc::KVCache<T>& made = *copy[l];
+      const vc::KVCache<T>& from = *source[l];
+      EXPECT_EQ(typeid(made), typeid(from)) << ctx << ", layer " << l;
+      const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(copy[l].get());
+      if (!sq) continue;
+      const auto* src = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(source[l].get());
+      ASSERT_TRUE(sq->coordinator());
+      EXPECT_NE(sq->coordinator(), src->coordinator()) << ctx;
+      if (!shared) shared = sq->coordinator();
+      EXPECT_EQ(sq->coordinator(), shared) << ctx << ": the copy's layers share one coordinator";
+      EXPECT_EQ(sq->layer_id(), src->layer_id());
+    }
+    EXPECT_TRUE(state_of(copy) == state_of(source)) << ctx;
+    for (; i < sizes.size(); ++i) {
+      const auto seed = 10u + static_cast<unsigned>(i);
+      const std::vector<unsigned char> want = step(twin, seed, sizes[i]);
+      const std::vector<Snapshot> before = state_of(source);
+      EXPECT_EQ(step(copy, seed, sizes[i]), want) << ctx << ", step " << i << ": the copy";
+      EXPECT_TRUE(state_of(source) == before)
+          << ctx << ", step " << i << ": the copy's call changed the source";
+      EXPECT_EQ(step(source, seed, sizes[i]), want) << ctx << ", step " << i << ": the source";
+      EXPECT_TRUE(state_of(copy) == state_of(twin)) << ctx << ", step " << i;
+      EXPECT_TRUE(state_of(source) == state_of(twin)) << ctx << ", step " << i;
+    }
+    // Not vacuous: the layers adopted budgets of their own and evicted.
+    const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(copy[0].get());
+    EXPECT_TRUE(sq->budget_adopted()) << ctx;
+    EXPECT_LT(copy[0]->tokens_kept(), copy[0]->offset()) << ctx;
+  }
+}
+
+/// A set loaded from a prompt cache forks, and its fork continues as the loaded set does.
+TEST(ForkTest, ALoadedPromptCacheForks) {
+  using T = float;
+  Caches<T> source = vc::KVCacheBuilder::for_model<T>(model_dims(), model_config());
+  (void)step(source, 1u, 14);
+  std::stringstream file;
+  vc::save_prompt_cache(file, source);
+  vc::PromptCache<T> loaded = vc::load_prompt_cache<T>(file);
+  Caches<T> copy = vc::KVCacheBuilder::fork(loaded.caches);
+  for (unsigned s = 2; s < 6; ++s) {
+    const std::vector<unsigned char> want = step(source, s, 1);
+    EXPECT_EQ(step(loaded.caches, s, 1), want) << "step " << s;
+    EXPECT_EQ(step(copy, s, 1), want) << "step " << s;
+  }
+  EXPECT_TRUE(state_of(copy) == state_of(source));
+}
+
+/// At a real head size (D = 128, half, 8 heads of 300 rows), the copy holds its rows and little
+/// more: at most 1.1x its kept bytes plus 4 KiB per cache (SPEC 13.1), though its source holds
+/// room for growth.
+TEST(ForkTest, ACopyHoldsItsKeptBytesAndLittleMore) {
+  using T = Eigen::half;
+  vc::KVCacheConfig c;
+  c.method = "h2o";
+  c.h2o_budget = 300;
+  Caches<T> source = vc::KVCacheBuilder::for_model<T>(2, c);
+  std::mt19937 rng(4u);
+  for (const Index S : {Index{700}, Index{1}, Index{1}, Index{3}}) {
+    for (auto& layer : source) {
+      (void)layer->update_and_view(random_tensor<T>(rng, 1, 8, S, 128),
+                                   random_tensor<T>(rng, 1, 8, S, 128));
+    }
+  }
+  const Caches<T> copy = vc::KVCacheBuilder::fork(source);
+  for (std::size_t l = 0; l < copy.size(); ++l) {
+    const std::size_t kept = copy[l]->kept_bytes();
+    EXPECT_EQ(kept, source[l]->kept_bytes());
+    EXPECT_EQ(kept, std::size_t{8} * 300 * 2 * 128 * sizeof(T));
+    EXPECT_LE(copy[l]->heap_bytes(), kept + kept / 10 + 4096) << "layer " << l;
+    EXPECT_LT(copy[l]->heap_bytes(), source[l]->heap_bytes()) << "layer " << l;
+  }
+}
+
+/// An engine's own subclass of a cache (the library cannot build one of its class).
+class EngineCache : public vc::KVCache<float> {
+ public:
+  using KVCache::KVCache;
+};
+
+/// A fork of no caches is no caches; a null entry or a cache of a class the library does not
+/// build is refused naming it, and the source is unchanged.
+TEST(ForkTest, BadSetsAreRefusedNamingTheCache) {
+  using T = float;
+  EXPECT_TRUE(vc::KVCacheBuilder::fork(Caches<T>{}).empty());
+  Caches<T> set = vc::KVCacheBuilder::for_model<T>(model_dims(), model_config());
+  (void)step(set, 3u, 9);
+  const std::vector<Snapshot> before = state_of(set);
+  set.push_back(nullptr);
+  std::string msg = invalid_argument_message([&] { (void)vc::KVCacheBuilder::fork(set); });
+  EXPECT_NE(msg.find("KVCacheBuilder::fork: cache 4 is null"), std::string::npos) << msg;
+  set.back() = std::make_unique<EngineCache>();
+  msg = invalid_argument_message([&] { (void)vc::KVCacheBuilder::fork(set); });
+  EXPECT_NE(msg.find("cache 4 is of a class the library does not build"), std::string::npos) << msg;
+  set.pop_back();
+  EXPECT_TRUE(state_of(set) == before);
+}
+
+}  // namespace
