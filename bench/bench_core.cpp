@@ -351,6 +351,44 @@ void decode_attend(benchmark::State& state, const vc::KVCacheConfig& config, int
   state.counters["kept_bytes"] = static_cast<double>(cache.kept_bytes());
 }
 
+// ---- speculative decoding (docs/design.md 10.2) ----------------------------------------------
+// A layer at budget 2048 (past it: every call evicts), k-token attend calls (a draft verified in
+// one call): alone (BM_DraftAttend), and between KVCacheBuilder::checkpoint and rollback
+// (BM_CheckpointAttendRollback), which must cost at most 1.3x (SPEC 13.2).
+
+std::vector<std::unique_ptr<vc::KVCache<Eigen::half>>> speculative_layer(int budget) {
+  std::vector<std::unique_ptr<vc::KVCache<Eigen::half>>> set;
+  set.push_back(std::make_unique<vc::SqueezeAttentionCache<Eigen::half>>(squeeze_config(budget)));
+  const auto prompt_k = random_tensor<Eigen::half>(1, kAttendKv, budget + 64, kDim, 1);
+  const auto prompt_q = random_tensor<float>(1, kAttendQ, budget + 64, kDim, 2);
+  (void)set.front()->update_and_view(prompt_k, prompt_k, prompt_q);
+  return set;
+}
+
+void draft_attend(benchmark::State& state, bool rollback) {
+  const Index k = state.range(0);
+  auto set = speculative_layer(2048);
+  const auto keys = random_tensor<Eigen::half>(1, kAttendKv, k, kDim, 3);
+  const auto values = random_tensor<Eigen::half>(1, kAttendKv, k, kDim, 4);
+  const auto q = random_tensor<float>(1, kAttendQ, k, kDim, 5);
+  std::vector<float> out(static_cast<std::size_t>(kAttendQ * k * kDim));
+  const std::size_t heap_before = set.front()->heap_bytes();
+  for (auto _ : state) {
+    if (rollback) vc::KVCacheBuilder::checkpoint(set);
+    set.front()->attend(q, keys, values, out.data());
+    if (rollback) vc::KVCacheBuilder::rollback(set);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations());
+  state.counters["extra_heap"] =
+      static_cast<double>(set.front()->heap_bytes()) - static_cast<double>(heap_before);
+  state.counters["kept_bytes"] = static_cast<double>(set.front()->kept_bytes());
+}
+void BM_DraftAttend(benchmark::State& state) { draft_attend(state, false); }
+void BM_CheckpointAttendRollback(benchmark::State& state) { draft_attend(state, true); }
+BENCHMARK(BM_DraftAttend)->DenseRange(1, 8)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CheckpointAttendRollback)->DenseRange(1, 8)->Unit(benchmark::kMicrosecond);
+
 void BM_DecodeAttend(benchmark::State& state) {
   const int budget = static_cast<int>(state.range(0));
   decode_attend(state, squeeze_config(budget), budget);

@@ -17,6 +17,7 @@
 //  * a cache saved and loaded after any call (save_prompt_cache / load_prompt_cache) continues
 //    bitwise as if it had never been saved, and saves again to the same bytes; a cache forked
 //    after any call (KVCacheBuilder::fork) and its source both do, neither changing the other;
+//    so does a cache checkpointed after any call, driven on and rolled back;
 //  * every bad call throws std::invalid_argument naming the problem and changes nothing
 //    (docs/design.md 8): one snapshot, one list of bad calls, the next call as on a twin.
 // What is particular to a policy (its semantics against its oracle, hand-computed cases) stays in
@@ -407,6 +408,33 @@ std::vector<Subject<T>> fork_of(Subject<T>& s, const std::string& ctx) {
   return out;
 }
 
+/// Checkpoints `s` (KVCacheBuilder::checkpoint of its one-cache set, docs/design.md 10.2), makes
+/// calls of other data through several APIs (a prompt chunk, an empty call, decode steps, an
+/// attend of 3 tokens) and rolls back: returns it. A second rollback is refused.
+template <class T>
+std::vector<Subject<T>> rolled_back(Subject<T>& s, const std::string& ctx) {
+  std::vector<std::unique_ptr<vc::KVCache<T>>> set;
+  set.push_back(std::move(s.cache));
+  vc::KVCacheBuilder::checkpoint(set);
+  std::mt19937 rng(77u);
+  const Api apis[] = {Api::kFetchQ, Api::kView, Api::kFetchInto, Api::kViewQ};
+  const Index sizes[] = {7, 0, 1, 1};
+  for (std::size_t i = 0; i < 4; ++i) {
+    const Call c = random_call(rng, with_s(kKeys, sizes[i]), with_s(kValues, sizes[i]));
+    vc::KVPair<T> into;
+    (void)invoke(*set.front(), apis[i], c, into);
+  }
+  const Call c = random_call(rng, with_s(kKeys, 3), with_s(kValues, 3));
+  (void)set.front()->attend(converted<float>(c.queries), converted<T>(c.keys),
+                            converted<T>(c.values));
+  vc::KVCacheBuilder::rollback(set);
+  EXPECT_THROW(vc::KVCacheBuilder::rollback(set), std::logic_error) << ctx;
+  s.cache = std::move(set.front());
+  std::vector<Subject<T>> out;
+  out.push_back(std::move(s));
+  return out;
+}
+
 /// Saves `s` and loads it back: returns the loaded cache (save_and_load).
 template <class T>
 std::vector<Subject<T>> saved_and_loaded(Subject<T>& s, const std::string& ctx) {
@@ -481,6 +509,14 @@ TYPED_TEST(ContractTest, SavedAndLoadedAfterAnyCallContinuesBitIdentically) {
   continues_like_its_twin<TypeParam>(
       [](Subject<TypeParam>& s, const std::string& ctx) { return saved_and_loaded(s, ctx); },
       "saved");
+}
+
+/// A cache checkpointed after any call, then driven through calls of every kind and rolled back
+/// (KVCacheBuilder::checkpoint / rollback), continues bitwise as its twin that made none of them.
+TYPED_TEST(ContractTest, RolledBackAfterAnyCallContinuesBitIdentically) {
+  continues_like_its_twin<TypeParam>(
+      [](Subject<TypeParam>& s, const std::string& ctx) { return rolled_back(s, ctx); },
+      "rolled back");
 }
 
 /// A cache forked after any call (KVCacheBuilder::fork) and its source both continue bitwise as

@@ -3,10 +3,10 @@
 // clang-format on
 
 // Serving many sequences with a model's set of caches (docs/design.md 10, SPEC 13), where the
-// set matters: a model's layers sharing a coordinator, sets loaded from a prompt cache, the
-// errors, and the memory a copy holds at a real head size. (That one cache of every policy, storage
-// type and width continues bit-identically after a fork, and its source too: the contract suite,
-// test_contract.cpp.)
+// set matters: fork and checkpoint / rollback of a model's layers sharing a coordinator, sets
+// loaded from a prompt cache, the errors, and the memory a copy holds at a real head size. (That
+// one cache of every policy, storage type and width continues bit-identically after a fork or a
+// rollback: the contract suite, test_contract.cpp.)
 
 #include <gtest/gtest.h>
 
@@ -170,6 +170,75 @@ TEST(ForkTest, ACopyHoldsItsKeptBytesAndLittleMore) {
     EXPECT_LE(copy[l]->heap_bytes(), kept + kept / 10 + 4096) << "layer " << l;
     EXPECT_LT(copy[l]->heap_bytes(), source[l]->heap_bytes()) << "layer " << l;
   }
+}
+
+/// Speculative decoding on a model's set: a checkpoint mid-calibration, a draft of 6 tokens that
+/// completes it (the coordinator finalizes, the layers adopt and evict), a rollback, and the 2
+/// accepted tokens in one call: bitwise what a set that only made that call gives, coordinator
+/// included; then the same again in the decode phase with k = 1..4, each time a new checkpoint.
+TEST(RollbackTest, SpeculativeStepsOnAModelsSetEqualASetThatOnlyTookTheAcceptedTokens) {
+  using T = Eigen::half;
+  Caches<T> set = vc::KVCacheBuilder::for_model<T>(model_dims(), model_config());
+  Caches<T> twin = vc::KVCacheBuilder::for_model<T>(model_dims(), model_config());
+  ASSERT_EQ(step(set, 1u, 8), step(twin, 1u, 8));
+  unsigned seed = 100;
+  for (const Index k : {6, 1, 2, 3, 4}) {
+    const std::string ctx = "a draft of " + std::to_string(k);
+    vc::KVCacheBuilder::checkpoint(set);
+    const std::vector<Snapshot> at = state_of(set);
+    (void)step(set, seed++, k);  // the draft, verified in one call
+    EXPECT_FALSE(state_of(set) == at) << ctx << ": the draft changed nothing";
+    vc::KVCacheBuilder::rollback(set);
+    EXPECT_TRUE(state_of(set) == at) << ctx << ": not the checkpoint's state";
+    const Index accepted = k > 1 ? 2 : 1;
+    EXPECT_EQ(step(set, seed, accepted), step(twin, seed, accepted)) << ctx;
+    EXPECT_TRUE(state_of(set) == state_of(twin)) << ctx;
+    ++seed;
+  }
+  const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(set[0].get());
+  EXPECT_TRUE(sq->budget_adopted());
+  EXPECT_LT(set[0]->tokens_kept(), set[0]->offset());
+}
+
+/// Rollback refuses, naming what is missing and changing nothing, without a checkpoint, twice,
+/// after a reset (the builder's or one cache's), on a fork (a fork has no checkpoint); a new
+/// checkpoint replaces the live one.
+TEST(RollbackTest, WithoutALiveCheckpointOfTheSetItIsRefusedAndChangesNothing) {
+  using T = float;
+  Caches<T> set = vc::KVCacheBuilder::for_model<T>(model_dims(), model_config());
+  (void)step(set, 1u, 13);
+  const auto refused = [&](Caches<T>& s, const std::string& what) {
+    const std::vector<Snapshot> before = state_of(s);
+    try {
+      vc::KVCacheBuilder::rollback(s);
+      ADD_FAILURE() << what << ": not refused";
+    } catch (const std::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find("holds no live checkpoint"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_TRUE(state_of(s) == before) << what;
+  };
+  refused(set, "none taken");
+  vc::KVCacheBuilder::checkpoint(set);
+  Caches<T> copy = vc::KVCacheBuilder::fork(set);
+  refused(copy, "a fork");
+  (void)step(set, 2u, 1);
+  vc::KVCacheBuilder::checkpoint(set);  // replaces the first
+  const std::vector<Snapshot> second = state_of(set);
+  (void)step(set, 3u, 1);
+  vc::KVCacheBuilder::rollback(set);
+  EXPECT_TRUE(state_of(set) == second);
+  refused(set, "consumed");
+  vc::KVCacheBuilder::checkpoint(set);
+  set[1]->reset();
+  refused(set, "one cache reset");
+  vc::KVCacheBuilder::checkpoint(set);
+  vc::KVCacheBuilder::reset(set);
+  refused(set, "the builder's reset");
+  Caches<T> with_null = vc::KVCacheBuilder::for_model<T>(model_dims(), model_config());
+  with_null.push_back(nullptr);
+  EXPECT_THROW(vc::KVCacheBuilder::checkpoint(with_null), std::invalid_argument);
+  EXPECT_THROW(vc::KVCacheBuilder::rollback(with_null), std::invalid_argument);
 }
 
 /// An engine's own subclass of a cache (the library cannot build one of its class).

@@ -227,6 +227,8 @@ class KVCache {
     const detail::CallGate::Entry entry = gate_.enter("trim");
     if (!is_trimmable()) return 0;
     n = std::min(n, offset_);
+    // With a checkpoint: room to save the rows the compactions below may overwrite.
+    for (auto& h : heads_) h.reserve_journal(static_cast<Index>(h.holes().size()) + n);
     for (auto& h : heads_) {
       h.compact();
       h.drop_newest(std::min<Index>(static_cast<Index>(n), h.live()));
@@ -237,6 +239,7 @@ class KVCache {
 
   /// Forgets everything; the next call starts a new sequence at position 0 (B, H, D may change).
   virtual void reset() {
+    mark_.live = false;  // a reset drops the checkpoint (the heads go with theirs)
     heads_.clear();
     dims_ = detail::LayerDims{};
     offset_ = 0;
@@ -370,6 +373,48 @@ class KVCache {
     parallel_heads_ = src.parallel_heads_;
   }
 
+  /// Checkpoint (KVCacheBuilder::checkpoint, docs/design.md 10.2): marks the cache's state under
+  /// `token` (the set's), replacing a live checkpoint. The heads copy their bookkeeping and
+  /// journal the rows later calls overwrite. Allocates only; if it throws, the cache holds no
+  /// checkpoint and its state is unchanged. A class that adds state overrides it, calls this and
+  /// keeps its own.
+  virtual void take_checkpoint(std::uint64_t token) {
+    mark_.live = false;
+    try {
+      for (auto& h : heads_) h.checkpoint();
+    } catch (...) {
+      for (auto& h : heads_) h.drop_checkpoint();
+      throw;
+    }
+    mark_ = Mark{true, token, heads_.size(), dims_, offset_, tokens_seen_, rule_, rebudget_};
+  }
+  /// The token of the live checkpoint, or empty (none taken, dropped by a reset or a load, or
+  /// consumed by a rollback).
+  std::optional<std::uint64_t> checkpoint_token() const {
+    return mark_.live ? std::optional<std::uint64_t>(mark_.token) : std::nullopt;
+  }
+  /// Returns the cache to its live checkpoint and consumes it; never throws (the heads kept the
+  /// room, docs/design.md 10.2).
+  virtual void roll_back() noexcept {
+    VELOXQUANT_ASSERT(mark_.live, "roll_back without a checkpoint");
+    if (mark_.heads == 0) {
+      heads_.clear();  // the checkpoint came before the first call (or a load of no rows)
+    } else {
+      for (auto& h : heads_) h.rollback();
+    }
+    dims_ = mark_.dims;
+    offset_ = mark_.offset;
+    tokens_seen_ = mark_.tokens_seen;
+    rule_ = mark_.rule;
+    rebudget_ = mark_.rebudget;
+    mark_.live = false;
+  }
+  /// Forgets the live checkpoint, if any.
+  virtual void drop_checkpoint() noexcept {
+    mark_.live = false;
+    for (auto& h : heads_) h.drop_checkpoint();
+  }
+
   /// A policy's cache: `rule` says what the calls do with rows (docs/design.md 7.1).
   /// `config` gives the storage of rows (key_bits, value_bits, quant_group; docs/design.md 2.9).
   /// `method` names the policy (config().method).
@@ -487,6 +532,7 @@ class KVCache {
   }
   /// Makes the cache stand where the saved one stood (its heads leave `s`).
   void install(SavedState& s) {
+    mark_.live = false;  // a loaded state drops the checkpoint (the heads are new)
     // The buffer quantized rows leave the cache through (a cache that has made a call with rows
     // holds one; an empty call's view or fetch after the load needs it). Allocated first.
     if (storage_.quantized() && s.rows > 0) {
@@ -652,9 +698,11 @@ class KVCache {
     if (view_copy) {
       copy_.refit_view(buffers, keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim,
                        S > 0);
-      if (S == 0) copy_.commit(buffers);  // nothing else can throw now
     }
     if (S == 0) {
+      // With a checkpoint: room to save the rows the compaction below may overwrite.
+      for (auto& h : heads_) h.reserve_journal(static_cast<Index>(h.holes().size()));
+      if (view_copy) copy_.commit(buffers);  // nothing else can throw now
       if (out && !dims_.known) resize_pair(*out, keys.batch, keys.heads, 0, keys.dim, values.dim);
       for (auto& h : heads_) h.compact();
       if (out && dims_.known) copy_retained(*out);
@@ -875,6 +923,17 @@ class KVCache {
   std::int64_t tokens_seen_ = 0;
   ParallelFor parallel_for_;
   detail::CallGate gate_;  // refuses a call that starts while another runs (run(), step 0)
+  // The live checkpoint's part outside the heads (take_checkpoint).
+  struct Mark {
+    bool live = false;
+    std::uint64_t token = 0;
+    std::size_t heads = 0;
+    detail::LayerDims dims{};
+    std::int64_t offset = 0, tokens_seen = 0;
+    detail::Rule rule{};
+    bool rebudget = false;
+  };
+  Mark mark_;
   int workers_ = 1;
   bool parallel_heads_ = true;
 };

@@ -3,10 +3,12 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <limits>
 #include <memory>
 #include <optional>
-#include <set>
 #include <stdexcept>
 #include <string>
 #include <typeinfo>
@@ -85,22 +87,103 @@ class KVCacheBuilder {
     return out;
   }
 
+  /// Marks the set's current state (docs/design.md 10.2, SPEC 13.2): every cache and every
+  /// distinct coordinator of the set keep a checkpoint under one token, replacing the set's live
+  /// one. The rows themselves are saved only when a later call is about to overwrite one. Throws
+  /// std::invalid_argument for a null entry and std::logic_error for a cache a call is running
+  /// on, before anything changes; if an allocation fails, the set holds no checkpoint (its
+  /// state is unchanged).
+  template <class T>
+  static void checkpoint(std::vector<std::unique_ptr<KVCache<T>>>& caches) {
+    check_entries(caches, "KVCacheBuilder::checkpoint");
+    const std::vector<detail::CallGate::Entry> entries = hold(caches, "KVCacheBuilder::checkpoint");
+    const std::vector<SqueezeCoordinator*> coordinators = coordinators_of(caches);
+    const std::uint64_t token = next_token();
+    try {
+      for (auto& c : caches) c->take_checkpoint(token);
+      for (SqueezeCoordinator* co : coordinators) co->checkpoint(token);
+    } catch (...) {
+      for (auto& c : caches) c->drop_checkpoint();
+      for (SqueezeCoordinator* co : coordinators) co->drop_checkpoint();
+      throw;
+    }
+  }
+
+  /// Returns every cache of the set, and its coordinators, to exactly the state of the set's live
+  /// checkpoint, and consumes it: the caches stay the same objects, and the calls made next give
+  /// bitwise what they would have given at the checkpoint. Throws std::logic_error, changing
+  /// nothing, when some cache or coordinator of the set holds no live checkpoint of that same
+  /// `checkpoint` call (none taken, dropped by a reset or a load, or consumed by a rollback), and
+  /// std::invalid_argument for a null entry. Never allocates.
+  template <class T>
+  static void rollback(std::vector<std::unique_ptr<KVCache<T>>>& caches) {
+    check_entries(caches, "KVCacheBuilder::rollback");
+    const std::vector<detail::CallGate::Entry> entries = hold(caches, "KVCacheBuilder::rollback");
+    const std::vector<SqueezeCoordinator*> coordinators = coordinators_of(caches);
+    std::optional<std::uint64_t> token;
+    const auto same = [&](std::optional<std::uint64_t> t, const std::string& what) {
+      if (!t || (token && *t != *token)) {
+        throw std::logic_error("KVCacheBuilder::rollback: " + what +
+                               " holds no live checkpoint of this set (none was taken, a reset "
+                               "or a load dropped it, or a rollback consumed it); nothing was "
+                               "changed");
+      }
+      token = t;
+    };
+    for (std::size_t i = 0; i < caches.size(); ++i) {
+      same(caches[i]->checkpoint_token(), "cache " + std::to_string(i));
+    }
+    for (SqueezeCoordinator* co : coordinators) same(co->checkpoint_token(), "its coordinator");
+    for (auto& c : caches) {
+      if (c->checkpoint_token()) c->roll_back();  // (a cache listed twice: once)
+    }
+    for (SqueezeCoordinator* co : coordinators) co->rollback();
+  }
+
   /// Starts a new sequence: resets each distinct SqueezeCoordinator once, then every cache.
   /// Throws std::invalid_argument, before anything is reset, for a null entry.
   template <class T>
   static void reset(std::vector<std::unique_ptr<KVCache<T>>>& caches) {
     check_entries(caches, "KVCacheBuilder::reset");
-    std::set<SqueezeCoordinator*> seen;
-    for (auto& c : caches) {
-      if (auto* sq = dynamic_cast<SqueezeAttentionCache<T>*>(c.get())) {
-        const auto coord = sq->coordinator();
-        if (coord && seen.insert(coord.get()).second) coord->reset();
-      }
-    }
+    for (SqueezeCoordinator* co : coordinators_of(caches)) co->reset();
     for (auto& c : caches) c->reset();
   }
 
  private:
+  // The distinct coordinators of the set's squeeze layers, in order of first use.
+  template <class T>
+  static std::vector<SqueezeCoordinator*> coordinators_of(
+      const std::vector<std::unique_ptr<KVCache<T>>>& caches) {
+    std::vector<SqueezeCoordinator*> out;
+    for (const auto& c : caches) {
+      if (const auto* sq = dynamic_cast<const SqueezeAttentionCache<T>*>(c.get())) {
+        SqueezeCoordinator* co = sq->coordinator().get();
+        if (co && std::find(out.begin(), out.end(), co) == out.end()) out.push_back(co);
+      }
+    }
+    return out;
+  }
+  // Holds the call gate of every cache of the set (the same cache twice: once) for a set's
+  // operation; throws std::logic_error, holding none, when a call is running on one.
+  template <class T>
+  static std::vector<detail::CallGate::Entry> hold(
+      const std::vector<std::unique_ptr<KVCache<T>>>& caches, const char* api) {
+    std::vector<detail::CallGate::Entry> entries;
+    entries.reserve(caches.size());
+    std::vector<const KVCache<T>*> seen;
+    for (const auto& c : caches) {
+      if (std::find(seen.begin(), seen.end(), c.get()) != seen.end()) continue;
+      seen.push_back(c.get());
+      entries.push_back(c->gate_.enter(api));
+    }
+    return entries;
+  }
+  // One token per checkpoint call: a rollback takes only a checkpoint all of its set share.
+  static std::uint64_t next_token() {
+    static std::atomic<std::uint64_t> counter{0};
+    return ++counter;
+  }
+
   // Throws std::invalid_argument naming the first null entry of `caches`.
   template <class T>
   static void check_entries(const std::vector<std::unique_ptr<KVCache<T>>>& caches,

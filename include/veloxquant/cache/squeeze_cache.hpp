@@ -172,6 +172,23 @@ class SqueezeAttentionCache : public KVCache<T> {
     report_generation_ = from.report_generation_;
   }
 
+  /// Checkpoint: the base's, then the layer's own (calibration and its sums, report, adoption).
+  void take_checkpoint(std::uint64_t token) override {
+    std::vector<detail::ConcentrationSums> sums = sums_;
+    KVCache<T>::take_checkpoint(token);
+    kept_ = Kept{concentration_, {}, calibrated_, reported_, adopted_, report_generation_};
+    kept_.sums.swap(sums);
+  }
+  void roll_back() noexcept override {
+    KVCache<T>::roll_back();
+    concentration_ = kept_.concentration;
+    sums_.swap(kept_.sums);
+    calibrated_ = kept_.calibrated;
+    reported_ = kept_.reported;
+    adopted_ = kept_.adopted;
+    report_generation_ = kept_.report_generation;
+  }
+
   void inspect_call(const detail::InputRows& keys) override {
     if (calibrated_) return;
     // The running sums of every (b, h) with this call's keys as stored (T) added; the
@@ -415,6 +432,14 @@ class SqueezeAttentionCache : public KVCache<T> {
   bool reported_now_ = false;  // in the call in progress
   bool adopted_ = false;
   std::uint64_t report_generation_ = 0;
+  // The layer's part of the live checkpoint (take_checkpoint).
+  struct Kept {
+    double concentration = 0.0;
+    std::vector<detail::ConcentrationSums> sums;
+    bool calibrated = false, reported = false, adopted = false;
+    std::uint64_t report_generation = 0;
+  };
+  Kept kept_;
 };
 
 }  // namespace veloxquant::cache

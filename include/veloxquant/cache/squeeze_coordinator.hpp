@@ -105,6 +105,7 @@ class SqueezeCoordinator {
   /// Forgets every report and budget and starts a new generation.
   void reset() {
     std::lock_guard<std::mutex> lock(mutex_);
+    kept_.live = false;  // a reset drops the checkpoint
     reports_.clear();
     budgets_.clear();
     finalized_ = false;
@@ -179,7 +180,45 @@ class SqueezeCoordinator {
     return co;
   }
 
+  /// Checkpoint of a set (KVCacheBuilder::checkpoint, docs/design.md 10.2): keeps the reports,
+  /// published budgets and generation under `token`, replacing a live checkpoint. Allocates
+  /// only.
+  void checkpoint(std::uint64_t token) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Kept k{true, token, reports_, budgets_, finalized_, generation_};
+    kept_ = std::move(k);
+  }
+  /// The token of the live checkpoint, or empty (none, dropped by reset(), or consumed).
+  std::optional<std::uint64_t> checkpoint_token() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return kept_.live ? std::optional<std::uint64_t>(kept_.token) : std::nullopt;
+  }
+  /// Returns to the live checkpoint and consumes it; never allocates.
+  void rollback() noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    reports_.swap(kept_.reports);
+    budgets_.swap(kept_.budgets);
+    finalized_ = kept_.finalized;
+    generation_ = kept_.generation;
+    kept_.live = false;
+  }
+  /// Forgets the live checkpoint, if any.
+  void drop_checkpoint() noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    kept_.live = false;
+  }
+
  private:
+  struct Kept {
+    bool live = false;
+    std::uint64_t token = 0;
+    std::map<int, double> reports;
+    std::map<int, int> budgets;
+    bool finalized = false;
+    std::uint64_t generation = 0;
+  };
+  Kept kept_;
+
   std::optional<int> lookup(int layer_id) const {
     if (!finalized_) return std::nullopt;
     const auto it = budgets_.find(layer_id);

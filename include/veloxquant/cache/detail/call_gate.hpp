@@ -20,7 +20,12 @@ class CallGate {
     explicit Entry(std::atomic<bool>& busy) : busy_(&busy) {}
     Entry(const Entry&) = delete;
     Entry& operator=(const Entry&) = delete;
-    ~Entry() { busy_->store(false, std::memory_order_release); }
+    /// Moves the hold (a set's operation holds every cache's gate at once).
+    Entry(Entry&& o) noexcept : busy_(o.busy_) { o.busy_ = nullptr; }
+    Entry& operator=(Entry&&) = delete;
+    ~Entry() {
+      if (busy_) busy_->store(false, std::memory_order_release);
+    }
 
    private:
     std::atomic<bool>* busy_;

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -155,6 +156,89 @@ class HeadStore {
     return c;
   }
 
+  // ---- checkpoint and rollback (docs/design.md 10.2) ----
+
+  /// Marks the head's state: its bookkeeping (positions, scores, flags, weights, the live order,
+  /// the holes, KeyDiff's sum) is copied now; a row is saved only when a later change is about to
+  /// overwrite it (journal). Replaces a live checkpoint. Allocates only (strong guarantee); the
+  /// buffers of the previous checkpoint are reused.
+  void checkpoint() {
+    Undo& u = undo_ ? *undo_ : *(undo_ = std::make_unique<Undo>());
+    u.live = false;
+    const auto n = static_cast<std::size_t>(n_phys_);
+    u.pos.assign(pos_.begin(), pos_.begin() + static_cast<std::ptrdiff_t>(n));
+    u.score.assign(score_.begin(), score_.begin() + static_cast<std::ptrdiff_t>(n));
+    u.alive.assign(alive_.begin(), alive_.begin() + static_cast<std::ptrdiff_t>(n));
+    u.weight.assign(
+        value_weight_.begin(),
+        value_weight_.begin() + static_cast<std::ptrdiff_t>(value_weight_.empty() ? 0 : n));
+    u.order.assign(order_.begin(), order_.end());
+    u.holes.assign(holes_.begin(), holes_.end());
+    u.key_sum.assign(key_sum_.begin(), key_sum_.end());
+    // A slot dead at the checkpoint needs no saving: its row is never read again.
+    u.saved.resize(n);
+    for (std::size_t i = 0; i < n; ++i) u.saved[i] = alive_[i] == kAlive ? 0 : 1;
+    u.slots.clear();
+    u.rows.clear();
+    u.phys = n_phys_;
+    u.call_begin = call_begin_;
+    u.key_sum_valid = key_sum_valid_;
+    u.live = true;
+  }
+  bool has_checkpoint() const { return undo_ && undo_->live; }
+  /// Forgets the checkpoint (its buffers stay for the next one).
+  void drop_checkpoint() noexcept {
+    if (undo_) undo_->live = false;
+  }
+  /// Room in the journal for `rows` more saved rows, taken before a call (or trim) that may
+  /// overwrite them changes anything: a call's compaction overwrites at most holes().size()
+  /// slots and its appends one slot per row. Strong guarantee.
+  void reserve_journal(Index rows) {
+    if (!has_checkpoint()) return;
+    Undo& u = *undo_;
+    const std::size_t want = (u.slots.size() + static_cast<std::size_t>(rows));
+    if (u.slots.capacity() < want) u.slots.reserve(std::max(want, 2 * u.slots.capacity()));
+    const std::size_t per = static_cast<std::size_t>(ks_ + vs_);
+    if (u.rows.capacity() < want * per) u.rows.reserve(std::max(want * per, 2 * u.rows.capacity()));
+  }
+  /// Bytes the journal holds now (saved rows and bookkeeping, by capacity).
+  std::size_t journal_bytes() const {
+    if (!undo_) return 0;
+    const Undo& u = *undo_;
+    return u.pos.capacity() * sizeof(std::int64_t) +
+           (u.score.capacity() + u.weight.capacity()) * sizeof(float) + u.alive.capacity() +
+           u.saved.capacity() +
+           (u.order.capacity() + u.holes.capacity() + u.slots.capacity()) * sizeof(Slot) +
+           u.key_sum.capacity() * sizeof(std::int64_t) + u.rows.capacity() * sizeof(T);
+  }
+  /// Returns the head to its checkpoint, which it consumes: the saved rows go back to their
+  /// slots, the bookkeeping is restored. Never allocates: while a checkpoint is live the head
+  /// keeps the capacity and the rows of the checkpoint's slots (reallocate).
+  void rollback() noexcept {
+    VELOXQUANT_ASSERT(has_checkpoint() && cap_ >= undo_->phys, "rollback without a checkpoint");
+    Undo& u = *undo_;
+    const std::size_t per = static_cast<std::size_t>(ks_ + vs_);
+    for (std::size_t i = 0; i < u.slots.size(); ++i) {
+      const T* row = u.rows.data() + i * per;
+      std::memcpy(key_ptr(u.slots[i]), row, sizeof(T) * static_cast<std::size_t>(ks_));
+      std::memcpy(value_ptr(u.slots[i]), row + ks_, sizeof(T) * static_cast<std::size_t>(vs_));
+    }
+    std::copy(u.pos.begin(), u.pos.end(), pos_.begin());
+    std::copy(u.score.begin(), u.score.end(), score_.begin());
+    std::copy(u.alive.begin(), u.alive.end(), alive_.begin());
+    std::copy(u.weight.begin(), u.weight.end(), value_weight_.begin());
+    // The rows appended since are gone; order_ and holes_ keep their room (the capacity).
+    std::fill(alive_.begin() + static_cast<std::ptrdiff_t>(u.phys),
+              alive_.begin() + static_cast<std::ptrdiff_t>(std::max(n_phys_, u.phys)), kDead);
+    order_.assign(u.order.begin(), u.order.end());
+    holes_.assign(u.holes.begin(), u.holes.end());
+    std::copy(u.key_sum.begin(), u.key_sum.end(), key_sum_.begin());
+    n_phys_ = u.phys;
+    call_begin_ = u.call_begin;
+    key_sum_valid_ = u.key_sum_valid;
+    u.live = false;
+  }
+
   /// Restoring a saved head, step 1 (on a head with no slot in use): room for `rows` slots,
   /// keeping the rows of the first `keep` slots already written through key_ptr / value_ptr.
   /// Strong exception guarantee.
@@ -213,6 +297,7 @@ class HeadStore {
   Slot append(const U* key, const U* value, std::int64_t position) noexcept {
     VELOXQUANT_ASSERT(n_phys_ < cap_, "append beyond reserved capacity");
     const Index s = n_phys_++;
+    journal(s);
     put_row(key, kf_, key_ptr(s));
     put_row(value, vf_, value_ptr(s));
     pos_[at(s)] = position;
@@ -347,7 +432,8 @@ class HeadStore {
            score_.capacity() * sizeof(float) + alive_.capacity() +
            key_sum_.capacity() * sizeof(std::int64_t) +
            (value_weight_.capacity() + value_row_.capacity()) * sizeof(float) +
-           (order_.capacity() + window_.capacity() + holes_.capacity()) * sizeof(Slot);
+           (order_.capacity() + window_.capacity() + holes_.capacity()) * sizeof(Slot) +
+           journal_bytes();
   }
 
   static constexpr std::uint8_t kDead = 0;
@@ -357,6 +443,33 @@ class HeadStore {
   static constexpr std::uint8_t kMoved = 2;
 
   static std::size_t at(Index s) { return static_cast<std::size_t>(s); }
+
+  // What a checkpoint keeps (checkpoint(), rollback()).
+  struct Undo {
+    bool live = false;
+    Index phys = 0, call_begin = 0;
+    bool key_sum_valid = false;
+    std::vector<std::int64_t> pos;     // [phys]
+    std::vector<float> score, weight;  // [phys], [phys] or empty
+    std::vector<std::uint8_t> alive;   // [phys]
+    std::vector<std::uint8_t> saved;   // [phys]: 1 once the slot's row needs no saving
+    std::vector<Slot> order, holes;
+    std::vector<std::int64_t> key_sum;
+    std::vector<Slot> slots;  // the slots whose rows the journal saved, in order
+    std::vector<T> rows;      // their key and value rows, ks_ + vs_ elements each
+  };
+
+  // Before slot s is overwritten: with a live checkpoint, saves the row it held then (once). The
+  // room was reserved (reserve_journal).
+  void journal(Index s) noexcept {
+    if (!undo_ || !undo_->live || s >= undo_->phys || undo_->saved[at(s)]) return;
+    Undo& u = *undo_;
+    u.saved[at(s)] = 1;
+    VELOXQUANT_ASSERT(u.slots.size() < u.slots.capacity(), "journal capacity");
+    u.slots.push_back(static_cast<Slot>(s));
+    u.rows.insert(u.rows.end(), key_ptr(s), key_ptr(s) + ks_);
+    u.rows.insert(u.rows.end(), value_ptr(s), value_ptr(s) + vs_);
+  }
 
   // Elements of T one row of format f takes.
   static Index stride_of(const RowFormat& f) {
@@ -391,6 +504,7 @@ class HeadStore {
   }
 
   void move_slot(Index from, Index to) noexcept {
+    journal(to);
     std::memcpy(key_ptr(to), key_ptr(from), sizeof(T) * static_cast<std::size_t>(ks_));
     std::memcpy(value_ptr(to), value_ptr(from), sizeof(T) * static_cast<std::size_t>(vs_));
     pos_[at(to)] = pos_[at(from)];
@@ -409,7 +523,11 @@ class HeadStore {
 
   // Allocates every buffer at exactly `rows` slots, copies the first `keep` slots (those in use),
   // then swaps.
-  void reallocate(Index rows) { reallocate(rows, n_phys_); }
+  // With a live checkpoint the slots it covers keep their rows and room (rollback needs them).
+  void reallocate(Index rows) {
+    const Index keep = has_checkpoint() ? std::max(n_phys_, undo_->phys) : n_phys_;
+    reallocate(std::max(rows, keep), keep);
+  }
   void reallocate(Index rows, Index keep) {
     const auto r = static_cast<std::size_t>(rows);
     const auto used = static_cast<std::size_t>(keep);
@@ -474,6 +592,7 @@ class HeadStore {
   std::vector<Slot> order_;            // live slots, ascending position
   std::vector<Slot> window_;           // rows retained before the current call, ascending position
   std::vector<Slot> holes_;            // slots made dead since the last compaction
+  std::unique_ptr<Undo> undo_;         // the checkpoint, or null before the first
   bool key_sum_valid_ = false;         // key_sum_ is the sum over the live rows
   double value_power_ = 0.0;           // > 0: value_weight_ is kept (enable_value_weights)
 };
