@@ -173,7 +173,7 @@ void BM_Fork(benchmark::State& state) {
     state.PauseTiming();
     heap = 0;
     for (const auto& c : copy) heap += c->heap_bytes();
-    copy = {};
+    copy.clear();
     state.ResumeTiming();
   }
   kept_bytes_processed(state);
