@@ -120,12 +120,24 @@ class HeadStore {
   /// call evicted). Allocates only (the source is untouched).
   HeadStore forked() const {
     HeadStore c(kf_, vf_);
-    if (value_power_ > 0.0) c.enable_value_weights(value_power_);
     const Index n = live();
-    c.reserve(n);
-    // No room for a window: the copy's next call with rows grows the head (its capacity is full),
-    // which reserves one, and a call without rows keeps no window.
-    c.window_ = std::vector<Slot>{};
+    const auto rows = static_cast<std::size_t>(n);
+    const auto ks = static_cast<std::size_t>(ks_), vs = static_cast<std::size_t>(vs_);
+    // Rows are appended run by run into exactly reserved buffers (no zero fill first: the rows
+    // are most of the bytes); the bookkeeping at exactly `rows` slots; a quantized head's row
+    // buffer comes with its next growth (reallocate), which its next call with rows makes.
+    c.k_.reserve(rows * ks);
+    c.v_.reserve(rows * vs);
+    c.pos_.resize(rows);
+    c.score_.resize(rows);
+    c.alive_.resize(rows, kAlive);
+    c.order_.reserve(rows);
+    c.holes_.reserve(rows);
+    if (value_power_ > 0.0) {
+      c.value_weight_.resize(rows);
+      c.value_row_.resize(value_row_.size());
+      c.value_power_ = value_power_;
+    }
     c.key_sum_ = key_sum_;
     std::vector<Slot> src;  // src[i]: the slot whose row lands in slot i
     compacted_slots(src);
@@ -133,23 +145,24 @@ class HeadStore {
     for (Index i = 0; i < n;) {
       Index j = i + 1;
       while (j < n && src[at(j)] == src[at(j - 1)] + 1) ++j;
+      const auto first = static_cast<std::size_t>(src[at(i)]);
       const auto run = static_cast<std::size_t>(j - i);
-      const Slot first = src[at(i)];
-      std::memcpy(c.key_ptr(i), key_ptr(first), sizeof(T) * run * static_cast<std::size_t>(ks_));
-      std::memcpy(c.value_ptr(i), value_ptr(first),
-                  sizeof(T) * run * static_cast<std::size_t>(vs_));
+      c.k_.insert(c.k_.end(), k_.begin() + static_cast<std::ptrdiff_t>(first * ks),
+                  k_.begin() + static_cast<std::ptrdiff_t>((first + run) * ks));
+      c.v_.insert(c.v_.end(), v_.begin() + static_cast<std::ptrdiff_t>(first * vs),
+                  v_.begin() + static_cast<std::ptrdiff_t>((first + run) * vs));
       for (Index r = i; r < j; ++r) {
         const Slot from = src[at(r)];
         c.pos_[at(r)] = pos_[at(from)];
         c.score_[at(r)] = score_[at(from)];
         if (value_power_ > 0.0) c.value_weight_[at(r)] = value_weight_[at(from)];
-        c.alive_[at(r)] = kAlive;
         to[at(from)] = static_cast<Slot>(r);
       }
       i = j;
     }
     c.order_.resize(order_.size());
     for (std::size_t i = 0; i < order_.size(); ++i) c.order_[i] = to[at(order_[i])];
+    c.cap_ = n;
     c.n_phys_ = n;
     c.call_begin_ = n;
     c.key_sum_valid_ = key_sum_valid_;
