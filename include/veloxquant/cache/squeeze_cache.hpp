@@ -159,13 +159,13 @@ class SqueezeAttentionCache : public KVCache<T> {
   void fork_from(const KVCache<T>& src, detail::StateLinks& links) override {
     const auto& from = static_cast<const SqueezeAttentionCache&>(src);
     std::shared_ptr<SqueezeCoordinator> coordinator = links.counterpart(from.coordinator_.get());
-    std::vector<detail::ConcentrationSums> sums = from.sums_;
+    std::vector<detail::ConcentrationSums> copied = from.sums_;
     KVCache<T>::fork_from(src, links);
     // No-throw from here on.
     layer_id_ = from.layer_id_;
     coordinator_.swap(coordinator);
     concentration_ = from.concentration_;
-    sums_.swap(sums);
+    sums_.swap(copied);
     calibrated_ = from.calibrated_;
     reported_ = from.reported_;
     adopted_ = from.adopted_;
