@@ -57,7 +57,7 @@
 //     the newest protected_recent() rows of the call; state() holds exactly the rows that were fed
 //     at those positions;
 //   * retained positions equal the oracle's per head, and scores are within 1e-6 absolute or 1e-4
-//     relative of the oracle's (H2O core, TOVA; SnapKV for the rows of the compressed call);
+//     relative of the oracle's (H2O core, TOVA; SnapKV);
 //   * budget(), n_sink(), protected_recent(), layer_budget(), compressed(), concentration()
 //     (against the Gram-matrix reference, 1e-9), budget_adopted(), and the coordinator's reports,
 //     finalisation and resolved budget against a model of docs/design.md 5.4.

@@ -371,12 +371,11 @@ class Checks {
                      where + " lost sink " + std::to_string(p) + ": " + fmt_vec(pos));
     }
     if (cache_.snap) {
-      // Rows of uncompressed calls are all kept; the compressed call keeps its first sinks.
+      // The sinks stay; so does every row since the last compressed chunk (decode steps append),
+      // and every row before the first compression.
       for (std::int64_t p = 0; p < offset; ++p) {
-        const bool in_call = seq_.snap_compressed && p >= seq_.snap_first && p < seq_.snap_end;
-        const bool call_sink =
-            in_call && p < seq_.snap_first + std::min(cfg.snap_n_sink, cfg.snap_budget);
-        if (!in_call || call_sink) {
+        const bool sink = p < std::min(cfg.snap_n_sink, cfg.snap_budget);
+        if (sink || !seq_.snap_compressed || p >= seq_.snap_end) {
           report_.expect(have.count(p) == 1, where + " SnapKV lost position " + std::to_string(p));
         }
       }
@@ -399,8 +398,7 @@ class Checks {
       hm.ambiguous = false;
       return;
     }
-    bool compare_all_scores = true;
-    const std::vector<ref::OracleRow>* rows = oracle_rows(hm, compare_all_scores);
+    const std::vector<ref::OracleRow>* rows = oracle_rows(hm);
     if (rows == nullptr) return;
     Positions want;
     std::vector<double> want_scores;
@@ -414,7 +412,7 @@ class Checks {
       problem = where + " retains " + fmt_vec(pos) + " with scores " + fmt_vec(got_scores) +
                 "; oracle retains " + fmt_vec(want) + " with scores " + fmt_vec(want_scores);
     } else {
-      problem = score_mismatch(want, want_scores, got_scores, compare_all_scores, where);
+      problem = score_mismatch(want, want_scores, got_scores, where);
     }
     if (!problem.empty()) {
       if (!hm.ambiguous) report_.fail("oracle mismatch without a near-tie: " + problem);
@@ -425,30 +423,21 @@ class Checks {
     hm.ambiguous = false;
   }
 
-  /// The rows of the head's oracle (nullptr: none); `compare_all_scores` false for SnapKV, whose
-  /// scores are compared for the compressed call's rows only.
-  const std::vector<ref::OracleRow>* oracle_rows(const HeadModel<T>& hm,
-                                                 bool& compare_all_scores) const {
+  /// The rows of the head's oracle (nullptr: none).
+  const std::vector<ref::OracleRow>* oracle_rows(const HeadModel<T>& hm) const {
     const std::vector<ref::OracleRow>* rows = nullptr;
     if (hm.h2o) rows = &hm.h2o->rows();
     if (hm.h2oq) rows = &hm.h2oq->rows();
     if (hm.tova) rows = &hm.tova->rows();
     if (hm.tovaq) rows = &hm.tovaq->rows();
-    if (hm.snap) {
-      rows = seq_.snap_by_queries ? &hm.snapq->rows() : &hm.snap->rows();
-      compare_all_scores = false;
-    }
+    if (hm.snap) rows = &hm.snap->rows();
     return rows;
   }
 
   /// The first retained row whose score is off the oracle's ("" if none).
   std::string score_mismatch(const Positions& want, const std::vector<double>& want_scores,
-                             const std::vector<float>& got_scores, bool compare_all_scores,
-                             const std::string& where) const {
+                             const std::vector<float>& got_scores, const std::string& where) const {
     for (std::size_t r = 0; r < want.size(); ++r) {
-      const bool compared =
-          compare_all_scores || (want[r] >= seq_.snap_first && want[r] < seq_.snap_end);
-      if (!compared) continue;
       const double got = static_cast<double>(got_scores[r]);
       if (!(std::fabs(got - want_scores[r]) <=
             std::max(kScoreAbsTol, kScoreRelTol * std::fabs(want_scores[r])))) {

@@ -30,8 +30,7 @@ struct HeadModel {
   std::optional<ref::TOVAHeadOracle> tova;
   std::optional<ref::TOVAHeadOracle> tovaq;
   std::optional<ref::StreamingLLMHeadOracle> stream;
-  std::optional<ref::SnapKVHeadOracle> snap;
-  std::optional<ref::SnapKVHeadOracle> snapq;
+  std::optional<ref::SnapKVHeadOracle> snap;  // fed the call's queries (or the proxy's)
   bool diverged = false;   // a tolerated near-tie divergence happened (until reset)
   bool ambiguous = false;  // an ambiguous decision in the current call
   /// Every row fed since the last reset, by position: key then value, as stored (T).
@@ -79,8 +78,7 @@ class SequenceModel {
     tokens_seen = 0;
     count = 0;
     snap_compressed = false;
-    snap_by_queries = false;
-    snap_first = snap_end = 0;
+    snap_end = 0;
     Rng rng(in.u32());
     palette_k.assign(static_cast<std::size_t>(1 + rng.below(4)), std::vector<double>());
     for (auto& r : palette_k) {
@@ -141,11 +139,11 @@ class SequenceModel {
         hm.fed_keys.emplace_back(kp, kp + ks);
         hm.fed_values.emplace_back(vp, vp + vs);
       }
-      absorb(hm, keys, values, queries, with_queries, first);
+      absorb(hm, keys, values, queries, first);
     }
     offset += S;
     tokens_seen += B * H * S;
-    count_call(S, with_queries, first);
+    count_call(S, first);
   }
 
   /// trim(n) of a standard cache removed the newest `n` rows.
@@ -165,8 +163,8 @@ class SequenceModel {
   std::int64_t offset = 0, tokens_seen = 0;
   std::int64_t last_call_first = 0;  ///< the position of the last call's first token
   Index count = 0;  ///< rows per head (a model independent of which rows were evicted)
-  bool snap_compressed = false, snap_by_queries = false;  ///< SnapKV's compressed call
-  std::int64_t snap_first = 0, snap_end = 0;              ///< and its positions [first, end)
+  bool snap_compressed = false;  ///< SnapKV has compressed a chunk
+  std::int64_t snap_end = 0;     ///< the end of the last compressed chunk's positions
   Rows palette_k;  ///< rows that keys (and queries) of Palette/Constant data repeat
   std::vector<HeadModel<T>> heads;  ///< b * H + h
 
@@ -202,7 +200,6 @@ class SequenceModel {
           break;
         case Policy::SnapKV:
           hm.snap.emplace(cfg.snap_n_sink, cfg.snap_budget, cfg.snap_obs_window);
-          hm.snapq.emplace(cfg.snap_n_sink, cfg.snap_budget, cfg.snap_obs_window);
           break;
         default:
           break;
@@ -212,7 +209,7 @@ class SequenceModel {
 
   /// The count model after a call of S tokens starting at `first` (independent of which rows
   /// were evicted).
-  void count_call(Index S, bool with_queries, std::int64_t first) {
+  void count_call(Index S, std::int64_t first) {
     const vc::KVCacheConfig& cfg = spec_.cfg;
     switch (spec_.policy) {
       case Policy::Standard:
@@ -227,12 +224,11 @@ class SequenceModel {
         count = std::min<Index>(count + S, cfg.tova_budget);
         break;
       case Policy::SnapKV:
-        if (!snap_compressed && S > cfg.snap_budget) {
+        // A prompt chunk past the budget is cut to it (SPEC 13.3); decode steps append.
+        if (S > 1 && count + S > cfg.snap_budget) {
           snap_compressed = true;
-          snap_by_queries = with_queries;
-          snap_first = first;
           snap_end = first + S;
-          count += cfg.snap_budget;
+          count = cfg.snap_budget;
         } else {
           count += S;
         }
@@ -258,14 +254,14 @@ class SequenceModel {
   }
 
   void absorb(HeadModel<T>& hm, const Rows& keys, const Rows& values,
-              const std::vector<Rows>& queries, bool with_queries, std::int64_t first) {
+              const std::vector<Rows>& queries, std::int64_t first) {
     if (hm.h2o && oracle_on()) absorb_h2o(hm, keys, values);
     if (hm.h2oq && oracle_on()) absorb_h2oq(hm, keys, values, queries);
     if ((hm.tova || hm.tovaq) && oracle_on()) absorb_tova(hm, keys, values, queries, first);
     if (hm.stream) {
       for (std::size_t s = 0; s < keys.size(); ++s) hm.stream->absorb(keys[s], values[s]);
     }
-    if (hm.snap) absorb_snap(hm, keys, values, queries, with_queries, first);
+    if (hm.snap) absorb_snap(hm, keys, values, queries, first);
   }
 
   /// The H2O oracle without queries: token by token (docs/design.md 4.2).
@@ -333,40 +329,48 @@ class SequenceModel {
     }
   }
 
-  /// Both SnapKV oracles (the proxy's and the queries'), and the compression's decision.
+  /// The SnapKV oracle (fed the call's queries, which are the proxy's {key} per token without
+  /// real ones), and a compression's decision: every row held then is a candidate but the sinks.
   void absorb_snap(HeadModel<T>& hm, const Rows& keys, const Rows& values,
-                   const std::vector<Rows>& queries, bool with_queries, std::int64_t first) {
+                   const std::vector<Rows>& queries, std::int64_t first) {
     const vc::KVCacheConfig& cfg = spec_.cfg;
     const auto S = keys.size();
-    const bool compress = !snap_compressed && static_cast<int>(S) > cfg.snap_budget;
-    hm.snap->absorb_call(keys, values);
-    hm.snapq->absorb_call(keys, values, queries);
+    const std::vector<ref::OracleRow> held = hm.snap->rows();
+    const bool compress = S > 1 && held.size() + S > static_cast<std::size_t>(cfg.snap_budget);
+    hm.snap->absorb_call(keys, values, queries);
     if (!compress) return;
-    // The call's scores (as the oracle computes them) for the ambiguity of the selection.
+    // The scores (as the oracle computes them) for the ambiguity of the selection.
     const std::size_t w = std::min<std::size_t>(static_cast<std::size_t>(cfg.snap_obs_window), S);
     std::vector<const std::vector<double>*> ptrs;
-    for (const auto& k : keys) ptrs.push_back(&k);
-    // The oracles' scorer; without real queries each token's query heads are {its key} (the
-    // proxy).
-    std::vector<double> score(S, 0.0);
+    Positions all_pos;
+    for (const auto& r : held) {
+      ptrs.push_back(&r.key);
+      all_pos.push_back(r.position);
+    }
+    for (std::size_t r = 0; r < S; ++r) {
+      ptrs.push_back(&keys[r]);
+      all_pos.push_back(first + static_cast<std::int64_t>(r));
+    }
+    const std::size_t n = ptrs.size();
+    std::vector<double> score(n, 0.0);
     std::size_t n_soft = 0;
     for (std::size_t j = S - w; j < S; ++j) {
       for (const auto& q : queries[j]) {
         const std::vector<double> a = ref::attention_weights(ptrs, q);
-        for (std::size_t r = 0; r < S; ++r) score[r] += a[r];
+        for (std::size_t r = 0; r < n; ++r) score[r] += a[r];
         ++n_soft;
       }
     }
-    const auto sinks = static_cast<std::size_t>(std::min(cfg.snap_n_sink, cfg.snap_budget));
-    std::vector<Candidate> cands;
-    Positions call_pos;
-    for (std::size_t r = 0; r < S; ++r) {
-      score[r] /= static_cast<double>(n_soft);
-      call_pos.push_back(first + static_cast<std::int64_t>(r));
-      if (r >= sinks) cands.push_back({score[r], first + static_cast<std::int64_t>(r)});
+    std::size_t sinks = 0;
+    while (sinks < n && sinks < static_cast<std::size_t>(cfg.snap_budget) &&
+           all_pos[sinks] < cfg.snap_n_sink) {
+      ++sinks;
     }
-    const Positions kept = with_queries ? hm.snapq->positions() : hm.snap->positions();
-    note_decision(hm, cands, minus(call_pos, kept), /*keys_decide=*/true);
+    std::vector<Candidate> cands;
+    for (std::size_t r = sinks; r < n; ++r) {
+      cands.push_back({score[r] / static_cast<double>(n_soft), all_pos[r]});
+    }
+    note_decision(hm, cands, minus(all_pos, hm.snap->positions()), /*keys_decide=*/true);
   }
 
   /// Candidates of a re-budget: rows that are neither sinks nor among the newest g(b).

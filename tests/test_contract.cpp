@@ -12,7 +12,8 @@
 //  * after a call every head holds the rows its policy allows: the budget, the sinks, the newest
 //    row; offset() is the true position; the accounting follows the rows;
 //  * every API leaves the same state as every other;
-//  * the heap stays bounded over a long decode;
+//  * the heap stays bounded over a long decode, and a head within budget + C rows in chunked
+//  prefill;
 //  * reset() starts a fresh sequence (bitwise a new cache's), trim() only on the standard cache;
 //  * a cache saved and loaded after any call (save_prompt_cache / load_prompt_cache) continues
 //    bitwise as if it had never been saved, and saves again to the same bytes; a cache forked
@@ -63,10 +64,14 @@ TYPED_TEST_SUITE(ContractTest, StorageTypes);
 // What a head may hold after a call
 // ---------------------------------------------------------------------------------------------
 
-/// Rows every head must hold after a call, given the tokens absorbed so far (`offset`), the
-/// calls made (`calls`) and the size of the first call (`first_s`), for the subjects of
-/// contract.hpp (budget 6, one sink; squeeze before adoption 8).
-Index expected_rows(Kind kind, std::int64_t offset, int calls, Index first_s) {
+/// SnapKV's rows per head after a call of S tokens on a head of `rows` (SPEC 13.3): a chunk
+/// (S > 1) that passes the budget (6) is cut to it; anything else appends.
+Index snap_rows(Index rows, Index S) { return S > 1 && rows + S > 6 ? 6 : rows + S; }
+
+/// Rows every head must hold after a call, given the tokens absorbed so far (`offset`) and the
+/// calls made (`calls`), for the subjects of contract.hpp (budget 6, one sink; squeeze before
+/// adoption 8) but SnapKV, whose count follows the calls (snap_rows).
+Index expected_rows(Kind kind, std::int64_t offset, int calls) {
   const auto upto = [&](Index cap) { return std::min<Index>(offset, cap); };
   switch (kind) {
     case Kind::kStandard:
@@ -76,8 +81,7 @@ Index expected_rows(Kind kind, std::int64_t offset, int calls, Index first_s) {
       // Holds everything in its first call (budget unknown), then falls back to squeeze_budget.
       return calls <= 1 ? offset : upto(8);
     case Kind::kSnap:
-      // Compresses the first call with S > budget (here: the first call) and appends after it.
-      return first_s > 6 ? offset - (first_s - 6) : offset;
+      return -1;  // follows the calls themselves: snap_rows
     default:
       return upto(6);
   }
@@ -197,6 +201,7 @@ TYPED_TEST(ContractTest, EveryCallReturnsTheRetainedRowsThenItsOwnAndStaysWithin
       vc::KVPair<T> into;
       std::int64_t offset = 0, seen = 0;
       int calls = 0;
+      Index snap = 0;
       for (const Index S : sequence_sizes()) {
         const Call call = random_call(rng, with_s(kKeys, S), with_s(kValues, S));
         const vc::KVPair<T> before = s.cache->state();
@@ -211,7 +216,8 @@ TYPED_TEST(ContractTest, EveryCallReturnsTheRetainedRowsThenItsOwnAndStaysWithin
         if (S > 0) ++calls;
         ASSERT_EQ(s.cache->offset(), offset) << where;
         EXPECT_EQ(s.cache->tokens_seen(), seen) << where;
-        const Index rows = expected_rows(kind, offset, calls, sequence_sizes().front());
+        snap = snap_rows(snap, S);
+        const Index rows = kind == Kind::kSnap ? snap : expected_rows(kind, offset, calls);
         const auto held = held_positions(*s.cache);
         for (const auto& p : held) {
           ASSERT_EQ(static_cast<Index>(p.size()), rows) << where;
@@ -314,6 +320,50 @@ TYPED_TEST(ContractTest, HeapStaysBoundedOverALongDecode) {
     }
     EXPECT_EQ(s.cache->heap_bytes(), at_500);
     EXPECT_EQ(s.cache->offset(), 1500);
+  }
+}
+
+/// Chunked prefill (SPEC 13.3, docs/design.md 10.3): a prompt of 60 tokens fed in chunks of C
+/// (2, 3 or 5) through every fetching API. Once a cache's budget is known (layer_budget(), held the
+/// whole call), a chunk's call returns at most budget + C rows per head (the rows retained before
+/// it and its own, all a head holds during the call), and after it a head holds at most budget rows
+/// and kept_bytes() is that of budget rows at most; SnapKV too. The standard cache keeps all.
+TYPED_TEST(ContractTest, ChunkedPrefillHoldsAtMostBudgetPlusC) {
+  using T = TypeParam;
+  // (The fetching APIs: their return has the shape that counts the rows.)
+  const Api apis[] = {Api::kFetch, Api::kFetchIntoQ, Api::kFetchInto, Api::kFetchQ};
+  for (const Kind kind : kKinds) {
+    if (kind == Kind::kStandard) continue;
+    for (const Index C : {2, 3, 5}) {
+      const std::string ctx = std::string(kind_name(kind)) + ", chunks of " + std::to_string(C);
+      Subject<T> s = make_subject<T>(kind);
+      std::mt19937 rng(31u + static_cast<unsigned>(C));
+      std::size_t row_bytes = 0;  // of one row of one head
+      int bounded_chunks = 0;
+      for (Index done = 0, i = 0; done < 60; done += C, ++i) {
+        const int budget_before = s.cache->layer_budget();
+        const Index kept_before = s.cache->tokens_kept();
+        const Call call = random_call(rng, with_s(kKeys, C), with_s(kValues, C));
+        vc::KVPair<T> into;
+        const Returned r = invoke(*s.cache, apis[static_cast<std::size_t>(i) % 4], call, into);
+        EXPECT_EQ(r.key_shape[2], kept_before + C) << ctx << ", chunk " << i;
+        const int budget = s.cache->layer_budget();
+        const bool known = budget > 0 && (budget == budget_before || kind == Kind::kSnap);
+        if (row_bytes == 0 && s.cache->tokens_kept() > 0) {
+          row_bytes = s.cache->kept_bytes() /
+                      static_cast<std::size_t>(s.cache->tokens_kept() * kKeys[0] * kKeys[1]);
+        }
+        if (!known) continue;
+        ++bounded_chunks;
+        EXPECT_LE(kept_before + C, budget + C) << ctx << ", chunk " << i;
+        EXPECT_LE(s.cache->tokens_kept(), budget) << ctx << ", chunk " << i;
+        EXPECT_LE(s.cache->kept_bytes(),
+                  row_bytes * static_cast<std::size_t>(budget * kKeys[0] * kKeys[1]))
+            << ctx << ", chunk " << i;
+      }
+      EXPECT_GE(bounded_chunks, 5) << ctx << ": the budget was never known";
+      EXPECT_LT(s.cache->tokens_kept(), 60) << ctx << ": nothing was evicted";
+    }
   }
 }
 
@@ -943,7 +993,10 @@ TYPED_TEST(ContractTest, TheSharedBadCallListThrowsAndChangesNothingOnEveryPolic
         Subject<T> twin = make_subject<T>(kind, config);
         if (established) {
           establish(subject, twin, rng, ctx);
-          ASSERT_EQ(subject.cache->tokens_kept(), expected_rows(kind, 12, 4, 9)) << ctx;
+          const Index snap = snap_rows(snap_rows(snap_rows(snap_rows(0, 9), 1), 1), 1);
+          ASSERT_EQ(subject.cache->tokens_kept(),
+                    kind == Kind::kSnap ? snap : expected_rows(kind, 12, 4))
+              << ctx;
         }
         const Snapshot before = snapshot(subject);
         const double ratio_before = subject.cache->compression_ratio();

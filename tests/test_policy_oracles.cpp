@@ -374,59 +374,62 @@ TEST(SnapKVHeadOracleTest, TiesKeepTheEarliest) {
     for (const auto& r : flat.rows()) EXPECT_NEAR(r.score, 1.0 / 6.0, 1e-15);
 }
 
-TEST(SnapKVHeadOracleTest, CompressesOnlyTheFirstLongCallThenAppends) {
-    // budget 3, n_sink 1, obs 2.
-    ref::SnapKVHeadOracle snap(1, 3, 2);
-    // Call 1: S = 2 <= budget -> appended, positions 0, 1.
-    snap.absorb_call({{9.0, 9.0}, {-9.0, 9.0}}, value_rows(2));
-    EXPECT_FALSE(snap.compressed());
-    EXPECT_EQ(snap.positions(), (Positions{0, 1}));
-    // Call 2: S = 5 > budget -> compressed (the hand example, positions 2..6). Earlier rows stay as
-    // they are and are not part of the scoring softmax, so the scores equal the hand example's, and
-    // the call's first row (position 2) is its sink: call rows 0, 1, 4 -> positions 2, 3, 6.
-    snap.absorb_call(scaled(kSnapE, kSnapScale), value_rows(5, 200.0));
-    EXPECT_TRUE(snap.compressed());
-    EXPECT_EQ(snap.positions(), (Positions{0, 1, 2, 3, 6}));
-    ASSERT_EQ(snap.rows().size(), 5u);
-    EXPECT_EQ(snap.rows()[0].score, 0.0);
-    EXPECT_EQ(snap.rows()[1].score, 0.0);
-    EXPECT_NEAR(snap.rows()[2].score, 15.0 / 168.0, 1e-12);
-    EXPECT_NEAR(snap.rows()[3].score, 60.0 / 168.0, 1e-12);
-    EXPECT_NEAR(snap.rows()[4].score, 39.0 / 168.0, 1e-12);
-    EXPECT_EQ(snap.rows()[4].value, v1(204.0));
-    // Call 3: S = 6 > budget, but compression already happened -> appended (positions 7..12).
-    snap.absorb_call(zero_rows(6, 2), value_rows(6));
-    EXPECT_EQ(snap.positions(), (Positions{0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12}));
-    for (std::size_t r = 5; r < snap.rows().size(); ++r) EXPECT_EQ(snap.rows()[r].score, 0.0);
-    // Call 4: one decode token -> appended at position 13.
-    snap.absorb_call({{1.0, 1.0}}, value_rows(1));
-    EXPECT_EQ(snap.rows().size(), 12u);
-    EXPECT_EQ(snap.positions().back(), 13);
+TEST(SnapKVHeadOracleTest, CompressesEveryChunkPastTheBudgetWithTheRowsHeldBeforeIt) {
+  // budget 3, n_sink 1, obs 2.
+  ref::SnapKVHeadOracle snap(1, 3, 2);
+  // Call 1: S = 2 <= budget -> appended, positions 0, 1, zero keys (logit 0: weight 1).
+  snap.absorb_call(zero_rows(2, 2), value_rows(2));
+  EXPECT_FALSE(snap.compressed());
+  EXPECT_EQ(snap.positions(), (Positions{0, 1}));
+  // Call 2: the hand example (positions 2..6) as a chunk past the budget (SPEC 13.3): the two
+  // held rows join its softmaxes. Observers e3 = (1,1): weights [1,1 | 1,4,2,4,1], sum 14;
+  // e4 = (1,-1): [1,1 | 1,4,0.5,1,4], sum 12.5. Score = the mean of the two (denominator 700):
+  // held rows and e0: 53; e1: 212; e2: 64; e3: 128; e4: 137. Keep position 0 (the sink) and the
+  // two best others: e1 (position 3), e4 (position 6).
+  snap.absorb_call(scaled(kSnapE, kSnapScale), value_rows(5, 200.0));
+  EXPECT_TRUE(snap.compressed());
+  EXPECT_EQ(snap.positions(), (Positions{0, 3, 6}));
+  ASSERT_EQ(snap.rows().size(), 3u);
+  EXPECT_NEAR(snap.rows()[0].score, 53.0 / 700.0, 1e-12);
+  EXPECT_NEAR(snap.rows()[1].score, 212.0 / 700.0, 1e-12);
+  EXPECT_NEAR(snap.rows()[2].score, 137.0 / 700.0, 1e-12);
+  EXPECT_EQ(snap.rows()[2].value, v1(204.0));
+  // Call 3: one decode token -> appended at position 7 (past the budget), score 0.
+  snap.absorb_call({{1.0, 1.0}}, value_rows(1));
+  EXPECT_EQ(snap.positions(), (Positions{0, 3, 6, 7}));
+  EXPECT_EQ(snap.rows()[3].score, 0.0);
+  // Call 4: a chunk of 2 zero keys: every row held weighs 1/6 (all logits 0 against zero
+  // observers), a full tie: the sink and the earliest others stay.
+  snap.absorb_call(zero_rows(2, 2), value_rows(2));
+  EXPECT_EQ(snap.positions(), (Positions{0, 3, 6}));
+  for (const auto& r : snap.rows()) EXPECT_NEAR(r.score, 1.0 / 6.0, 1e-12);
 
-    // reset() re-arms compression and restarts positions.
-    snap.reset();
-    EXPECT_FALSE(snap.compressed());
-    EXPECT_TRUE(snap.rows().empty());
-    snap.absorb_call(scaled(kSnapE, kSnapScale), value_rows(5));
-    EXPECT_TRUE(snap.compressed());
-    EXPECT_EQ(snap.positions(), (Positions{0, 1, 4}));
+  // reset() restarts positions; a whole prompt in one call is the hand example.
+  snap.reset();
+  EXPECT_FALSE(snap.compressed());
+  EXPECT_TRUE(snap.rows().empty());
+  snap.absorb_call(scaled(kSnapE, kSnapScale), value_rows(5));
+  EXPECT_TRUE(snap.compressed());
+  EXPECT_EQ(snap.positions(), (Positions{0, 1, 4}));
 }
 
-TEST(SnapKVHeadOracleTest, CallsWithinBudgetJustAppend) {
-    // budget 5: calls of S = 3, 0, 2 and 5 (= budget, not > budget) all append, even past the budget.
-    ref::SnapKVHeadOracle snap(1, 5, 2);
-    snap.absorb_call(zero_rows(3, 2), value_rows(3));
-    snap.absorb_call({}, {});  // S = 0: nothing changes
-    EXPECT_EQ(snap.positions(), (Positions{0, 1, 2}));
-    snap.absorb_call(zero_rows(2, 2), value_rows(2));
-    snap.absorb_call(zero_rows(5, 2), value_rows(5));
-    EXPECT_FALSE(snap.compressed());
-    EXPECT_EQ(snap.positions(), (Positions{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
-    for (const auto& r : snap.rows()) EXPECT_EQ(r.score, 0.0);
-    // The first call with S > budget is compressed (equal keys: the call's earliest 5 of 6 survive).
-    snap.absorb_call(zero_rows(6, 2), value_rows(6));
-    EXPECT_TRUE(snap.compressed());
-    EXPECT_EQ(snap.positions(), (Positions{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14}));
+TEST(SnapKVHeadOracleTest, CallsWithinTheBudgetAndDecodeStepsAppend) {
+  // budget 5: calls of S = 3, 0, 2 leave exactly the budget (not more): appended.
+  ref::SnapKVHeadOracle snap(1, 5, 2);
+  snap.absorb_call(zero_rows(3, 2), value_rows(3));
+  snap.absorb_call({}, {});  // S = 0: nothing changes
+  EXPECT_EQ(snap.positions(), (Positions{0, 1, 2}));
+  snap.absorb_call(zero_rows(2, 2), value_rows(2));
+  EXPECT_FALSE(snap.compressed());
+  // Decode steps (S = 1) never compress, even past the budget.
+  for (int i = 0; i < 4; ++i) snap.absorb_call(zero_rows(1, 2), value_rows(1));
+  EXPECT_FALSE(snap.compressed());
+  EXPECT_EQ(snap.positions(), (Positions{0, 1, 2, 3, 4, 5, 6, 7, 8}));
+  for (const auto& r : snap.rows()) EXPECT_EQ(r.score, 0.0);
+  // The next chunk (S = 2) is compressed with all of them (equal keys: the earliest 5 of 11).
+  snap.absorb_call(zero_rows(2, 2), value_rows(2));
+  EXPECT_TRUE(snap.compressed());
+  EXPECT_EQ(snap.positions(), (Positions{0, 1, 2, 3, 4}));
 }
 
 TEST(SnapKVHeadOracleTest, RejectsBadInputUnchanged) {

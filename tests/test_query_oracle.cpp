@@ -458,25 +458,41 @@ TEST(SnapKVHeadOracleQueriesTest, ObservationWindowAndTies) {
     EXPECT_EQ(flat.positions(), (Positions{0, 1, 2}));
 }
 
-TEST(SnapKVHeadOracleQueriesTest, CompressesOnlyTheFirstLongCall) {
-    ref::SnapKVHeadOracle head(1, 3, 2);
-    // S = 2 <= budget: appended.
-    head.absorb_call(Rows{c2(5, 0), c2(0, 5)}, value_rows(2), Queries{{c2(0, 0), c2(0, 0)}, {c2(0, 0), c2(0, 0)}});
-    EXPECT_FALSE(head.compressed());
-    EXPECT_EQ(head.positions(), (Positions{0, 1}));
-    // The hand example as the second call (positions 2..6): its first row (position 2) is its sink,
-    // then call rows 2 and 3 (positions 4 and 5); the earlier rows are untouched.
-    head.absorb_call(kSnapKeys, value_rows(5), kSnapQueries);
-    EXPECT_TRUE(head.compressed());
-    EXPECT_EQ(head.positions(), (Positions{0, 1, 2, 4, 5}));
-    // Later calls append without eviction, whatever their S.
-    head.absorb_call(kSnapKeys, value_rows(5), kSnapQueries);
-    EXPECT_EQ(head.positions(), (Positions{0, 1, 2, 4, 5, 7, 8, 9, 10, 11}));
+// A chunk past the budget ranks the rows held before it too (SPEC 13.3). Two zero keys held
+// (positions 0, 1: logit 0, weight 1 under any query), then the hand example as a chunk
+// (positions 2..6), whose softmaxes now also count the two held rows:
+//   token 3: (1,0): [1,1 | 1,2,1,2,1]/9      (0,0): [1,1 | 1,1,1,1,1]/7
+//   token 4: (0,1): [1,1 | 1,1,2,2,1]/9      (0,2): [1,1 | 1,1,4,4,1]/13
+//   score = mean of the four (denominator 4 * 819 = 3276; 1/9 = 91/819, 1/7 = 117/819,
+//   1/13 = 63/819): held rows, row0 and row4: 362; row1: 453; row2: 642; row3: 733
+//   keep position 0 (the sink) + the top 2 others: row3 (position 5), row2 (position 4).
+TEST(SnapKVHeadOracleQueriesTest, CompressesEveryChunkPastTheBudgetWithTheRowsHeldBeforeIt) {
+  ref::SnapKVHeadOracle head(1, 3, 2);
+  const Queries zero2(2, Rows{c2(0, 0), c2(0, 0)});
+  // S = 2 within the budget: appended.
+  head.absorb_call(Rows{c2(0, 0), c2(0, 0)}, value_rows(2), zero2);
+  EXPECT_FALSE(head.compressed());
+  EXPECT_EQ(head.positions(), (Positions{0, 1}));
+  head.absorb_call(kSnapKeys, value_rows(5), kSnapQueries);
+  EXPECT_TRUE(head.compressed());
+  EXPECT_EQ(head.positions(), (Positions{0, 4, 5}));
+  ASSERT_EQ(head.rows().size(), 3u);
+  EXPECT_NEAR(head.rows()[0].score, 362.0 / 3276.0, kTol);
+  EXPECT_NEAR(head.rows()[1].score, 642.0 / 3276.0, kTol);
+  EXPECT_NEAR(head.rows()[2].score, 733.0 / 3276.0, kTol);
+  // A decode step appends, past the budget.
+  head.absorb_call(Rows{c2(1, 1)}, value_rows(1), Queries{{c2(0, 0), c2(0, 0)}});
+  EXPECT_EQ(head.positions(), (Positions{0, 4, 5, 7}));
+  EXPECT_EQ(head.rows()[3].score, 0.0);
+  // A chunk of 2 with zero queries: every row held weighs 1/6, a full tie: the earliest stay.
+  head.absorb_call(Rows{c2(0, 0), c2(0, 0)}, value_rows(2), zero2);
+  EXPECT_EQ(head.positions(), (Positions{0, 4, 5}));
+  for (const auto& r : head.rows()) EXPECT_NEAR(r.score, 1.0 / 6.0, kTol);
 
-    head.reset();
-    EXPECT_FALSE(head.compressed());
-    head.absorb_call(kSnapKeys, value_rows(5), kSnapQueries);
-    EXPECT_EQ(head.positions(), (Positions{0, 2, 3}));
+  head.reset();
+  EXPECT_FALSE(head.compressed());
+  head.absorb_call(kSnapKeys, value_rows(5), kSnapQueries);
+  EXPECT_EQ(head.positions(), (Positions{0, 2, 3}));
 }
 
 TEST(SnapKVHeadOracleQueriesTest, RejectsBadInputWithoutChangingState) {

@@ -2,10 +2,11 @@
 // tests/reference/policy_oracles.hpp on random call sequences (the driver of
 // support/oracle_driver.hpp: every update API, with and without queries, compressed() after every
 // call), plus hand-built cases: no causal mask
-// in the scoring, exact ties keep the earliest row, sinks are the compressing call's first rows,
-// a call of exactly `budget` rows is not compressed, reset() re-arms the compression, validation at
-// construction, bad input with the strong guarantee (docs/design.md 8, including calls that would compress)
-// and bounded memory over a long decode. Parallel heads: test_parallel.cpp.
+// in the scoring, exact ties keep the earliest row, a chunk ranks the rows held before it and keeps
+// the sinks, which calls compress (SPEC 13.3: every prompt chunk past the budget; decode steps
+// never), reset() re-arms the compression, validation at
+// construction, bad input with the strong guarantee (docs/design.md 8, including calls that would
+// compress) and bounded memory over a long decode. Parallel heads: test_parallel.cpp.
 
 // Internal invariants of the library are checked (and abort) even in Release builds.
 // clang-format off
@@ -390,9 +391,12 @@ TYPED_TEST(SnapKVCacheTest, RepeatedKeyGroupsCutByTheBudgetKeepTheEarliest) {
   }
 }
 
-/// The sinks are the compressing call's first min(n_sink, budget) rows, kept even when they score
-/// lowest; rows of earlier (short) calls are untouched and not scored.
-TYPED_TEST(SnapKVCacheTest, SinksAreTheCompressingCallsFirstRows) {
+/// A chunk that passes the budget ranks the rows held before it with its own (SPEC 13.3): after a
+/// short first call (positions 0..2, appended), a chunk of 30 whose first 8 rows point away from
+/// its observation window keeps the sinks (positions below n_sink, for being first, not for their
+/// score) and otherwise only rows the window attends to; the kept set and every score agree with
+/// the oracle.
+TYPED_TEST(SnapKVCacheTest, AChunkRanksTheRowsHeldBeforeItAndKeepsTheSinks) {
   using T = TypeParam;
   std::mt19937 rng(11);
   for (const int n_sink : {0, 1, 4, 7}) {
@@ -406,37 +410,38 @@ TYPED_TEST(SnapKVCacheTest, SinksAreTheCompressingCallsFirstRows) {
     cache.update_and_fetch(k0, v0);
     oracle.absorb_call(rows_of(k0, 0, 0), rows_of(v0, 0, 0));
     EXPECT_FALSE(cache.compressed());
-    // The long call: its first rows point away from the others (low attention everywhere).
+    // The chunk: its first rows point away from the others (low attention everywhere).
     vc::Tensor4<T> k1 = random_tensor<T>(rng, 1, 1, S, D);
     for (Index s = 0; s < S; ++s) k1(0, 0, s, 0) = static_cast<T>(s < 8 ? -3.0 : 3.0);
     const vc::Tensor4<T> v1 = random_tensor<T>(rng, 1, 1, S, D);
     const vc::KVPair<T> out = cache.update_and_fetch(k1, v1);
     oracle.absorb_call(rows_of(k1, 0, 0), rows_of(v1, 0, 0));
-    EXPECT_EQ(out.first.dimension(2), 3 + S);
+    EXPECT_EQ(out.first.dimension(2), 3 + S);  // every row it brought, and the ones held before
     EXPECT_TRUE(cache.compressed());
     const Positions pos = cache.positions(0, 0);
     EXPECT_EQ(pos, oracle.positions()) << "n_sink " << n_sink;
-    ASSERT_EQ(pos.size(), static_cast<std::size_t>(3 + budget));
-    for (std::int64_t p = 0; p < 3 + n_sink; ++p) EXPECT_EQ(pos[static_cast<std::size_t>(p)], p);
-    // Positions 3 + n_sink .. 10 (the call's rows n_sink..7, pointing away) are not kept: the
-    // sinks were kept for being first, not for their score.
-    for (std::size_t r = static_cast<std::size_t>(3 + n_sink); r < pos.size(); ++r)
+    ASSERT_EQ(pos.size(), static_cast<std::size_t>(budget));
+    for (std::int64_t p = 0; p < n_sink; ++p) EXPECT_EQ(pos[static_cast<std::size_t>(p)], p);
+    // Positions n_sink .. 10 (the first call's rows and the chunk's rows pointing away) are not
+    // kept unless they are sinks.
+    for (std::size_t r = static_cast<std::size_t>(n_sink); r < pos.size(); ++r) {
       EXPECT_GE(pos[r], 11) << "n_sink " << n_sink;
-    // The earlier rows carry no SnapKV score; the call's sink scores are below every kept other.
+    }
     const std::vector<float> sc = cache.scores(0, 0);
-    const std::vector<double> all = snap_call_scores(rows_of(k1, 0, 0), 4);
-    for (int i = 0; i < n_sink; ++i) {
-      EXPECT_TRUE(scores_close(static_cast<double>(sc[static_cast<std::size_t>(3 + i)]),
-                              all[static_cast<std::size_t>(i)]));
-      for (std::size_t r = static_cast<std::size_t>(3 + n_sink); r < pos.size(); ++r)
-        EXPECT_LT(all[static_cast<std::size_t>(i)], all[static_cast<std::size_t>(pos[r] - 3)]);
+    const std::vector<double> want = oracle.scores();
+    ASSERT_EQ(sc.size(), want.size());
+    for (std::size_t r = 0; r < sc.size(); ++r) {
+      EXPECT_TRUE(scores_close(static_cast<double>(sc[r]), want[r])) << r << ": " << sc[r];
     }
   }
 }
 
-/// S == budget is not compressed (strict S > budget); calls up to the budget append even past it;
-/// only the first call with S > budget is compressed; later long calls and decode steps append.
-TYPED_TEST(SnapKVCacheTest, OnlyTheFirstCallAboveBudgetIsCompressed) {
+/// Which calls compress (SPEC 13.3): a call that leaves exactly the budget does not (strict);
+/// decode steps (S == 1) never do, even past the budget, so a prompt fed one token per call is
+/// never compressed; every later chunk (S > 1) that would pass the budget does, down to it, and
+/// returns every row it brought plus those held before it. In a prompt fed in chunks of C tokens
+/// a head never holds more than budget + C rows, and budget after each chunk.
+TYPED_TEST(SnapKVCacheTest, EveryChunkPastTheBudgetIsCompressedAndDecodeStepsAppend) {
   using T = TypeParam;
   const int budget = 6;
   const Index B = 2, H = 2, D = 4;
@@ -450,29 +455,43 @@ TYPED_TEST(SnapKVCacheTest, OnlyTheFirstCallAboveBudgetIsCompressed) {
   EXPECT_EQ(call(budget), budget);
   EXPECT_FALSE(cache.compressed());
   EXPECT_EQ(cache.tokens_kept(), budget);
-  EXPECT_EQ(call(budget), 2 * budget);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(call(1), budget + 1 + i);  // decode steps append
   EXPECT_FALSE(cache.compressed());
-  EXPECT_EQ(cache.tokens_kept(), 2 * budget);  // past the budget, still not compressed
-  EXPECT_EQ(call(budget + 1), 3 * budget + 1);
+  EXPECT_EQ(cache.tokens_kept(), budget + 4);
+  EXPECT_EQ(call(2), budget + 6);  // a chunk past the budget: everything returned, then cut
   EXPECT_TRUE(cache.compressed());
-  EXPECT_EQ(cache.tokens_kept(), 3 * budget);  // 2 budget earlier rows + budget of the call
+  EXPECT_EQ(cache.tokens_kept(), budget);
   Positions pos = cache.positions(1, 1);
-  for (std::int64_t p = 0; p < 2 * budget + 2; ++p)
-    EXPECT_EQ(pos[static_cast<std::size_t>(p)], p);  // earlier rows, then the call's 2 sinks
-  EXPECT_EQ(call(budget + 1), 4 * budget + 1);     // appended, not compressed again
-  EXPECT_EQ(cache.tokens_kept(), 4 * budget + 1);
-  EXPECT_EQ(call(5 * budget), 9 * budget + 1);
-  EXPECT_EQ(cache.tokens_kept(), 9 * budget + 1);
-  for (int i = 0; i < 10; ++i) EXPECT_EQ(call(1), 9 * budget + 2 + i);
-  EXPECT_EQ(cache.tokens_kept(), 9 * budget + 11);
-  EXPECT_TRUE(cache.compressed());
-  EXPECT_EQ(cache.offset(), 3 * budget + 1 + budget + 1 + 5 * budget + 10);
+  EXPECT_EQ(pos[0], 0);  // the 2 sinks
+  EXPECT_EQ(pos[1], 1);
+  EXPECT_EQ(call(1), budget + 1);
+  EXPECT_EQ(call(5 * budget), 6 * budget + 1);
+  EXPECT_EQ(cache.tokens_kept(), budget);
+  EXPECT_EQ(cache.offset(), budget + 4 + 2 + 1 + 5 * budget);
   pos = cache.positions(0, 1);
-  EXPECT_EQ(pos.back(), cache.offset() - 1);
+  EXPECT_EQ(pos.size(), static_cast<std::size_t>(budget));
   EXPECT_EQ(cache.tokens_seen(), B * H * cache.offset());
   // Empty calls change nothing and return the retained set.
-  EXPECT_EQ(call(0), 9 * budget + 11);
+  EXPECT_EQ(call(0), budget);
   EXPECT_EQ(cache.positions(0, 1), pos);
+
+  // A prompt of 40 tokens fed one token per call: never compressed.
+  cache.reset();
+  for (int i = 0; i < 40; ++i) EXPECT_EQ(call(1), i + 1);
+  EXPECT_FALSE(cache.compressed());
+  // In chunks of C = 4 (and a last one of 3): at most budget + C rows during a chunk's call,
+  // budget after it (the kept bytes of budget rows).
+  cache.reset();
+  std::size_t row_bytes = 0;  // per row of one head, from the first chunk
+  for (const Index C : {4, 4, 4, 4, 4, 3}) {
+    const Index before = cache.tokens_kept();
+    EXPECT_EQ(call(C), before + C);
+    EXPECT_LE(before + C, budget + C);
+    EXPECT_LE(cache.tokens_kept(), budget);
+    if (row_bytes == 0) row_bytes = cache.kept_bytes() / static_cast<std::size_t>(B * H * C);
+    EXPECT_LE(cache.kept_bytes(), row_bytes * static_cast<std::size_t>(B * H * budget));
+  }
+  EXPECT_EQ(cache.tokens_kept(), budget);
 }
 
 /// reset() forgets the rows, restarts positions at 0 and re-arms the compression (B, H, D may
@@ -514,9 +533,9 @@ TYPED_TEST(SnapKVCacheTest, ResetReArmsCompression) {
     ASSERT_FALSE(pos.empty());
     EXPECT_EQ(pos.front(), 0);  // the sink of the new sequence
   }
-  // And the next long call after it is not compressed.
+  // And the next chunk past the budget is compressed too (SPEC 13.3), down to the budget.
   cache.update_and_fetch(random_tensor<T>(rng, B, H, 20, D), random_tensor<T>(rng, B, H, 20, 2));
-  EXPECT_EQ(cache.tokens_kept(), 28);
+  EXPECT_EQ(cache.tokens_kept(), 8);
 }
 
 /// The factory builds a SnapKVCache for method "snapkv" with the config's fields.
@@ -643,9 +662,7 @@ TYPED_TEST(SnapKVCacheTest, BadInputLeavesEverythingUnchangedIncludingCompressed
       }
       valid_call_on_both(subject, twin, rng, kErrS, ctx + ": next long call");
       EXPECT_TRUE(is_compressed(subject)) << ctx;
-      if (phase < 2) {
-        EXPECT_EQ(subject.cache->tokens_kept(), (phase == 1 ? 3 : 0) + kErrBudget) << ctx;
-      }
+      EXPECT_EQ(subject.cache->tokens_kept(), kErrBudget) << ctx;  // every chunk: to the budget
       valid_call_on_both(subject, twin, rng, 1, ctx + ": next decode");
     }
   }

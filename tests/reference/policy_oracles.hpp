@@ -3,43 +3,48 @@
 //
 // Purpose: the fast caches (TOVACache, StreamingLLMCache, SnapKVCache) are compared against these
 // classes in tests and in the fuzzer. Like oracle.hpp, everything here is written for clarity, not
-// speed: plain std::vector<double>, one token at a time (SnapKV: one call at a time, because its rule
-// is a per-call rule), double precision throughout, standard library only.
+// speed: plain std::vector<double>, one token at a time (SnapKV: one call at a time, because its
+// rule is a per-call rule), double precision throughout, standard library only.
 //
 // Scoring is pluggable (oracle.hpp): TOVA and SnapKV score with the key-as-query proxy (absorb /
 // absorb_call without queries: a token's only query head is its own key) or with the token's G real
-// query heads (the overloads taking queries, docs/design.md 4.6); both run the same rule through the
-// same scorer, mean_head_weights. StreamingLLM does not score.
+// query heads (the overloads taking queries, docs/design.md 4.6); both run the same rule through
+// the same scorer, mean_head_weights. StreamingLLM does not score.
 //
-// What these oracles model: the *retained set* of one head after each token / call (docs/design.md 4.4). The
-// returned window of a call (rows retained before the call plus every row of the call) is not
-// modelled here; it follows from the retained set before the call and the call's input.
+// What these oracles model: the *retained set* of one head after each token / call
+// (docs/design.md 4.4). The returned window of a call (rows retained before the call plus every row
+// of the call) is not modelled here; it follows from the retained set before the call and the
+// call's input.
 //
-// Precision note: the library stores keys at precision T and scores in float32 (docs/design.md 3), this
-// oracle is double throughout. Compare weights/scores with a tolerance and retained sets only on
-// data without near-ties (or with ties that are exact by construction, e.g. identical keys).
+// Precision note: the library stores keys at precision T and scores in float32 (docs/design.md 3),
+// this oracle is double throughout. Compare weights/scores with a tolerance and retained sets only
+// on data without near-ties (or with ties that are exact by construction, e.g. identical keys).
 //
 // Resolved ambiguities (each is also noted where it applies):
-//  * Sinks. TOVA and StreamingLLM: a sink is a row whose absolute position is < n_sink (docs/design.md 1).
-//    SnapKV: "the first min(n_sink, budget) rows" is read as the first rows *of the compressing
-//    call* (identical to positions < n_sink when, as usual, the prompt is the first call).
-//  * n_sink >= budget. KVCacheConfig::validate rejects it, so the library never sees it; the oracles
+//  * Sinks. TOVA and StreamingLLM: a sink is a row whose absolute position is < n_sink
+//  (docs/design.md 1).
+//    SnapKV: the leading rows at positions < n_sink, at most budget of them (SPEC 13.3: the
+//    rows held before a compressing chunk are ranked with it).
+//  * n_sink >= budget. KVCacheConfig::validate rejects it, so the library never sees it; the
+//  oracles
 //    accept it and do the literal thing: TOVA evicts nothing when no non-sink row exists (the head
-//    then exceeds the budget), SnapKV keeps min(n_sink, budget) call rows and no others.
+//    then exceeds the budget), SnapKV keeps the first min(n_sink, budget) rows and no others.
 //  * StreamingLLM's window counts non-sink rows only ("the last window *others*"), so a full head
 //    holds n_sink + window rows.
-//  * SnapKV compresses only the first call (since construction or reset()) whose S > budget; calls
-//    with S <= budget before it append everything, even if the head then holds more than budget
-//    rows. Rows retained from earlier calls are neither scored nor evicted by the compression, and
-//    they are not attended over when scoring (the softmax runs over the call's S rows only). Every
-//    later call appends without eviction, whatever its S.
-//  * S > budget is strict: a call of exactly budget rows is not compressed.
-//  * SnapKV with queries: the score is the mean over the w = min(obs_window, S) last tokens AND their
+//  * SnapKV (SPEC 13.3) compresses every prompt chunk, a call with S > 1 after which the head would
+//    hold more than budget rows; the rows retained from earlier calls are scored (attended over)
+//    and may be evicted with the call's, and the sinks are the leading rows at positions below
+//    n_sink. Decode steps (S == 1) append without eviction, so a prompt fed one token per call is
+//    never compressed, and a head grows past the budget while decoding until the next chunk.
+//  * "More than budget" is strict: a chunk that leaves exactly budget rows is not compressed.
+//  * SnapKV with queries: the score is the mean over the w = min(obs_window, S) last tokens AND
+//  their
 //    G query heads, i.e. a plain mean over w * G softmax rows (equal to the mean over tokens of the
 //    per-token head mean; with the proxy, G = 1).
 //  * TOVA with queries: the weights are computed only when the head is over budget (as in
 //    docs/design.md 6), but the token's queries are validated on every absorb.
-//  * Queries are checked like keys (G >= 1, D of the key, finite; within a SnapKV call the same G for
+//  * Queries are checked like keys (G >= 1, D of the key, finite; within a SnapKV call the same G
+//  for
 //    every token); values are not inspected (docs/design.md 8). All checks precede any change.
 #pragma once
 
@@ -166,16 +171,18 @@ private:
     int window_;
 };
 
-/// One SnapKV head (docs/design.md 6): compress the first call with S > budget by observation-window scores; append otherwise.
+/// One SnapKV head (docs/design.md 6, 10.3): compress every prompt chunk (S > 1) after which the
+/// head would hold more than the budget; append otherwise (decode steps never evict).
 //
-// Compression of a call with keys k_0..k_{S-1} (call-relative indices):
+// Compression of a call with keys k_0..k_{S-1} on a head holding rows r_0..r_{m-1}:
 //   w = min(obs_window, S); the observation window is the call's last w tokens;
-//   score_r = mean over those w tokens and each token's query heads (proxy: the single head k_j) of
-//     softmax(q . k_r / sqrt(D)) over all S rows of the call (no causal mask);
-//   keep call rows 0..sinks-1 with sinks = min(n_sink, budget), plus the (budget - sinks) highest
-//   scores among the other call rows (equal scores: the earlier position wins), order preserved.
-// Kept call rows carry their SnapKV score in OracleRow::score; every appended (uncompressed) row has 0.
-// Rows retained from earlier calls are left untouched (see the file comment for this reading).
+//   score_x = mean over those w tokens and each token's query heads (proxy: the single head k_j) of
+//     softmax(q . k_x / sqrt(D)) over all m + S rows held then (no causal mask);
+//   keep the leading rows at positions below n_sink (at most budget of them), plus the
+//   (budget - sinks) highest scores among the others (equal scores: the earlier position wins),
+//   order preserved; every kept row carries its new score in OracleRow::score.
+// Every appended (uncompressed) row has 0. A first chunk on an empty head is the one-shot
+// compression of a whole prompt.
 class SnapKVHeadOracle : public oracle_detail::HeadRows {
 public:
     /// An empty head; n_sink >= 0, budget >= 1, obs_window >= 1.
@@ -200,45 +207,57 @@ public:
         oracle_detail::check_call("SnapKVHeadOracle", keys, values, queries, oracle_detail::dims_of(rows_));
         const std::size_t s = keys.size();
 
-        if (compressed_ || s <= static_cast<std::size_t>(budget_)) {
-            // Plain append: every row of the call, score 0.
-            for (std::size_t i = 0; i < s; ++i) append(keys[i], values[i], 0.0);
-            return;
+        if (s <= 1 || rows_.size() + s <= static_cast<std::size_t>(budget_)) {
+          // A decode step, or a chunk the budget still holds: plain append, score 0 (the
+          // retained rows keep theirs).
+          for (std::size_t i = 0; i < s; ++i) append(keys[i], values[i], 0.0);
+          return;
         }
 
-        // The first call with S > budget: score the call's rows by the observation window, a plain
-        // mean over its w * G softmax rows.
-        std::vector<const std::vector<double>*> call_keys;  // [S][D]
-        for (const auto& k : keys) call_keys.push_back(&k);
+        // A prompt chunk that would pass the budget (SPEC 13.3): every row held then, the retained
+        // ones and the call's, is scored by the call's observation window, a plain mean over its
+        // w * G softmax rows over all of them.
+        std::vector<OracleRow> all = rows_;
+        for (std::size_t i = 0; i < s; ++i) {
+          all.push_back(
+              OracleRow{keys[i], values[i], next_position_ + static_cast<std::int64_t>(i), 0.0});
+        }
+        const std::size_t n = all.size();
+        std::vector<const std::vector<double>*> all_keys;  // [n][D]
+        for (const auto& r : all) all_keys.push_back(&r.key);
         const std::size_t w = std::min(static_cast<std::size_t>(obs_window_), s);
-        std::vector<double> score(s, 0.0);  // [S]
+        std::vector<double> score(n, 0.0);  // [n]
         std::size_t n_softmax = 0;
         for (std::size_t j = s - w; j < s; ++j) {
             for (const auto& q : queries[j]) {
-                const std::vector<double> a = attention_weights(call_keys, q);  // [S]
-                for (std::size_t r = 0; r < s; ++r) score[r] += a[r];
-                ++n_softmax;
+              const std::vector<double> a = attention_weights(all_keys, q);  // [n]
+              for (std::size_t r = 0; r < n; ++r) score[r] += a[r];
+              ++n_softmax;
             }
         }
-        for (std::size_t r = 0; r < s; ++r) score[r] /= static_cast<double>(n_softmax);
+        for (std::size_t r = 0; r < n; ++r) score[r] /= static_cast<double>(n_softmax);
 
-        // Selection: the first `sinks` call rows, then the best others (ties: earlier index first).
+        // Selection: the rows at positions below n_sink (at most `budget`), then the best others
+        // (ties: earlier position first).
         const std::size_t budget_sz = static_cast<std::size_t>(budget_);
-        const std::size_t sinks = std::min(static_cast<std::size_t>(n_sink_), budget_sz);
-        std::vector<bool> keep(s, false);
+        std::size_t sinks = 0;
+        while (sinks < n && sinks < budget_sz && all[sinks].position < n_sink_) ++sinks;
+        std::vector<bool> keep(n, false);
         for (std::size_t r = 0; r < sinks; ++r) keep[r] = true;
         std::vector<std::size_t> others;
-        for (std::size_t r = sinks; r < s; ++r) others.push_back(r);
+        for (std::size_t r = sinks; r < n; ++r) others.push_back(r);
         std::stable_sort(others.begin(), others.end(), [&score](std::size_t x, std::size_t y) {
             if (score[x] != score[y]) return score[x] > score[y];
             return x < y;
         });
         for (std::size_t k = 0; k < others.size() && k < budget_sz - sinks; ++k) keep[others[k]] = true;
 
-        for (std::size_t i = 0; i < s; ++i) {
-            if (keep[i]) {
-                rows_.push_back(OracleRow{keys[i], values[i], next_position_ + static_cast<std::int64_t>(i), score[i]});
-            }
+        rows_.clear();
+        for (std::size_t i = 0; i < n; ++i) {
+          if (keep[i]) {
+            all[i].score = score[i];
+            rows_.push_back(all[i]);
+          }
         }
         next_position_ += static_cast<std::int64_t>(s);  // every call row takes a position, kept or not
         compressed_ = true;

@@ -121,8 +121,20 @@ std::vector<double> snap_call_scores(const Rows& keys, int obs_window, bool caus
 }
 
 double snap_selection_margin(const Rows& keys, int budget, int n_sink, int obs_window) {
-  const std::vector<double> score = snap_call_scores(keys, obs_window);
-  const std::size_t sinks = static_cast<std::size_t>(std::min(n_sink, budget));
+  return snap_selection_margin(Rows{}, keys, static_cast<std::size_t>(std::min(n_sink, budget)),
+                               budget, obs_window);
+}
+
+double snap_selection_margin(const Rows& held, const Rows& keys, std::size_t sinks, int budget,
+                             int obs_window) {
+  Rows all = held;
+  all.insert(all.end(), keys.begin(), keys.end());
+  const std::size_t w = std::min(static_cast<std::size_t>(obs_window), keys.size());
+  std::vector<double> score(all.size(), 0.0);
+  for (std::size_t j = keys.size() - w; j < keys.size(); ++j) {
+    const std::vector<double> a = ref::proxy_softmax(all, keys[j]);
+    for (std::size_t r = 0; r < a.size(); ++r) score[r] += a[r] / static_cast<double>(w);
+  }
   const std::size_t keep = static_cast<std::size_t>(budget) - sinks;
   std::vector<double> others(score.begin() + static_cast<std::ptrdiff_t>(sinks), score.end());
   if (others.size() <= keep) return std::numeric_limits<double>::infinity();
@@ -204,11 +216,26 @@ void TovaHeads::reset() {
 bool SnapHeads::absorb(std::size_t head, const Rows& keys, const Rows& values,
                        const TokenQueries* queries) {
   ref::SnapKVHeadOracle& o = heads_[head];
-  // Only the proxy's compression is measured (the query runs tolerate no near-tie).
-  const bool measured =
-      queries == nullptr && !o.compressed() && keys.size() > static_cast<std::size_t>(budget_);
-  const bool near_tie =
-      measured && snap_selection_margin(keys, budget_, n_sink_, obs_window_) < kNearTie;
+  // Only the proxy's compressions are measured (the query runs tolerate no near-tie): a prompt
+  // chunk that passes the budget, ranked with every row held (SPEC 13.3).
+  const std::vector<ref::OracleRow>& held = o.rows();
+  const bool measured = queries == nullptr && keys.size() > 1 &&
+                        held.size() + keys.size() > static_cast<std::size_t>(budget_);
+  bool near_tie = false;
+  if (measured) {
+    Rows held_keys;
+    for (const auto& r : held) held_keys.push_back(r.key);
+    // The leading positions below n_sink, at most budget of them.
+    std::size_t sinks = 0;
+    const auto total = held.size() + keys.size();
+    while (sinks < total && sinks < static_cast<std::size_t>(budget_) &&
+           (sinks < held.size()
+                ? held[sinks].position
+                : o.next_position() + static_cast<std::int64_t>(sinks - held.size())) < n_sink_) {
+      ++sinks;
+    }
+    near_tie = snap_selection_margin(held_keys, keys, sinks, budget_, obs_window_) < kNearTie;
+  }
   queries ? o.absorb_call(keys, values, *queries) : o.absorb_call(keys, values);
   return near_tie;
 }

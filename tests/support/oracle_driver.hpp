@@ -73,6 +73,10 @@ std::vector<double> snap_call_scores(const Rows& keys, int obs_window, bool caus
 /// Relative gap between the last kept and the first dropped non-sink score of a SnapKV
 /// compression of `keys` by the proxy (+inf when nothing is dropped). keys: [S][D].
 double snap_selection_margin(const Rows& keys, int budget, int n_sink, int obs_window);
+/// The same for a prompt chunk `keys` ranked with the rows `held` before it (SPEC 13.3), the
+/// first `sinks` of them all kept as sinks.
+double snap_selection_margin(const Rows& held, const Rows& keys, std::size_t sinks, int budget,
+                             int obs_window);
 
 /// The H2O core (SqueezeAttention, H2O, PyramidKV; docs/design.md 4.2, 4.5-4.8): calls without
 /// queries token by token (the key-as-query proxy or the scorer set), with queries one call at a
@@ -122,8 +126,9 @@ class TovaHeads {
   int n_sink_;
 };
 
-/// SnapKV (docs/design.md 6): one call at a time; the first call longer than the budget is
-/// compressed. A near-tie: that compression, by the proxy, cut between scores within 1e-5.
+/// SnapKV (docs/design.md 6, 10.3): one call at a time; a prompt chunk after which a head would
+/// pass the budget is compressed. A near-tie: a compression, by the proxy, cut between scores
+/// within 1e-5.
 class SnapHeads {
  public:
   SnapHeads(std::size_t n, int n_sink, int budget, int obs_window)

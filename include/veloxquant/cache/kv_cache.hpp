@@ -717,7 +717,7 @@ class KVCache {
     // throw bad_alloc); 4. the policy starts the call (may throw before it changes anything).
     inspect_call(keys);
     const Index groups = queries ? queries->heads / keys.heads : 0;
-    const detail::CallPlan plan = detail::plan_call(rule_, S, groups, att != nullptr);
+    const detail::CallPlan plan = detail::plan_call(rule_, S, groups, att != nullptr, live_rows());
     std::vector<detail::HeadStore<T>> fresh = reserve(keys, values, plan);
     PoolCall pool = pool_call(keys.batch * keys.heads, keys, plan);
     // The output (the retained rows plus the call's) is sized last before the policy starts the

@@ -12,8 +12,9 @@
 
 namespace veloxquant::cache {
 
-/// Compresses the first call with S > `snap_budget` to `snap_budget` rows per head; later calls
-/// append without eviction.
+/// Compresses every prompt chunk (a call with S > 1) after which a head would hold more than
+/// `snap_budget` rows to `snap_budget` rows per head, ranking everything it holds by that call's
+/// observation window; decode steps (S == 1) append without eviction (docs/design.md 6, 10.3).
 template <class T = Eigen::half>
 class SnapKVCache : public KVCache<T> {
  public:

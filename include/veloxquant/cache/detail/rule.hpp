@@ -21,7 +21,7 @@ enum class RuleKind : std::uint8_t {
   window,          ///< StreamingLLM: sinks and the newest `window` others
   cumulative,      ///< H2O core (SqueezeAttention, H2O, PyramidKV): decayed attention mass
   last_attention,  ///< TOVA: the current token's attention
-  prompt,          ///< SnapKV: the first call longer than the budget is ranked once
+  prompt,          ///< SnapKV: a prompt chunk that would pass the budget is ranked and cut
 };
 
 /// One policy's parameters and the little state it carries between calls.
@@ -38,7 +38,7 @@ struct Rule {
   double value_power = 0.0;  ///< cumulative, calls with queries: rank by score * |v|^p (> 0)
   int window = 0;            ///< window: rows kept besides the sinks
   int obs_window = 0;        ///< prompt: query tokens that rank the prompt
-  bool compressed = false;   ///< prompt: a call has been ranked (until reset)
+  bool compressed = false;   ///< prompt: a call has been ranked and cut (until reset)
 
   /// g for the budget in force, clamped to [0, budget - n_sink - 1] so one row stays evictable;
   /// 0 while the budget is unknown.
@@ -86,9 +86,11 @@ inline Index block_tokens(Index S, Index G) {
   return S == 1 ? 1 : std::max<Index>(1, kBlockRows / G);
 }
 
-/// The plan of a call of S >= 1 tokens with `groups` query heads per KV head (0: key-as-query).
-/// With `attend`, the rows are enough for the attention output's blocks as well.
-inline CallPlan plan_call(const Rule& r, Index S, Index groups, bool attend = false) {
+/// The plan of a call of S >= 1 tokens with `groups` query heads per KV head (0: key-as-query)
+/// on heads holding `held` rows. With `attend`, the rows are enough for the attention output's
+/// blocks as well.
+inline CallPlan plan_call(const Rule& r, Index S, Index groups, bool attend = false,
+                          Index held = 0) {
   CallPlan p;
   const Index G = std::max<Index>(groups, 1);
   if (attend) {
@@ -100,7 +102,9 @@ inline CallPlan plan_call(const Rule& r, Index S, Index groups, bool attend = fa
     case RuleKind::window:
       break;
     case RuleKind::prompt:
-      p.compress = !r.compressed && r.budget && S > *r.budget;
+      // A prompt chunk (S > 1) after which a head would hold more than the budget (SPEC 13.3);
+      // decode steps never evict.
+      p.compress = r.budget && S > 1 && held + S > *r.budget;
       if (p.compress) p.rows = std::max(p.rows, std::min<Index>(r.obs_window, S) * G);
       break;
     case RuleKind::cumulative:
