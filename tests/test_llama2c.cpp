@@ -434,6 +434,75 @@ TEST_F(Llama2c, APromptCacheContinuesWithBitIdenticalLogits) {
   }
 }
 
+// --- Serving: samples from forks, speculative decoding (docs/design.md 10) ---------------------
+
+/// N continuations of one prompt from forks of its prefilled caches: each sampled continuation is
+/// token for token the one a fresh engine gives after its own prefill with the same sampler seed,
+/// under policies that evict (quantized rows too); the samples differ from one another.
+TEST_F(Llama2c, SamplesFromForksOfAPrefilledPromptEqualFreshRuns) {
+  const std::vector<int> prompt = sample_ids(40);
+  const int n_layers = model().config().n_layers;
+  for (const char* method : {"squeeze", "h2o", "snapkv", "standard"}) {
+    vc::KVCacheConfig cfg;
+    cfg.method = method;
+    cfg.set_budget(24);
+    cfg.key_bits = 8;
+    cfg.quant_group = 8;
+    ll::Engine<Eigen::half> prefilled(
+        model(), vc::KVCacheBuilder::for_model<Eigen::half>(n_layers, cfg), true);
+    const Eigen::MatrixXf logits = prefilled.forward(prompt);
+    std::vector<std::vector<int>> samples;
+    for (std::uint64_t seed = 1; seed <= 3; ++seed) {
+      ll::Engine<Eigen::half> forked = prefilled.fork();
+      ll::Sampler sampler(0.9f, seed);
+      const std::vector<int> got = ll::sample_from(forked, sampler.sample(logits), 60, sampler);
+      ll::Engine<Eigen::half> fresh(
+          model(), vc::KVCacheBuilder::for_model<Eigen::half>(n_layers, cfg), true);
+      ll::Sampler again(0.9f, seed);
+      const Eigen::MatrixXf fresh_logits = fresh.forward(prompt);
+      const std::vector<int> want = ll::sample_from(fresh, again.sample(fresh_logits), 60, again);
+      EXPECT_EQ(got, want) << method << ", seed " << seed;
+      EXPECT_GT(got.size(), 20u) << method;
+      samples.push_back(got);
+    }
+    EXPECT_NE(samples[0], samples[1]) << method << ": the samples are all alike";
+    EXPECT_EQ(prefilled.position(), static_cast<std::int64_t>(prompt.size()))
+        << method << ": sampling the forks moved the source";
+  }
+}
+
+/// Greedy speculative decoding: a StreamingLLM draft set over the same model proposes k tokens,
+/// the main set verifies them in one call between checkpoint and rollback and then takes the
+/// accepted ones in one call. With a main set that keeps every row the text is token for token
+/// plain greedy decoding's; the draft is right often enough that rounds are fewer than tokens.
+TEST_F(Llama2c, SpeculativeDecodingGivesPlainGreedyText) {
+  const std::vector<int> prompt = sample_ids(24);
+  const int n_layers = model().config().n_layers;
+  vc::KVCacheConfig draft_cfg;
+  draft_cfg.method = "streaming_llm";
+  draft_cfg.set_budget(16);
+  for (const char* method : {"standard", "squeeze"}) {
+    vc::KVCacheConfig cfg;
+    cfg.method = method;
+    cfg.set_budget(512);  // never reached: the policy keeps every row
+    ll::Engine<float> plain(model(), vc::KVCacheBuilder::for_model<float>(n_layers, cfg), true);
+    const std::vector<int> want = ll::generate_greedy(plain, prompt, 120);
+    for (const int k : {1, 3, 6}) {
+      ll::Engine<float> main(model(), vc::KVCacheBuilder::for_model<float>(n_layers, cfg), true);
+      ll::Engine<float> draft(model(), vc::KVCacheBuilder::for_model<float>(n_layers, draft_cfg),
+                              true);
+      const int next = ll::predicted_token(main.forward(prompt));
+      (void)draft.forward(prompt);
+      const ll::SpeculativeRun run = ll::speculative_from(main, draft, next, 120, k);
+      EXPECT_EQ(run.tokens, want) << method << ", k = " << k;
+      EXPECT_GT(run.accepted, 0) << method << ", k = " << k;
+      if (k > 1) {
+        EXPECT_LT(run.rounds, static_cast<std::int64_t>(want.size())) << method << ", k = " << k;
+      }
+    }
+  }
+}
+
 // --- 4. Tokenizer -----------------------------------------------------------------------------
 
 TEST_F(Llama2c, TokenizerEncodesLikeLlama2c) {

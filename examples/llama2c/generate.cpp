@@ -3,13 +3,20 @@
 ///
 ///   llama2c_generate [--fixtures DIR] [--method standard|squeeze|h2o|pyramidkv|tova|
 ///                    streaming_llm|snapkv] [--budget N] [--queries [--view]] [--steps N]
-///                    [--prompt "text"]
+///                    [--prompt "text"] [--samples N [--temperature T] [--seed S]]
+///                    [--speculative K [--draft-window W]]
 ///
 /// DIR holds model/stories260K.bin and model/tok512.bin (default: $VELOXQUANT_FIXTURES, else the
 /// directory configured at build time). --budget sets the budget of every policy (the StreamingLLM
 /// window); --queries passes the real queries to the caches (the cache then computes the attention,
 /// attend; --view computes it in the engine over update_and_view instead); --steps is the number of
 /// new tokens.
+/// --samples N prefills the prompt once and samples N continuations (temperature T, default 0.9;
+/// seeds S, S + 1, ...) from forks of its caches (KVCacheBuilder::fork). --speculative K decodes
+/// greedily with speculative decoding: a draft pass over the same model with a StreamingLLM cache
+/// set of window W (default 32) proposes K tokens, the main set verifies them in one call between
+/// KVCacheBuilder::checkpoint and rollback; it prints the acceptance rate, tokens per second
+/// against plain greedy decoding, and whether the two texts are the same.
 /// The text goes to stdout, the statistics to stderr.
 
 #include <chrono>
@@ -34,7 +41,9 @@ int usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--fixtures DIR] [--method standard|squeeze|h2o|pyramidkv|tova|"
                "streaming_llm|snapkv]\n"
-               "          [--budget N] [--queries [--view]] [--steps N] [--prompt \"text\"]\n",
+               "          [--budget N] [--queries [--view]] [--steps N] [--prompt \"text\"]\n"
+               "          [--samples N [--temperature T] [--seed S]] [--speculative K "
+               "[--draft-window W]]\n",
                argv0);
   return 2;
 }
@@ -49,6 +58,9 @@ int main(int argc, char** argv) {
   bool queries = false;
   bool view = false;
   int steps = 256;
+  int samples = 0, speculative = 0, draft_window = 32;
+  float temperature = 0.9f;
+  unsigned long long seed = 1;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     const bool has_value = i + 1 < argc;
@@ -66,6 +78,16 @@ int main(int argc, char** argv) {
       steps = std::atoi(argv[++i]);
     } else if (arg == "--prompt" && has_value) {
       prompt = argv[++i];
+    } else if (arg == "--samples" && has_value) {
+      samples = std::atoi(argv[++i]);
+    } else if (arg == "--temperature" && has_value) {
+      temperature = static_cast<float>(std::atof(argv[++i]));
+    } else if (arg == "--seed" && has_value) {
+      seed = std::strtoull(argv[++i], nullptr, 10);
+    } else if (arg == "--speculative" && has_value) {
+      speculative = std::atoi(argv[++i]);
+    } else if (arg == "--draft-window" && has_value) {
+      draft_window = std::atoi(argv[++i]);
     } else {
       return usage(argv[0]);
     }
@@ -80,6 +102,56 @@ int main(int argc, char** argv) {
         view ? ll::AttentionPath::view : ll::AttentionPath::fused);
 
     const std::vector<int> ids = tokenizer.encode(prompt, true);
+    const auto text = [&](const std::vector<int>& generated) {
+      std::vector<int> all = ids;
+      all.insert(all.end(), generated.begin(), generated.end());
+      return tokenizer.decode(all);
+    };
+    if (samples > 0) {
+      // One prefill, then one fork of the prefilled caches per sample.
+      const Eigen::MatrixXf logits = engine.forward(ids);
+      for (int n = 0; n < samples; ++n) {
+        ll::Engine<float> fork = engine.fork();
+        ll::Sampler sampler(temperature, seed + static_cast<unsigned long long>(n));
+        const std::vector<int> generated =
+            ll::sample_from(fork, sampler.sample(logits), steps, sampler);
+        std::printf("[sample %d, seed %llu] %s\n", n, seed + static_cast<unsigned long long>(n),
+                    text(generated).c_str());
+      }
+      return 0;
+    }
+    if (speculative > 0) {
+      vc::KVCacheConfig draft_cfg;
+      draft_cfg.method = "streaming_llm";
+      draft_cfg.set_budget(draft_window);
+      const int n_layers = model.config().n_layers;
+      ll::Engine<float> draft(model, vc::KVCacheBuilder::for_model<float>(n_layers, draft_cfg),
+                              true);
+      ll::Engine<float> plain(model, vc::KVCacheBuilder::for_model<float>(n_layers, cfg), queries,
+                              view ? ll::AttentionPath::view : ll::AttentionPath::fused);
+      auto t0 = std::chrono::steady_clock::now();
+      const std::vector<int> greedy = ll::generate_greedy(plain, ids, steps);
+      const std::chrono::duration<double> plain_s = std::chrono::steady_clock::now() - t0;
+      t0 = std::chrono::steady_clock::now();
+      const int next = ll::predicted_token(engine.forward(ids));
+      (void)draft.forward(ids);
+      const ll::SpeculativeRun run = ll::speculative_from(engine, draft, next, steps, speculative);
+      const std::chrono::duration<double> spec_s = std::chrono::steady_clock::now() - t0;
+      std::printf("%s\n", text(run.tokens).c_str());
+      std::fprintf(stderr,
+                   "speculative decoding, k = %d, StreamingLLM draft window %d: %zu tokens in "
+                   "%lld rounds; %lld of %lld draft tokens accepted (%.1f%%); %.1f tok/s against "
+                   "%.1f tok/s plain greedy (%.2fx); same text as plain greedy: %s\n",
+                   speculative, draft_window, run.tokens.size(), static_cast<long long>(run.rounds),
+                   static_cast<long long>(run.accepted), static_cast<long long>(run.proposed),
+                   run.proposed ? 100.0 * static_cast<double>(run.accepted) /
+                                      static_cast<double>(run.proposed)
+                                : 0.0,
+                   static_cast<double>(ids.size() + run.tokens.size()) / spec_s.count(),
+                   static_cast<double>(ids.size() + greedy.size()) / plain_s.count(),
+                   plain_s.count() / spec_s.count(), run.tokens == greedy ? "yes" : "no");
+      return 0;
+    }
     const auto start = std::chrono::steady_clock::now();
     const std::vector<int> generated = ll::generate_greedy(engine, ids, steps);
     const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - start;

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -423,6 +424,14 @@ class Engine {
   std::int64_t position() const { return caches_.front()->offset(); }
   /// Starts a new sequence (resets the caches and any shared coordinator).
   void reset() { cache::KVCacheBuilder::reset(caches_); }
+  /// An independent engine over a copy of the caches (KVCacheBuilder::fork): it continues
+  /// exactly as this one would, and neither changes the other (N samples of one prompt).
+  Engine fork() const {
+    return Engine(*model_, cache::KVCacheBuilder::fork(caches_), pass_queries_, path_);
+  }
+  /// Marks the caches' state; rollback() returns to it (speculative decoding).
+  void checkpoint() { cache::KVCacheBuilder::checkpoint(caches_); }
+  void rollback() { cache::KVCacheBuilder::rollback(caches_); }
   const Caches& caches() const { return caches_; }
   const Model& model() const { return *model_; }
 
@@ -537,6 +546,117 @@ std::vector<int> generate_greedy(Engine<T>& engine, const std::vector<int>& prom
     logits = engine.forward(prompt);
   }
   return generate_from(engine, predicted_token(logits), max_new);
+}
+
+/// Sampling with a temperature from a seeded generator (xorshift64*, as llama2.c's run.c): the
+/// same seed and logits give the same tokens on every platform.
+class Sampler {
+ public:
+  Sampler(float temperature, std::uint64_t seed) : temperature_(temperature), state_(seed | 1u) {}
+  /// A token drawn from softmax(logits / temperature) of the last row of `logits` ([n, vocab]);
+  /// temperature 0: the greedy token.
+  int sample(const Eigen::MatrixXf& logits) {
+    if (temperature_ <= 0.0f) return predicted_token(logits);
+    const Eigen::VectorXf row = logits.row(logits.rows() - 1).transpose() / temperature_;
+    const Eigen::VectorXf p = (row.array() - row.maxCoeff()).exp().matrix();
+    const float r = next_float() * p.sum();
+    float acc = 0.0f;
+    for (Eigen::Index i = 0; i < p.size(); ++i) {
+      acc += p(i);
+      if (r < acc) return static_cast<int>(i);
+    }
+    return static_cast<int>(p.size() - 1);  // rounding: the last token
+  }
+
+ private:
+  float next_float() {  // uniform in [0, 1)
+    state_ ^= state_ >> 12;
+    state_ ^= state_ << 25;
+    state_ ^= state_ >> 27;
+    return static_cast<float>((state_ * 0x2545F4914F6CDD1Dull) >> 40) / 16777216.0f;
+  }
+  float temperature_;
+  std::uint64_t state_;
+};
+
+/// Sampling from `next`, the token the engine's last call predicted or drew: `next`, then one
+/// decode step per token drawn by `sampler`, as generate_from does greedily.
+template <class T>
+std::vector<int> sample_from(Engine<T>& engine, int next, int max_new, Sampler& sampler) {
+  std::vector<int> out;
+  const int seq_len = engine.model().config().seq_len;
+  while (max_new > 0 && next != kBos) {
+    out.push_back(next);
+    if (static_cast<int>(out.size()) == max_new || engine.position() >= seq_len) break;
+    next = sampler.sample(engine.forward({next}));
+  }
+  return out;
+}
+
+/// What speculative decoding did: the tokens, the draft tokens proposed and accepted, the
+/// verifying calls.
+struct SpeculativeRun {
+  std::vector<int> tokens;
+  std::int64_t proposed = 0, accepted = 0, rounds = 0;
+};
+
+/// Greedy speculative decoding (docs/design.md 10.2): `draft` (a cheap cache set over the same
+/// model) proposes up to k tokens one step at a time; `main` verifies them in one call between
+/// checkpoint and rollback, then makes one call with the accepted ones (and the token that
+/// followed), so each round's main call brings n + 1 tokens. Both engines must have absorbed the
+/// same prompt, and `next` be main's prediction after it. The draft is rolled back the same way
+/// to the accepted tokens. Stops as generate_from does.
+template <class T, class U>
+SpeculativeRun speculative_from(Engine<T>& main, Engine<U>& draft, int next, int max_new, int k) {
+  SpeculativeRun run;
+  const int seq_len = main.model().config().seq_len;
+  while (max_new > 0 && next != kBos) {
+    run.tokens.push_back(next);
+    const auto left =
+        static_cast<std::int64_t>(max_new) - static_cast<std::int64_t>(run.tokens.size());
+    if (left <= 0 || main.position() + 1 >= seq_len) break;
+    const int kk = static_cast<int>(std::min<std::int64_t>(
+        {static_cast<std::int64_t>(k), left, seq_len - main.position() - 1}));
+    // The draft proposes kk tokens after `next`, one decode step each, from a checkpoint.
+    draft.checkpoint();
+    std::vector<int> fed = {next};  // what main verifies: next, then the first kk - 1 proposals
+    std::vector<int> proposal;
+    int d = next;
+    for (int i = 0; i < kk; ++i) {
+      d = predicted_token(draft.forward({d}));
+      proposal.push_back(d);
+      if (i + 1 < kk) fed.push_back(d);
+    }
+    draft.rollback();
+    // Main verifies them in one call: row i predicts the token after fed[i].
+    main.checkpoint();
+    const Eigen::MatrixXf logits = main.forward(fed);
+    main.rollback();
+    int n = 0;      // accepted proposals
+    int after = 0;  // main's own token after the accepted ones
+    for (; n < kk; ++n) {
+      Eigen::Index y = 0;
+      logits.row(n).maxCoeff(&y);
+      after = static_cast<int>(y);
+      if (after != proposal[static_cast<std::size_t>(n)] || after == kBos) break;
+    }
+    ++run.rounds;
+    run.proposed += kk;
+    run.accepted += n;
+    // One call each with next and the accepted tokens; main's prediction after them follows.
+    std::vector<int> take = {next};
+    take.insert(take.end(), proposal.begin(), proposal.begin() + n);
+    if (n == kk) take.pop_back();  // every proposal accepted: the last one is the next `next`
+    const Eigen::MatrixXf out = main.forward(take);
+    (void)draft.forward(take);
+    for (std::size_t i = 1; i < take.size(); ++i) run.tokens.push_back(take[i]);
+    next = n == kk ? proposal.back() : predicted_token(out);
+    if (static_cast<std::int64_t>(run.tokens.size()) >= max_new) {
+      run.tokens.resize(static_cast<std::size_t>(max_new));
+      break;
+    }
+  }
+  return run;
 }
 
 /// The fixture directory: $VELOXQUANT_FIXTURES when set and non-empty, else `fallback`.
