@@ -24,7 +24,10 @@
 //     update_and_view or update_and_fetch_into, with storage-typed or double inputs, with or
 //     without queries (G 1..3; float, double or half), reset() (of the cache alone or of the whole
 //     builder model and its coordinator), trim(n), save_prompt_cache + load_prompt_cache of every
-//     cache of the run (carrying on with the loaded set), set_parallel_heads, a reused output
+//     cache of the run (carrying on with the loaded set), KVCacheBuilder::fork of the run's set
+//     (carrying on with the copy or the source; the other side must never change after it),
+//     KVCacheBuilder::checkpoint + one to three draft calls + rollback (everything observable
+//     exactly as at the checkpoint; a second rollback refused), set_parallel_heads, a reused output
 //     tensor of the wrong shape, reports of other layers to the coordinator, and bad inputs:
 //     NaN/Inf keys at a chosen index, a double key overflowing the storage type, keys/values that
 //     disagree in B, H or S, zero B/H/D, B/H/D changed after the first call, bad queries (Hq

@@ -4,8 +4,9 @@
 Each seed spells out, byte by byte, what the ops target reads (fuzz_ops.hpp says what the bytes
 choose; ops_config.hpp, ops_oracle.hpp, ops_harness.hpp and ops_calls.hpp read them): storage
 type, policy, configuration, sequence dims and query mode, then operations. The seeds cover every
-policy, every entry point, queries, resets, trims, coordinator reports and every kind of bad
-input, so the fuzzer starts from deep states instead of from empty calls.
+policy, every entry point, queries, resets, trims, coordinator reports, save and reload, fork,
+checkpoint and rollback, and every kind of bad input, so the fuzzer starts from deep states instead
+of from empty calls.
 
 Run from anywhere: python3 fuzz/make_corpus.py   (rewrites fuzz/corpus/seed-*.bin)
 
@@ -129,8 +130,26 @@ class Seed:
         return self
 
     def reload(self):
-        """save_prompt_cache + load_prompt_cache of every cache of the run (op 15)."""
-        self.b.append(15)
+        """save_prompt_cache + load_prompt_cache of every cache of the run (op 15, choice 0)."""
+        self.b += [15, 0]
+        return self
+
+    def fork(self, go_on_with_copy=True):
+        """KVCacheBuilder::fork of the run's set, going on with the copy or the source (op 15,
+        choice 1)."""
+        self.b += [15, 1, 1 if go_on_with_copy else 0]
+        return self
+
+    def speculate(self, *drafts, G=1, with_q=True):
+        """KVCacheBuilder::checkpoint, draft calls of the sizes given (1 to 3), rollback (op 15,
+        choice 2)."""
+        assert 1 <= len(drafts) <= 3
+        self.b += [15, 2, len(drafts) - 1]
+        for i, S in enumerate(drafts):
+            api = ["fetch", "view", "into"][i % 3]
+            self.b += self._call_bytes(api, False, 0, G, with_q, "uniform", "uniform",
+                                       self.next_seed())
+            self.b.append(rng(0, 12, S))
         return self
 
     def scramble_out(self):
@@ -279,6 +298,24 @@ def seeds():
     s["knorm-pyramid-builder"] = (Seed("float", "pyramid_builder", budget=8, n_sink=1, layers=2,
                                        layer=1, proxy="knorm")
                                   .sequence(H=2, Dk=3).call(16).call(1).call(1))
+    # Serving (docs/design.md 10): forks going on with either side, speculative drafts rolled
+    # back, mid-calibration in a deferring builder model, with queries, and SnapKV chunks.
+    s["fork-squeeze-builder-defer"] = (Seed("float", "squeeze_builder", budget=8, n_sink=1,
+                                            defer=True, layers=3, layer=1)
+                                       .sequence(H=2, Dk=4).fork().call(14).fork(False)
+                                       .report(0, 3).call(1).fork().report(2, 2).call(1)
+                                       .speculate(3, 1).call(3, api="view").speculate(1, 1, 2)
+                                       .call(1))
+    s["speculate-h2o-queries"] = (Seed("half", "h2o", budget=7, n_sink=1, grace=2)
+                                  .sequence(B=2, H=1, Dk=6, queries="always").speculate(4)
+                                  .call(12, G=2).speculate(3, 1, G=2).call(1, G=2)
+                                  .speculate(2, G=2).fork(False).call(3, G=1))
+    s["speculate-snapkv-chunks"] = (Seed("bf16", "snapkv", budget=6, n_sink=2, obs=3)
+                                    .sequence(B=2, H=1, Dk=4).call(3).speculate(5).call(4)
+                                    .call(1).call(1).speculate(2, 2).call(2).fork().call(5))
+    s["speculate-standard-trim"] = (Seed("float", "standard").sequence(B=2, H=2, Dk=3, Dv=5)
+                                    .call(7).speculate(2, 1).trim(3).fork().call(2, api="into")
+                                    .speculate(1))
     s["invalid-config-field"] = Seed("float", "h2o", invalid=[8, 1])         # h2o_grace < 0
     s["invalid-config-sink"] = Seed("half", "snapkv", budget=3, n_sink=2, invalid=[23, 1])
     s["invalid-config-method"] = Seed("float", "tova", invalid=[24, 0])      # factory, "SQUEEZE"

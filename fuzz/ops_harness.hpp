@@ -1,6 +1,7 @@
 // fuzz target `ops` (fuzz/fuzz_ops.hpp): the run — construction of the cache, then the
 // operations the input chooses (calls, reset, trim, reports to the coordinator, save and reload,
-// parallel heads, a scrambled output), each checked against the models.
+// fork, checkpoint and rollback, parallel heads, a scrambled output), each checked against the
+// models.
 #pragma once
 
 #include <algorithm>
@@ -43,7 +44,10 @@ class Harness {
     if (Stats* stats = report_.stats()) ++stats->policy_runs[static_cast<int>(spec_.policy)];
     if (!construct()) return;
     seq_.start(in_);
-    for (report_.op = 0; report_.op < kMaxOps && !in_.exhausted(); ++report_.op) step();
+    for (report_.op = 0; report_.op < kMaxOps && !in_.exhausted(); ++report_.op) {
+      step();
+      check_other_set();
+    }
   }
 
  private:
@@ -163,9 +167,13 @@ class Harness {
       case 10:
         do_parallel_heads();
         break;
-      case 15:
-        do_reload();
+      case 15: {
+        const int which = in_.pick(3);
+        if (which == 0) do_reload();
+        if (which == 1) do_fork();
+        if (which == 2) do_speculate();
         break;
+      }
       case 11:
         do_scramble_output();
         break;
@@ -223,6 +231,102 @@ class Harness {
     report_.expect(after == before, "the loaded cache differs from the saved one");
     report_.count(&Stats::reloads);
     report_.log("save and reload (" + std::to_string(bytes.size()) + " bytes)");
+  }
+
+  /// Forks every cache of the run (KVCacheBuilder::fork, docs/design.md 10.1) and carries on with
+  /// the copy or with the source, as the input chooses: the copy shows everything its source shows
+  /// (the heap aside), the run's later checks hold for whichever goes on, and the other set is
+  /// kept and must not change while the run goes on (check_other_set, after every operation).
+  void do_fork() {
+    Snapshot before = cache_.snapshot();
+    std::vector<std::unique_ptr<vc::KVCache<T>>> copy;
+    try {
+      copy = vc::KVCacheBuilder::fork(cache_.owned);
+    } catch (const std::exception& e) {
+      report_.fail(std::string("fork threw: ") + e.what());
+    }
+    report_.expect(copy.size() == cache_.owned.size(), "the fork has another number of caches");
+    const std::size_t index = cache_.layer_index();
+    const bool go_on_with_copy = in_.pick(2) != 0;
+    if (go_on_with_copy) {
+      other_ = cache_.replace(std::move(copy));
+    } else {
+      other_ = std::move(copy);
+    }
+    bind_caches();
+    Snapshot after = cache_.snapshot();
+    before.heap = after.heap = 0;
+    report_.expect(after == before, "the fork differs from its source");
+    other_layer_ = other_[index].get();
+    other_state_ = other_snapshot();
+    report_.count(&Stats::forks);
+    report_.log(std::string("fork, going on with the ") + (go_on_with_copy ? "copy" : "source"));
+  }
+
+  /// The set a fork left aside, as observed now (the heap aside).
+  Snapshot other_snapshot() const {
+    const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(other_layer_);
+    Snapshot s = vt::snapshot(*other_layer_, sq ? sq->coordinator().get() : nullptr);
+    s.heap = 0;
+    return s;
+  }
+  /// Calls on one side of a fork never change the other.
+  void check_other_set() {
+    if (other_layer_ == nullptr) return;
+    report_.expect(other_snapshot() == other_state_,
+                   "calls on one side of a fork changed the other side");
+  }
+
+  /// KVCacheBuilder::checkpoint, one to three valid calls of any size and API that the models do
+  /// not see (a draft, verified), then rollback (docs/design.md 10.2): everything observable is
+  /// exactly as at the checkpoint, bitwise (the heap aside), and the run's later checks against
+  /// the oracles hold for the rolled-back set. A second rollback is refused and changes nothing.
+  void do_speculate() {
+    Snapshot before = cache_.snapshot();
+    before.heap = 0;
+    vc::KVCacheBuilder::checkpoint(cache_.owned);
+    const int calls = 1 + in_.pick(3);
+    std::string drafted;
+    // The dims the drafts must keep: the sequence's, or those of the first draft with rows when
+    // the set has seen no call (the rollback then takes them back).
+    Index B = seq_.B, H = seq_.H, Dk = seq_.Dk, Dv = seq_.Dv;
+    bool known = seq_.dims_known;
+    for (int i = 0; i < calls; ++i) {
+      const CallPlan p = decode_call(in_, seq_.qmode, known, Bad::None);
+      const Index S = static_cast<Index>(in_.range(0, 12));
+      Rng rng(p.seed);
+      const CallDims d = call_dims(p, S, rng, B, H, Dk, Dv, known);
+      const CallInputs<T> in = call_inputs<T>(p, d, rng, seq_.palette_k, seq_.one_hot);
+      if (in.expect_reject) continue;  // a valid plan can still draw dims a known set refuses
+      drafted += " " + describe_call(p, S, d, B, H, Dk, Dv);
+      try {
+        (void)invoke(*cache_.layer, cache_.out, p, in);
+      } catch (const std::exception& e) {
+        report_.fail(std::string("a draft call threw: ") + e.what());
+      }
+      if (S > 0 && !known) {
+        B = d.B;
+        H = d.H;
+        Dk = d.Dk;
+        Dv = d.Dv;
+        known = true;
+      }
+    }
+    vc::KVCacheBuilder::rollback(cache_.owned);
+    Snapshot after = cache_.snapshot();
+    after.heap = 0;
+    report_.expect(after == before,
+                   "rollback did not return to the checkpoint: " + diff(before, after));
+    try {
+      vc::KVCacheBuilder::rollback(cache_.owned);
+      report_.fail("a second rollback was not refused");
+    } catch (const std::logic_error&) {
+    }
+    Snapshot again = cache_.snapshot();
+    again.heap = 0;
+    report_.expect(again == after, "a refused rollback changed the cache");
+    report_.count(&Stats::rollbacks);
+    report_.log("checkpoint," + drafted + ", rollback");
   }
 
   void do_reset() {
@@ -410,6 +514,10 @@ class Harness {
 
   Bytes& in_;
   Reporter report_;
+  // The set a fork left aside (do_fork), its layer under test and what it showed then.
+  std::vector<std::unique_ptr<vc::KVCache<T>>> other_;
+  const vc::KVCache<T>* other_layer_ = nullptr;
+  Snapshot other_state_;
   RunSpec spec_;
   CacheUnderTest<T> cache_;
   BudgetModel budget_;

@@ -26,7 +26,7 @@ inline constexpr int kMaxS = 40;
 struct Stats {
   std::uint64_t runs = 0, invalid_configs = 0, calls = 0, rejected = 0, resets = 0, trims = 0;
   std::uint64_t tokens = 0, decisions = 0, ambiguous = 0, excused = 0, query_calls = 0;
-  std::uint64_t reloads = 0;
+  std::uint64_t reloads = 0, forks = 0, rollbacks = 0;
   std::uint64_t policy_runs[9] = {};
 };
 

@@ -60,12 +60,21 @@ class CacheUnderTest {
     return "";
   }
 
-  /// Carries on with `caches` (a loaded copy of `owned`): the layer under test keeps its index.
-  void replace(std::vector<std::unique_ptr<vc::KVCache<T>>> caches) {
-    std::size_t index = 0;
-    while (owned[index].get() != layer) ++index;
+  /// Carries on with `caches` (a loaded or forked copy of `owned`): the layer under test keeps
+  /// its index. Returns the set it replaces.
+  std::vector<std::unique_ptr<vc::KVCache<T>>> replace(
+      std::vector<std::unique_ptr<vc::KVCache<T>>> caches) {
+    const std::size_t index = layer_index();
+    std::vector<std::unique_ptr<vc::KVCache<T>>> old = std::move(owned);
     owned = std::move(caches);
     layer = owned[index].get();
+    return old;
+  }
+  /// The index of the layer under test in `owned`.
+  std::size_t layer_index() const {
+    std::size_t index = 0;
+    while (owned[index].get() != layer) ++index;
+    return index;
   }
 
   Snapshot snapshot() const { return vt::snapshot(*layer, coordinator.get()); }

@@ -91,6 +91,8 @@ TEST(FuzzRegressions, SeedCorpusReplaysCleanAndReachesEveryPolicy) {
   EXPECT_GT(stats.decisions, 100u);
   EXPECT_GT(stats.tokens, 300u);
   EXPECT_GT(stats.reloads, 0u);
+  EXPECT_GT(stats.forks, 0u);
+  EXPECT_GT(stats.rollbacks, 0u);
 }
 
 // The loader's fuzz corpus (fuzz/corpus_load/): real files of the current format version saved

@@ -129,14 +129,19 @@ TEST(ForkTest, AModelsSetForksWithOneNewCoordinatorAndContinuesLikeASetThatNever
   }
 }
 
-/// A set loaded from a prompt cache forks, and its fork continues as the loaded set does.
-TEST(ForkTest, ALoadedPromptCacheForks) {
+/// A set loaded from a prompt cache forks and rolls back: after a checkpoint, a draft and a
+/// rollback, it and its fork continue as the set it was saved from does.
+TEST(ForkTest, ALoadedPromptCacheForksAndRollsBack) {
   using T = float;
   Caches<T> source = vc::KVCacheBuilder::for_model<T>(model_dims(), model_config());
   (void)step(source, 1u, 14);
   std::stringstream file;
   vc::save_prompt_cache(file, source);
   vc::PromptCache<T> loaded = vc::load_prompt_cache<T>(file);
+  vc::KVCacheBuilder::checkpoint(loaded.caches);
+  (void)step(loaded.caches, 99u, 4);
+  vc::KVCacheBuilder::rollback(loaded.caches);
+  EXPECT_TRUE(state_of(loaded.caches) == state_of(source));
   Caches<T> copy = vc::KVCacheBuilder::fork(loaded.caches);
   for (unsigned s = 2; s < 6; ++s) {
     const std::vector<unsigned char> want = step(source, s, 1);
