@@ -246,6 +246,61 @@ TEST(RollbackTest, WithoutALiveCheckpointOfTheSetItIsRefusedAndChangesNothing) {
   EXPECT_THROW(vc::KVCacheBuilder::rollback(with_null), std::invalid_argument);
 }
 
+/// A checkpoint costs what the calls after it overwrite, not what they bring: after a 1500-token
+/// chunk under a checkpoint, an H2O layer of budget 64 holds at most the checkpoint's rows (its 64
+/// live rows and their bookkeeping) more heap than a twin that made the same chunk without one.
+TEST(RollbackTest, ALongChunkUnderACheckpointJournalsAtMostTheRowsItHeld) {
+  using T = float;
+  vc::KVCacheConfig c;
+  c.method = "h2o";
+  c.h2o_budget = 64;
+  Caches<T> set = vc::KVCacheBuilder::for_model<T>(1, c);
+  Caches<T> twin = vc::KVCacheBuilder::for_model<T>(1, c);
+  const Index D = 16, H = 2;
+  std::mt19937 rng(8u);
+  const auto feed = [&](Caches<T>& s, unsigned seed, Index S) {
+    std::mt19937 r(seed);
+    (void)s.front()->update_and_view(random_tensor<T>(r, 1, H, S, D),
+                                     random_tensor<T>(r, 1, H, S, D));
+  };
+  for (unsigned i = 0; i < 3; ++i) {
+    feed(set, i, 100);
+    feed(twin, i, 100);
+  }
+  vc::KVCacheBuilder::checkpoint(set);
+  feed(set, 50u, 1500);
+  feed(twin, 50u, 1500);
+  const std::size_t row = 2 * static_cast<std::size_t>(D) * sizeof(T);  // K and V of one row
+  const std::size_t held = 64 * static_cast<std::size_t>(H);            // rows at the checkpoint
+  EXPECT_LE(set.front()->heap_bytes(), twin.front()->heap_bytes() + held * (row + 64) + 4096);
+  vc::KVCacheBuilder::rollback(set);
+}
+
+/// While a checkpoint is live, a head whose rows fell far below the checkpoint's (a standard
+/// cache trimmed from 300 rows to 20) keeps its buffers from call to call instead of reallocating
+/// at every one: the view's rows stay where they were.
+TEST(RollbackTest, AHeadHeldAboveItsRowsByACheckpointDoesNotReallocateAtEveryCall) {
+  using T = float;
+  vc::KVCacheConfig c;
+  c.method = "standard";
+  Caches<T> set = vc::KVCacheBuilder::for_model<T>(1, c);
+  std::mt19937 rng(9u);
+  const auto call = [&](Index S) {
+    return set.front()->update_and_view(random_tensor<T>(rng, 1, 1, S, 8),
+                                        random_tensor<T>(rng, 1, 1, S, 8));
+  };
+  (void)call(300);
+  vc::KVCacheBuilder::checkpoint(set);
+  EXPECT_EQ(set.front()->trim(280), 280);
+  (void)call(1);
+  const T* keys = call(1).keys(0, 0).data();
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(call(1).keys(0, 0).data(), keys) << "call " << i << " reallocated";
+  }
+  vc::KVCacheBuilder::rollback(set);
+  EXPECT_EQ(set.front()->offset(), 300);
+}
+
 /// An engine's own subclass of a cache (the library cannot build one of its class).
 class EngineCache : public vc::KVCache<float> {
  public:

@@ -64,6 +64,9 @@ class KVCacheBuilder {
   static std::vector<std::unique_ptr<KVCache<T>>> fork(
       const std::vector<std::unique_ptr<KVCache<T>>>& caches) {
     check_entries(caches, "KVCacheBuilder::fork");
+    // Every source is held from before its coordinator is copied to the end, so that the copy
+    // is of one moment of the set.
+    const std::vector<detail::CallGate::Entry> entries = hold(caches, "KVCacheBuilder::fork");
     detail::StateLinks links;
     for (const auto& c : caches) c->link_state(links);
     links.copy_saved([](const SqueezeCoordinator& co) {
@@ -80,7 +83,6 @@ class KVCacheBuilder {
                                     " is of a class the library does not build; it cannot be "
                                     "forked");
       }
-      const detail::CallGate::Entry entry = src.gate_.enter("KVCacheBuilder::fork");
       copy->fork_from(src, links);
       out.push_back(std::move(copy));
     }
@@ -114,7 +116,8 @@ class KVCacheBuilder {
   /// bitwise what they would have given at the checkpoint. Throws std::logic_error, changing
   /// nothing, when some cache or coordinator of the set holds no live checkpoint of that same
   /// `checkpoint` call (none taken, dropped by a reset or a load, or consumed by a rollback), and
-  /// std::invalid_argument for a null entry. Never allocates.
+  /// std::invalid_argument for a null entry. Once it starts changing the set it cannot fail (it
+  /// allocates nothing from there on).
   template <class T>
   static void rollback(std::vector<std::unique_ptr<KVCache<T>>>& caches) {
     check_entries(caches, "KVCacheBuilder::rollback");

@@ -59,7 +59,10 @@ class HeadStore {
   /// grow/shrink cycles). Call only after compact(). Strong exception guarantee.
   void shrink_if_oversized(Index rows) {
     VELOXQUANT_ASSERT(n_phys_ == live(), "shrink before compaction");
-    if (cap_ > 2 * rows && cap_ > 16) reallocate(std::max(rows, n_phys_));
+    // A live checkpoint's slots stay (reallocate keeps them): the floor, so that a head held
+    // above twice its rows by a checkpoint does not reallocate at every call.
+    const Index floor = has_checkpoint() ? std::max(rows, undo_->phys) : rows;
+    if (cap_ > 2 * floor && cap_ > 16) reallocate(std::max(rows, n_phys_));
   }
 
   /// Refills the holes left by evictions with rows from the tail, so that slots [0, live()) hold
@@ -190,7 +193,11 @@ class HeadStore {
     u.key_sum.assign(key_sum_.begin(), key_sum_.end());
     // A slot dead at the checkpoint needs no saving: its row is never read again.
     u.saved.resize(n);
-    for (std::size_t i = 0; i < n; ++i) u.saved[i] = alive_[i] == kAlive ? 0 : 1;
+    u.unsaved = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      u.saved[i] = alive_[i] == kAlive ? 0 : 1;
+      u.unsaved += alive_[i] == kAlive ? 1 : 0;
+    }
     u.slots.clear();
     u.rows.clear();
     u.phys = n_phys_;
@@ -205,11 +212,12 @@ class HeadStore {
   }
   /// Room in the journal for `rows` more saved rows, taken before a call (or trim) that may
   /// overwrite them changes anything: a call's compaction overwrites at most holes().size()
-  /// slots and its appends one slot per row. Strong guarantee.
+  /// slots and its appends one slot per row, and no more rows than the checkpoint held live and
+  /// the journal has not saved yet are ever saved. Strong guarantee.
   void reserve_journal(Index rows) {
     if (!has_checkpoint()) return;
     Undo& u = *undo_;
-    const std::size_t want = (u.slots.size() + static_cast<std::size_t>(rows));
+    const std::size_t want = u.slots.size() + std::min(static_cast<std::size_t>(rows), u.unsaved);
     if (u.slots.capacity() < want) u.slots.reserve(std::max(want, 2 * u.slots.capacity()));
     const std::size_t per = static_cast<std::size_t>(ks_ + vs_);
     if (u.rows.capacity() < want * per) u.rows.reserve(std::max(want * per, 2 * u.rows.capacity()));
@@ -466,6 +474,7 @@ class HeadStore {
     std::vector<float> score, weight;  // [phys], [phys] or empty
     std::vector<std::uint8_t> alive;   // [phys]
     std::vector<std::uint8_t> saved;   // [phys]: 1 once the slot's row needs no saving
+    std::size_t unsaved = 0;           // slots live at the checkpoint whose rows are not saved
     std::vector<Slot> order, holes;
     std::vector<std::int64_t> key_sum;
     std::vector<Slot> slots;  // the slots whose rows the journal saved, in order
@@ -478,7 +487,10 @@ class HeadStore {
     if (!undo_ || !undo_->live || s >= undo_->phys || undo_->saved[at(s)]) return;
     Undo& u = *undo_;
     u.saved[at(s)] = 1;
-    VELOXQUANT_ASSERT(u.slots.size() < u.slots.capacity(), "journal capacity");
+    --u.unsaved;
+    VELOXQUANT_ASSERT(u.slots.size() < u.slots.capacity() &&
+                          u.rows.size() + static_cast<std::size_t>(ks_ + vs_) <= u.rows.capacity(),
+                      "journal capacity");
     u.slots.push_back(static_cast<Slot>(s));
     u.rows.insert(u.rows.end(), key_ptr(s), key_ptr(s) + ks_);
     u.rows.insert(u.rows.end(), value_ptr(s), value_ptr(s) + vs_);
