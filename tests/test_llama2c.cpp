@@ -475,6 +475,7 @@ TEST_F(Llama2c, SamplesFromForksOfAPrefilledPromptEqualFreshRuns) {
 /// the main set verifies them in one call between checkpoint and rollback and then takes the
 /// accepted ones in one call. With a main set that keeps every row the text is token for token
 /// plain greedy decoding's; the draft is right often enough that rounds are fewer than tokens.
+/// (Evicting main sets: the next test.)
 TEST_F(Llama2c, SpeculativeDecodingGivesPlainGreedyText) {
   const std::vector<int> prompt = sample_ids(24);
   const int n_layers = model().config().n_layers;
@@ -499,6 +500,39 @@ TEST_F(Llama2c, SpeculativeDecodingGivesPlainGreedyText) {
       if (k > 1) {
         EXPECT_LT(run.rounds, static_cast<std::int64_t>(want.size())) << method << ", k = " << k;
       }
+    }
+  }
+}
+
+/// With a main set that evicts (squeeze, h2o, tova and snapkv at budget 24 with real queries,
+/// half rows, a prompt of 40 tokens), the accepted tokens taken one call each
+/// (Accept::token_by_token) make exactly the calls of plain greedy decoding after the rollback,
+/// so the text is plain greedy's with every policy and k; the rollbacks are what make that
+/// possible (the verifying call evicted).
+TEST_F(Llama2c, SpeculativeDecodingTokenByTokenGivesPlainGreedyTextWithEvictingSets) {
+  const std::vector<int> prompt = sample_ids(40);
+  const int n_layers = model().config().n_layers;
+  vc::KVCacheConfig draft_cfg;
+  draft_cfg.method = "streaming_llm";
+  draft_cfg.set_budget(16);
+  for (const char* method : {"squeeze", "h2o", "tova", "snapkv"}) {
+    vc::KVCacheConfig cfg;
+    cfg.method = method;
+    cfg.set_budget(24);
+    using H = Eigen::half;
+    ll::Engine<H> plain(model(), vc::KVCacheBuilder::for_model<H>(n_layers, cfg), true);
+    const std::vector<int> want = ll::generate_greedy(plain, prompt, 100);
+    for (const int k : {2, 5}) {
+      ll::Engine<H> main(model(), vc::KVCacheBuilder::for_model<H>(n_layers, cfg), true);
+      ll::Engine<float> draft(model(), vc::KVCacheBuilder::for_model<float>(n_layers, draft_cfg),
+                              true);
+      const int next = ll::predicted_token(main.forward(prompt));
+      (void)draft.forward(prompt);
+      const ll::SpeculativeRun run =
+          ll::speculative_from(main, draft, next, 100, k, ll::Accept::token_by_token);
+      EXPECT_EQ(run.tokens, want) << method << ", k = " << k;
+      EXPECT_GT(run.accepted, 0) << method << ", k = " << k;
+      EXPECT_LT(main.caches().front()->tokens_kept(), main.position()) << method << ": no eviction";
     }
   }
 }

@@ -4,7 +4,7 @@
 ///   llama2c_generate [--fixtures DIR] [--method standard|squeeze|h2o|pyramidkv|tova|
 ///                    streaming_llm|snapkv] [--budget N] [--queries [--view]] [--steps N]
 ///                    [--prompt "text"] [--samples N [--temperature T] [--seed S]]
-///                    [--speculative K [--draft-window W]]
+///                    [--speculative K [--draft-window W] [--exact]]
 ///
 /// DIR holds model/stories260K.bin and model/tok512.bin (default: $VELOXQUANT_FIXTURES, else the
 /// directory configured at build time). --budget sets the budget of every policy (the StreamingLLM
@@ -15,8 +15,10 @@
 /// seeds S, S + 1, ...) from forks of its caches (KVCacheBuilder::fork). --speculative K decodes
 /// greedily with speculative decoding: a draft pass over the same model with a StreamingLLM cache
 /// set of window W (default 32) proposes K tokens, the main set verifies them in one call between
-/// KVCacheBuilder::checkpoint and rollback; it prints the acceptance rate, tokens per second
-/// against plain greedy decoding, and whether the two texts are the same.
+/// KVCacheBuilder::checkpoint and rollback, then takes the accepted tokens in one call (--exact:
+/// one call per token, the calls of plain greedy decoding, so the text is plain greedy's with
+/// every policy); it prints the acceptance rate, tokens per second against plain greedy
+/// decoding, and whether the two texts are the same.
 /// The text goes to stdout, the statistics to stderr.
 
 #include <chrono>
@@ -43,7 +45,7 @@ int usage(const char* argv0) {
                "streaming_llm|snapkv]\n"
                "          [--budget N] [--queries [--view]] [--steps N] [--prompt \"text\"]\n"
                "          [--samples N [--temperature T] [--seed S]] [--speculative K "
-               "[--draft-window W]]\n",
+               "[--draft-window W] [--exact]]\n",
                argv0);
   return 2;
 }
@@ -59,6 +61,7 @@ int main(int argc, char** argv) {
   bool view = false;
   int steps = 256;
   int samples = 0, speculative = 0, draft_window = 32;
+  bool exact = false;
   float temperature = 0.9f;
   unsigned long long seed = 1;
   for (int i = 1; i < argc; ++i) {
@@ -86,6 +89,8 @@ int main(int argc, char** argv) {
       seed = std::strtoull(argv[++i], nullptr, 10);
     } else if (arg == "--speculative" && has_value) {
       speculative = std::atoi(argv[++i]);
+    } else if (arg == "--exact") {
+      exact = true;
     } else if (arg == "--draft-window" && has_value) {
       draft_window = std::atoi(argv[++i]);
     } else {
@@ -135,7 +140,9 @@ int main(int argc, char** argv) {
       t0 = std::chrono::steady_clock::now();
       const int next = ll::predicted_token(engine.forward(ids));
       (void)draft.forward(ids);
-      const ll::SpeculativeRun run = ll::speculative_from(engine, draft, next, steps, speculative);
+      const ll::SpeculativeRun run =
+          ll::speculative_from(engine, draft, next, steps, speculative,
+                               exact ? ll::Accept::token_by_token : ll::Accept::one_call);
       const std::chrono::duration<double> spec_s = std::chrono::steady_clock::now() - t0;
       std::printf("%s\n", text(run.tokens).c_str());
       std::fprintf(stderr,

@@ -600,14 +600,23 @@ struct SpeculativeRun {
   std::int64_t proposed = 0, accepted = 0, rounds = 0;
 };
 
+/// How the main set takes the accepted tokens after the rollback.
+enum class Accept {
+  one_call,        ///< one call with them all (SPEC 13.2's engine; an evicting set then evicts
+                   ///< once where one-token calls evict per token, so the text may differ)
+  token_by_token,  ///< one call per token, each the set's own prediction: exactly the calls of
+                   ///< plain greedy decoding, so the text is plain greedy's with every policy
+};
+
 /// Greedy speculative decoding (docs/design.md 10.2): `draft` (a cheap cache set over the same
 /// model) proposes up to k tokens one step at a time; `main` verifies them in one call between
-/// checkpoint and rollback, then makes one call with the accepted ones (and the token that
-/// followed), so each round's main call brings n + 1 tokens. Both engines must have absorbed the
-/// same prompt, and `next` be main's prediction after it. The draft is rolled back the same way
-/// to the accepted tokens. Stops as generate_from does.
+/// checkpoint and rollback, then takes the accepted ones (and the token that followed) as
+/// `accept` says. Both engines must have absorbed the same prompt, and `next` be main's
+/// prediction after it. The draft is rolled back the same way to the accepted tokens. Stops as
+/// generate_from does.
 template <class T, class U>
-SpeculativeRun speculative_from(Engine<T>& main, Engine<U>& draft, int next, int max_new, int k) {
+SpeculativeRun speculative_from(Engine<T>& main, Engine<U>& draft, int next, int max_new, int k,
+                                Accept accept = Accept::one_call) {
   SpeculativeRun run;
   const int seq_len = main.model().config().seq_len;
   while (max_new > 0 && next != kBos) {
@@ -643,14 +652,26 @@ SpeculativeRun speculative_from(Engine<T>& main, Engine<U>& draft, int next, int
     ++run.rounds;
     run.proposed += kk;
     run.accepted += n;
-    // One call each with next and the accepted tokens; main's prediction after them follows.
+    // Next and the accepted tokens; main's prediction after them follows.
     std::vector<int> take = {next};
     take.insert(take.end(), proposal.begin(), proposal.begin() + n);
     if (n == kk) take.pop_back();  // every proposal accepted: the last one is the next `next`
-    const Eigen::MatrixXf out = main.forward(take);
+    if (accept == Accept::one_call) {
+      const Eigen::MatrixXf out = main.forward(take);
+      next = n == kk ? proposal.back() : predicted_token(out);
+    } else {
+      // One call per token; a prediction that disagrees with the verifying call's (the two
+      // calls' arithmetic differs) ends the round early: this call's prediction rules.
+      std::size_t taken = 0;
+      while (taken < take.size()) {
+        next = predicted_token(main.forward({take[taken]}));
+        ++taken;
+        if (taken < take.size() && next != take[taken]) break;
+      }
+      take.resize(taken);
+    }
     (void)draft.forward(take);
     for (std::size_t i = 1; i < take.size(); ++i) run.tokens.push_back(take[i]);
-    next = n == kk ? proposal.back() : predicted_token(out);
     if (static_cast<std::int64_t>(run.tokens.size()) >= max_new) {
       run.tokens.resize(static_cast<std::size_t>(max_new));
       break;
