@@ -228,7 +228,7 @@ class KVCache {
     if (!is_trimmable()) return 0;
     n = std::min(n, offset_);
     // With a checkpoint: room to save the rows the compactions below may overwrite.
-    for (auto& h : heads_) h.reserve_journal(static_cast<Index>(h.holes().size()) + n);
+    for (auto& h : heads_) h.reserve_journal(static_cast<Index>(n));
     for (auto& h : heads_) {
       h.compact();
       h.drop_newest(std::min<Index>(static_cast<Index>(n), h.live()));
@@ -701,7 +701,7 @@ class KVCache {
     }
     if (S == 0) {
       // With a checkpoint: room to save the rows the compaction below may overwrite.
-      for (auto& h : heads_) h.reserve_journal(static_cast<Index>(h.holes().size()));
+      for (auto& h : heads_) h.reserve_journal(0);
       if (view_copy) copy_.commit(buffers);  // nothing else can throw now
       if (out && !dims_.known) resize_pair(*out, keys.batch, keys.heads, 0, keys.dim, values.dim);
       for (auto& h : heads_) h.compact();

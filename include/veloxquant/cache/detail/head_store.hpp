@@ -210,14 +210,15 @@ class HeadStore {
   void drop_checkpoint() noexcept {
     if (undo_) undo_->live = false;
   }
-  /// Room in the journal for `rows` more saved rows, taken before a call (or trim) that may
-  /// overwrite them changes anything: a call's compaction overwrites at most holes().size()
-  /// slots and its appends one slot per row, and no more rows than the checkpoint held live and
-  /// the journal has not saved yet are ever saved. Strong guarantee.
-  void reserve_journal(Index rows) {
+  /// Room in the journal for every row a compaction and then `writes` more slot writes (a call's
+  /// appends, a trim's second compaction) may overwrite, taken before the call (or trim) changes
+  /// anything: a compaction overwrites at most holes().size() slots, and no more rows than the
+  /// checkpoint held live and the journal has not saved yet are ever saved. Strong guarantee.
+  void reserve_journal(Index writes) {
     if (!has_checkpoint()) return;
     Undo& u = *undo_;
-    const std::size_t want = u.slots.size() + std::min(static_cast<std::size_t>(rows), u.unsaved);
+    const std::size_t rows = holes_.size() + static_cast<std::size_t>(writes);
+    const std::size_t want = u.slots.size() + std::min(rows, u.unsaved);
     if (u.slots.capacity() < want) u.slots.reserve(std::max(want, 2 * u.slots.capacity()));
     const std::size_t per = static_cast<std::size_t>(ks_ + vs_);
     if (u.rows.capacity() < want * per) u.rows.reserve(std::max(want * per, 2 * u.rows.capacity()));
@@ -484,7 +485,7 @@ class HeadStore {
   // Before slot s is overwritten: with a live checkpoint, saves the row it held then (once). The
   // room was reserved (reserve_journal).
   void journal(Index s) noexcept {
-    if (!undo_ || !undo_->live || s >= undo_->phys || undo_->saved[at(s)]) return;
+    if (!has_checkpoint() || s >= undo_->phys || undo_->saved[at(s)]) return;
     Undo& u = *undo_;
     u.saved[at(s)] = 1;
     --u.unsaved;

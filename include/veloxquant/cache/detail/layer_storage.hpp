@@ -43,7 +43,7 @@ void grow_heads(std::vector<HeadStore<T>>& heads, Index rows, Index steady_rows,
   for (auto& h : heads) {
     if (key_sum) h.reserve_key_sum();
     // With a checkpoint: room to save every row this call may overwrite (compaction, appends).
-    h.reserve_journal(static_cast<Index>(h.holes().size()) + rows);
+    h.reserve_journal(rows);
     h.compact();
     const Index needed = h.live() + rows;
     h.shrink_if_oversized(needed);
