@@ -412,9 +412,8 @@ TEST_F(Llama2c, APromptCacheContinuesWithBitIdenticalLogits) {
     cfg.key_bits = 8;
     cfg.value_bits = 4;
     cfg.quant_group = 8;
-    const int n_layers = model().config().n_layers;
-    ll::Engine<Eigen::half> kept(model(), vc::KVCacheBuilder::for_model<Eigen::half>(n_layers, cfg), true);
-    ll::Engine<Eigen::half> saved(model(), vc::KVCacheBuilder::for_model<Eigen::half>(n_layers, cfg), true);
+    ll::Engine<Eigen::half> kept = engine<Eigen::half>(cfg, true);
+    ll::Engine<Eigen::half> saved = engine<Eigen::half>(cfg, true);
     const Eigen::MatrixXf first = kept.forward(prompt);
     (void)saved.forward(prompt);
     std::ostringstream out;
@@ -441,23 +440,20 @@ TEST_F(Llama2c, APromptCacheContinuesWithBitIdenticalLogits) {
 /// under policies that evict (quantized rows too); the samples differ from one another.
 TEST_F(Llama2c, SamplesFromForksOfAPrefilledPromptEqualFreshRuns) {
   const std::vector<int> prompt = sample_ids(40);
-  const int n_layers = model().config().n_layers;
   for (const char* method : {"squeeze", "h2o", "snapkv", "standard"}) {
     vc::KVCacheConfig cfg;
     cfg.method = method;
     cfg.set_budget(24);
     cfg.key_bits = 8;
     cfg.quant_group = 8;
-    ll::Engine<Eigen::half> prefilled(
-        model(), vc::KVCacheBuilder::for_model<Eigen::half>(n_layers, cfg), true);
+    ll::Engine<Eigen::half> prefilled = engine<Eigen::half>(cfg, true);
     const Eigen::MatrixXf logits = prefilled.forward(prompt);
     std::vector<std::vector<int>> samples;
     for (std::uint64_t seed = 1; seed <= 3; ++seed) {
       ll::Engine<Eigen::half> forked = prefilled.fork();
       ll::Sampler sampler(0.9f, seed);
       const std::vector<int> got = ll::sample_from(forked, sampler.sample(logits), 60, sampler);
-      ll::Engine<Eigen::half> fresh(
-          model(), vc::KVCacheBuilder::for_model<Eigen::half>(n_layers, cfg), true);
+      ll::Engine<Eigen::half> fresh = engine<Eigen::half>(cfg, true);
       ll::Sampler again(0.9f, seed);
       const Eigen::MatrixXf fresh_logits = fresh.forward(prompt);
       const std::vector<int> want = ll::sample_from(fresh, again.sample(fresh_logits), 60, again);
@@ -478,7 +474,6 @@ TEST_F(Llama2c, SamplesFromForksOfAPrefilledPromptEqualFreshRuns) {
 /// (Evicting main sets: the next test.)
 TEST_F(Llama2c, SpeculativeDecodingGivesPlainGreedyText) {
   const std::vector<int> prompt = sample_ids(24);
-  const int n_layers = model().config().n_layers;
   vc::KVCacheConfig draft_cfg;
   draft_cfg.method = "streaming_llm";
   draft_cfg.set_budget(16);
@@ -486,12 +481,11 @@ TEST_F(Llama2c, SpeculativeDecodingGivesPlainGreedyText) {
     vc::KVCacheConfig cfg;
     cfg.method = method;
     cfg.set_budget(512);  // never reached: the policy keeps every row
-    ll::Engine<float> plain(model(), vc::KVCacheBuilder::for_model<float>(n_layers, cfg), true);
+    ll::Engine<float> plain = engine<float>(cfg, true);
     const std::vector<int> want = ll::generate_greedy(plain, prompt, 120);
     for (const int k : {1, 3, 6}) {
-      ll::Engine<float> main(model(), vc::KVCacheBuilder::for_model<float>(n_layers, cfg), true);
-      ll::Engine<float> draft(model(), vc::KVCacheBuilder::for_model<float>(n_layers, draft_cfg),
-                              true);
+      ll::Engine<float> main = engine<float>(cfg, true);
+      ll::Engine<float> draft = engine<float>(draft_cfg, true);
       const int next = ll::predicted_token(main.forward(prompt));
       (void)draft.forward(prompt);
       const ll::SpeculativeRun run = ll::speculative_from(main, draft, next, 120, k);
@@ -511,7 +505,6 @@ TEST_F(Llama2c, SpeculativeDecodingGivesPlainGreedyText) {
 /// possible (the verifying call evicted).
 TEST_F(Llama2c, SpeculativeDecodingTokenByTokenGivesPlainGreedyTextWithEvictingSets) {
   const std::vector<int> prompt = sample_ids(40);
-  const int n_layers = model().config().n_layers;
   vc::KVCacheConfig draft_cfg;
   draft_cfg.method = "streaming_llm";
   draft_cfg.set_budget(16);
@@ -520,12 +513,11 @@ TEST_F(Llama2c, SpeculativeDecodingTokenByTokenGivesPlainGreedyTextWithEvictingS
     cfg.method = method;
     cfg.set_budget(24);
     using H = Eigen::half;
-    ll::Engine<H> plain(model(), vc::KVCacheBuilder::for_model<H>(n_layers, cfg), true);
+    ll::Engine<H> plain = engine<H>(cfg, true);
     const std::vector<int> want = ll::generate_greedy(plain, prompt, 100);
     for (const int k : {2, 5}) {
-      ll::Engine<H> main(model(), vc::KVCacheBuilder::for_model<H>(n_layers, cfg), true);
-      ll::Engine<float> draft(model(), vc::KVCacheBuilder::for_model<float>(n_layers, draft_cfg),
-                              true);
+      ll::Engine<H> main = engine<H>(cfg, true);
+      ll::Engine<float> draft = engine<float>(draft_cfg, true);
       const int next = ll::predicted_token(main.forward(prompt));
       (void)draft.forward(prompt);
       const ll::SpeculativeRun run =

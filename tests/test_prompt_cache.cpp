@@ -197,20 +197,6 @@ std::vector<std::vector<unsigned char>> run_step(Caches<T>& caches, const Step& 
   return out;
 }
 
-/// Everything observable of a model: per cache the snapshot (heap left out: capacities depend on
-/// the history) with its coordinator's state, and which caches share a coordinator.
-template <class T>
-std::vector<Snapshot> model_state(const Caches<T>& caches) {
-  std::vector<Snapshot> out;
-  for (const auto& c : caches) {
-    const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(c.get());
-    Snapshot s = snapshot(*c, sq ? sq->coordinator().get() : nullptr);
-    s.heap = 0;
-    out.push_back(std::move(s));
-  }
-  return out;
-}
-
 template <class T>
 class PromptCacheTest : public ::testing::Test {};
 using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;

@@ -63,19 +63,6 @@ std::vector<unsigned char> step(Caches<T>& set, unsigned seed, Index S) {
   return out;
 }
 
-/// Everything observable about every layer of `set` and its coordinator.
-template <class T>
-std::vector<Snapshot> state_of(const Caches<T>& set) {
-  std::vector<Snapshot> out;
-  for (const auto& c : set) {
-    const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(c.get());
-    Snapshot s = snapshot(*c, sq ? sq->coordinator().get() : nullptr);
-    s.heap = 0;
-    out.push_back(s);
-  }
-  return out;
-}
-
 /// A fork of a model's set made mid-calibration (some layers reported, none adopted) and one
 /// made after adoption: the copy's squeeze layers share one coordinator, a new one; the
 /// standard layer stays standard; the source, its fork and a set that never forked then give
@@ -110,17 +97,17 @@ TEST(ForkTest, AModelsSetForksWithOneNewCoordinatorAndContinuesLikeASetThatNever
       EXPECT_EQ(sq->coordinator(), shared) << ctx << ": the copy's layers share one coordinator";
       EXPECT_EQ(sq->layer_id(), src->layer_id());
     }
-    EXPECT_TRUE(state_of(copy) == state_of(source)) << ctx;
+    EXPECT_TRUE(model_state(copy) == model_state(source)) << ctx;
     for (; i < sizes.size(); ++i) {
       const auto seed = 10u + static_cast<unsigned>(i);
       const std::vector<unsigned char> want = step(twin, seed, sizes[i]);
-      const std::vector<Snapshot> before = state_of(source);
+      const std::vector<Snapshot> before = model_state(source);
       EXPECT_EQ(step(copy, seed, sizes[i]), want) << ctx << ", step " << i << ": the copy";
-      EXPECT_TRUE(state_of(source) == before)
+      EXPECT_TRUE(model_state(source) == before)
           << ctx << ", step " << i << ": the copy's call changed the source";
       EXPECT_EQ(step(source, seed, sizes[i]), want) << ctx << ", step " << i << ": the source";
-      EXPECT_TRUE(state_of(copy) == state_of(twin)) << ctx << ", step " << i;
-      EXPECT_TRUE(state_of(source) == state_of(twin)) << ctx << ", step " << i;
+      EXPECT_TRUE(model_state(copy) == model_state(twin)) << ctx << ", step " << i;
+      EXPECT_TRUE(model_state(source) == model_state(twin)) << ctx << ", step " << i;
     }
     // Not vacuous: the layers adopted budgets of their own and evicted.
     const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(copy[0].get());
@@ -141,14 +128,14 @@ TEST(ForkTest, ALoadedPromptCacheForksAndRollsBack) {
   vc::KVCacheBuilder::checkpoint(loaded.caches);
   (void)step(loaded.caches, 99u, 4);
   vc::KVCacheBuilder::rollback(loaded.caches);
-  EXPECT_TRUE(state_of(loaded.caches) == state_of(source));
+  EXPECT_TRUE(model_state(loaded.caches) == model_state(source));
   Caches<T> copy = vc::KVCacheBuilder::fork(loaded.caches);
   for (unsigned s = 2; s < 6; ++s) {
     const std::vector<unsigned char> want = step(source, s, 1);
     EXPECT_EQ(step(loaded.caches, s, 1), want) << "step " << s;
     EXPECT_EQ(step(copy, s, 1), want) << "step " << s;
   }
-  EXPECT_TRUE(state_of(copy) == state_of(source));
+  EXPECT_TRUE(model_state(copy) == model_state(source));
 }
 
 /// At a real head size (D = 128, half, 8 heads of 300 rows), the copy holds its rows and little
@@ -190,14 +177,14 @@ TEST(RollbackTest, SpeculativeStepsOnAModelsSetEqualASetThatOnlyTookTheAcceptedT
   for (const Index k : {6, 1, 2, 3, 4}) {
     const std::string ctx = "a draft of " + std::to_string(k);
     vc::KVCacheBuilder::checkpoint(set);
-    const std::vector<Snapshot> at = state_of(set);
+    const std::vector<Snapshot> at = model_state(set);
     (void)step(set, seed++, k);  // the draft, verified in one call
-    EXPECT_FALSE(state_of(set) == at) << ctx << ": the draft changed nothing";
+    EXPECT_FALSE(model_state(set) == at) << ctx << ": the draft changed nothing";
     vc::KVCacheBuilder::rollback(set);
-    EXPECT_TRUE(state_of(set) == at) << ctx << ": not the checkpoint's state";
+    EXPECT_TRUE(model_state(set) == at) << ctx << ": not the checkpoint's state";
     const Index accepted = k > 1 ? 2 : 1;
     EXPECT_EQ(step(set, seed, accepted), step(twin, seed, accepted)) << ctx;
-    EXPECT_TRUE(state_of(set) == state_of(twin)) << ctx;
+    EXPECT_TRUE(model_state(set) == model_state(twin)) << ctx;
     ++seed;
   }
   const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(set[0].get());
@@ -213,7 +200,7 @@ TEST(RollbackTest, WithoutALiveCheckpointOfTheSetItIsRefusedAndChangesNothing) {
   Caches<T> set = vc::KVCacheBuilder::for_model<T>(model_dims(), model_config());
   (void)step(set, 1u, 13);
   const auto refused = [&](Caches<T>& s, const std::string& what) {
-    const std::vector<Snapshot> before = state_of(s);
+    const std::vector<Snapshot> before = model_state(s);
     try {
       vc::KVCacheBuilder::rollback(s);
       ADD_FAILURE() << what << ": not refused";
@@ -221,7 +208,7 @@ TEST(RollbackTest, WithoutALiveCheckpointOfTheSetItIsRefusedAndChangesNothing) {
       EXPECT_NE(std::string(e.what()).find("holds no live checkpoint"), std::string::npos)
           << e.what();
     }
-    EXPECT_TRUE(state_of(s) == before) << what;
+    EXPECT_TRUE(model_state(s) == before) << what;
   };
   refused(set, "none taken");
   vc::KVCacheBuilder::checkpoint(set);
@@ -229,10 +216,10 @@ TEST(RollbackTest, WithoutALiveCheckpointOfTheSetItIsRefusedAndChangesNothing) {
   refused(copy, "a fork");
   (void)step(set, 2u, 1);
   vc::KVCacheBuilder::checkpoint(set);  // replaces the first
-  const std::vector<Snapshot> second = state_of(set);
+  const std::vector<Snapshot> second = model_state(set);
   (void)step(set, 3u, 1);
   vc::KVCacheBuilder::rollback(set);
-  EXPECT_TRUE(state_of(set) == second);
+  EXPECT_TRUE(model_state(set) == second);
   refused(set, "consumed");
   vc::KVCacheBuilder::checkpoint(set);
   set[1]->reset();
@@ -314,7 +301,7 @@ TEST(ForkTest, BadSetsAreRefusedNamingTheCache) {
   EXPECT_TRUE(vc::KVCacheBuilder::fork(Caches<T>{}).empty());
   Caches<T> set = vc::KVCacheBuilder::for_model<T>(model_dims(), model_config());
   (void)step(set, 3u, 9);
-  const std::vector<Snapshot> before = state_of(set);
+  const std::vector<Snapshot> before = model_state(set);
   set.push_back(nullptr);
   std::string msg = invalid_argument_message([&] { (void)vc::KVCacheBuilder::fork(set); });
   EXPECT_NE(msg.find("KVCacheBuilder::fork: cache 4 is null"), std::string::npos) << msg;
@@ -322,7 +309,7 @@ TEST(ForkTest, BadSetsAreRefusedNamingTheCache) {
   msg = invalid_argument_message([&] { (void)vc::KVCacheBuilder::fork(set); });
   EXPECT_NE(msg.find("cache 4 is of a class the library does not build"), std::string::npos) << msg;
   set.pop_back();
-  EXPECT_TRUE(state_of(set) == before);
+  EXPECT_TRUE(model_state(set) == before);
 }
 
 }  // namespace

@@ -244,6 +244,20 @@ Snapshot logical_state(const Subject<T>& s) {
   return out;
 }
 
+/// logical_state of every cache of a model's set, each with its coordinator's state (a squeeze
+/// layer's), in the set's order.
+template <class T>
+std::vector<Snapshot> model_state(const std::vector<std::unique_ptr<vc::KVCache<T>>>& caches) {
+  std::vector<Snapshot> out;
+  for (const auto& c : caches) {
+    const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(c.get());
+    Snapshot s = snapshot(*c, sq ? sq->coordinator().get() : nullptr);
+    s.heap = 0;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The APIs a call can go through
 // ---------------------------------------------------------------------------------------------
