@@ -16,6 +16,8 @@
 
 #include "h2o_cache.hpp"
 #include "kv_cache.hpp"
+#include "kv_cache_builder.hpp"
+#include "kv_cache_factory.hpp"
 #include "kv_view.hpp"
 #include "prompt_cache.hpp"
 #include "pyramidkv_cache.hpp"
@@ -26,25 +28,36 @@
 
 #if defined(VELOXQUANT_INSTANTIATE_TEMPLATES)
 #define VELOXQUANT_DETAIL_INSTANTIATE(...) template class __VA_ARGS__;
+#define VELOXQUANT_DETAIL_INSTANTIATE_FUNCTION(...) template __VA_ARGS__;
 #else
 #define VELOXQUANT_DETAIL_INSTANTIATE(...) extern template class __VA_ARGS__;
+#define VELOXQUANT_DETAIL_INSTANTIATE_FUNCTION(...) extern template __VA_ARGS__;
 #endif
 
-#define VELOXQUANT_DETAIL_INSTANTIATE_ALL(T)                                 \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::detail::HeadStore<T>)     \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::KVView<T>)                \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::KVCache<T>)               \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::SqueezeAttentionCache<T>) \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::H2OCache<T>)              \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::PyramidKVCache<T>)        \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::TOVACache<T>)             \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::StreamingLLMCache<T>)     \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::SnapKVCache<T>)           \
-  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::detail::PromptCacheIO<T>)
+#define VELOXQUANT_DETAIL_INSTANTIATE_ALL(T)                                                       \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::detail::HeadStore<T>)                           \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::KVView<T>)                                      \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::KVCache<T>)                                     \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::SqueezeAttentionCache<T>)                       \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::H2OCache<T>)                                    \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::PyramidKVCache<T>)                              \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::TOVACache<T>)                                   \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::StreamingLLMCache<T>)                           \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::SnapKVCache<T>)                                 \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::detail::PromptCacheIO<T>)                       \
+  VELOXQUANT_DETAIL_INSTANTIATE_FUNCTION(                                                          \
+      std::unique_ptr<veloxquant::cache::KVCache<T>> veloxquant::cache::KVCacheFactory::create<T>( \
+          const veloxquant::cache::KVCacheConfig&))                                                \
+  VELOXQUANT_DETAIL_INSTANTIATE_FUNCTION(                                                          \
+      std::vector<std::unique_ptr<veloxquant::cache::KVCache<T>>>                                  \
+          veloxquant::cache::KVCacheBuilder::build<T>(const std::vector<std::optional<int>>&,      \
+                                                      const veloxquant::cache::KVCacheConfig&,     \
+                                                      bool))
 
 VELOXQUANT_DETAIL_INSTANTIATE_ALL(Eigen::half)
 VELOXQUANT_DETAIL_INSTANTIATE_ALL(Eigen::bfloat16)
 VELOXQUANT_DETAIL_INSTANTIATE_ALL(float)
 
 #undef VELOXQUANT_DETAIL_INSTANTIATE_ALL
+#undef VELOXQUANT_DETAIL_INSTANTIATE_FUNCTION
 #undef VELOXQUANT_DETAIL_INSTANTIATE

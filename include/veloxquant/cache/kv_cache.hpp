@@ -683,63 +683,11 @@ class KVCache {
   // The one body of every update API; `api` names the caller in errors; `out` (fetch and
   // fetch_into) receives a copy of the window. keys: [B, H, S, Dk], values: [B, H, S, Dv],
   // queries: [B, G·H, S, Dk] or nullptr.
+  // (Defined after the class, not inline: a TU built with VELOXQUANT_EXTERN_TEMPLATES then
+  // does not compile the pipeline behind the API's member templates; extern_templates.hpp.)
   KVView<T> run(const detail::InputRows& keys, const detail::InputRows& values,
                 const detail::InputRows* queries, const char* api, KVPair<T>* out,
-                const detail::AttendOut* att = nullptr) {
-    // 0. One call at a time: a second call while this one runs throws, changing nothing.
-    const detail::CallGate::Entry entry = gate_.enter(api);
-    // 1. Validation: nothing has changed if it throws.
-    validate_call(keys, values, queries, api);
-    const Index S = keys.seq;
-    // A view of a quantized cache shows a dequantized copy of the window (docs/design.md 2.3).
-    const bool view_copy = !out && !att && storage_.quantized();
-    // The view's buffers and the row buffer, allocated now and swapped in at step 5.
-    typename detail::CopyBuffers<T>::Refit buffers;
-    if (view_copy) {
-      copy_.refit_view(buffers, keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim,
-                       S > 0);
-    }
-    if (S == 0) {
-      // With a checkpoint: room to save the rows the compaction below may overwrite.
-      for (auto& h : heads_) h.reserve_journal(0);
-      if (view_copy) copy_.commit(buffers);  // nothing else can throw now
-      if (out && !dims_.known) resize_pair(*out, keys.batch, keys.heads, 0, keys.dim, values.dim);
-      for (auto& h : heads_) h.compact();
-      if (out && dims_.known) copy_retained(*out);
-      if (view_copy && dims_.known) copy_slots();
-      return make_view(live_rows(), 0, keys, values, view_copy);
-    }
-    // The buffer quantized rows leave the cache through (fetch and view copies).
-    if (storage_.quantized()) {
-      copy_.refit_row(buffers, static_cast<std::size_t>(detail::row_floats(keys.dim, values.dim)));
-    }
-    // 2. The policy inspects the call (may throw); 3. storage and scratch are reserved (may
-    // throw bad_alloc); 4. the policy starts the call (may throw before it changes anything).
-    inspect_call(keys);
-    const Index groups = queries ? queries->heads / keys.heads : 0;
-    const detail::CallPlan plan = detail::plan_call(rule_, S, groups, att != nullptr, live_rows());
-    std::vector<detail::HeadStore<T>> fresh = reserve(keys, values, plan);
-    PoolCall pool = pool_call(keys.batch * keys.heads, keys, plan);
-    // The output (the retained rows plus the call's) is sized last before the policy starts the
-    // call: a call refused before here leaves `out` as it was, and a bad_alloc here leaves the
-    // cache unchanged (a policy that refuses in start_call leaves `out` resized).
-    if (out) resize_pair(*out, keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim);
-    start_call();
-    // 5. No-throw from here on, unless the engine's parallel-for misbehaves (absorb_heads).
-    copy_.commit(buffers);
-    if (heads_.empty()) {
-      heads_.swap(fresh);
-      dims_ = detail::LayerDims{keys.batch, keys.heads, keys.dim, values.dim, true};
-    }
-    if (plan.compress) rule_.compressed = true;
-    absorb_heads(keys, values, queries, groups, plan, out != nullptr, att, pool, api);
-    rebudget_ = false;
-    offset_ += S;
-    tokens_seen_ += dims_.batch * dims_.heads * S;
-    if (out) copy_window(*out);
-    if (view_copy) copy_slots();
-    return make_view(heads_.front().physical(), S, keys, values, view_copy);
-  }
+                const detail::AttendOut* att = nullptr);
 
   // Reserves room for the call: fresh heads for a cache's first call (returned, swapped in by
   // run()), otherwise compaction (logically invisible) and growth of every head; then the scratch
@@ -937,5 +885,63 @@ class KVCache {
   int workers_ = 1;
   bool parallel_heads_ = true;
 };
+
+template <class T>
+KVView<T> KVCache<T>::run(const detail::InputRows& keys, const detail::InputRows& values,
+                          const detail::InputRows* queries, const char* api, KVPair<T>* out,
+                          const detail::AttendOut* att) {
+  // 0. One call at a time: a second call while this one runs throws, changing nothing.
+  const detail::CallGate::Entry entry = gate_.enter(api);
+  // 1. Validation: nothing has changed if it throws.
+  validate_call(keys, values, queries, api);
+  const Index S = keys.seq;
+  // A view of a quantized cache shows a dequantized copy of the window (docs/design.md 2.3).
+  const bool view_copy = !out && !att && storage_.quantized();
+  // The view's buffers and the row buffer, allocated now and swapped in at step 5.
+  typename detail::CopyBuffers<T>::Refit buffers;
+  if (view_copy) {
+    copy_.refit_view(buffers, keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim, S > 0);
+  }
+  if (S == 0) {
+    // With a checkpoint: room to save the rows the compaction below may overwrite.
+    for (auto& h : heads_) h.reserve_journal(0);
+    if (view_copy) copy_.commit(buffers);  // nothing else can throw now
+    if (out && !dims_.known) resize_pair(*out, keys.batch, keys.heads, 0, keys.dim, values.dim);
+    for (auto& h : heads_) h.compact();
+    if (out && dims_.known) copy_retained(*out);
+    if (view_copy && dims_.known) copy_slots();
+    return make_view(live_rows(), 0, keys, values, view_copy);
+  }
+  // The buffer quantized rows leave the cache through (fetch and view copies).
+  if (storage_.quantized()) {
+    copy_.refit_row(buffers, static_cast<std::size_t>(detail::row_floats(keys.dim, values.dim)));
+  }
+  // 2. The policy inspects the call (may throw); 3. storage and scratch are reserved (may
+  // throw bad_alloc); 4. the policy starts the call (may throw before it changes anything).
+  inspect_call(keys);
+  const Index groups = queries ? queries->heads / keys.heads : 0;
+  const detail::CallPlan plan = detail::plan_call(rule_, S, groups, att != nullptr, live_rows());
+  std::vector<detail::HeadStore<T>> fresh = reserve(keys, values, plan);
+  PoolCall pool = pool_call(keys.batch * keys.heads, keys, plan);
+  // The output (the retained rows plus the call's) is sized last before the policy starts the
+  // call: a call refused before here leaves `out` as it was, and a bad_alloc here leaves the
+  // cache unchanged (a policy that refuses in start_call leaves `out` resized).
+  if (out) resize_pair(*out, keys.batch, keys.heads, live_rows() + S, keys.dim, values.dim);
+  start_call();
+  // 5. No-throw from here on, unless the engine's parallel-for misbehaves (absorb_heads).
+  copy_.commit(buffers);
+  if (heads_.empty()) {
+    heads_.swap(fresh);
+    dims_ = detail::LayerDims{keys.batch, keys.heads, keys.dim, values.dim, true};
+  }
+  if (plan.compress) rule_.compressed = true;
+  absorb_heads(keys, values, queries, groups, plan, out != nullptr, att, pool, api);
+  rebudget_ = false;
+  offset_ += S;
+  tokens_seen_ += dims_.batch * dims_.heads * S;
+  if (out) copy_window(*out);
+  if (view_copy) copy_slots();
+  return make_view(heads_.front().physical(), S, keys, values, view_copy);
+}
 
 }  // namespace veloxquant::cache

@@ -199,71 +199,76 @@ class KVCacheBuilder {
   }
 
   // for_model; `dims_known`: the head dims are real (quant_group must divide them when some
-  // width is below 16).
+  // width is below 16). Defined out of the class, so that it is not inline: with
+  // VELOXQUANT_EXTERN_TEMPLATES a consumer TU does not compile it (extern_templates.hpp).
   template <class T>
   static std::vector<std::unique_ptr<KVCache<T>>> build(
       const std::vector<std::optional<int>>& layer_head_dims, const KVCacheConfig& config,
-      bool dims_known) {
-    config.validate();
-    if (layer_head_dims.size() > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
-      throw std::invalid_argument(
-          "KVCacheBuilder::for_model: " + std::to_string(layer_head_dims.size()) +
-          " layers (layer ids are ints: at most 2^31 - 1)");
-    }
-    const bool quantized = config.key_bits < 16 || config.value_bits < 16;
-    std::vector<int> attention_layers;
-    for (std::size_t i = 0; i < layer_head_dims.size(); ++i) {
-      const std::optional<int>& d = layer_head_dims[i];
-      if (!d) continue;
-      if (*d < 1 || *d > detail::kMaxHeadDim) {
-        throw std::invalid_argument(
-            "KVCacheBuilder::for_model: head dim of layer " + std::to_string(i) + " (" +
-            std::to_string(*d) + ") must be in [1, " + std::to_string(detail::kMaxHeadDim) + "]");
-      }
-      if (dims_known && quantized && *d % config.quant_group != 0) {
-        throw std::invalid_argument("KVCacheBuilder::for_model: quant_group (" +
-                                    std::to_string(config.quant_group) +
-                                    ") must divide the head dim of layer " + std::to_string(i) +
-                                    " (" + std::to_string(*d) + ")");
-      }
-      attention_layers.push_back(static_cast<int>(i));
-    }
-    const int n_attn = static_cast<int>(attention_layers.size());
-
-    const detail::Method method = detail::method_of(config).id;
-    std::shared_ptr<SqueezeCoordinator> coordinator;
-    std::vector<int> pyramid;
-    if (method == detail::Method::squeeze && n_attn > 0) {
-      coordinator = std::make_shared<SqueezeCoordinator>(n_attn, config.squeeze_budget,
-                                                         config.squeeze_n_sink,
-                                                         config.squeeze_strength);
-    } else if (method == detail::Method::pyramidkv) {
-      pyramid = pyramid_budgets(n_attn, config.pyramid_budget, config.pyramid_n_sink,
-                                config.pyramid_beta);
-    }
-
-    std::vector<std::unique_ptr<KVCache<T>>> caches;
-    caches.reserve(layer_head_dims.size());
-    std::size_t attn_index = 0;
-    for (std::size_t i = 0; i < layer_head_dims.size(); ++i) {
-      if (!layer_head_dims[i]) {
-        caches.push_back(std::make_unique<KVCache<T>>(config));
-        continue;
-      }
-      if (method == detail::Method::squeeze) {
-        caches.push_back(
-            std::make_unique<SqueezeAttentionCache<T>>(config, static_cast<int>(i), coordinator));
-      } else if (method == detail::Method::pyramidkv) {
-        KVCacheConfig layer_config = config;
-        layer_config.pyramid_resolved_budget = pyramid[attn_index];
-        caches.push_back(std::make_unique<PyramidKVCache<T>>(layer_config));
-      } else {
-        caches.push_back(KVCacheFactory::create<T>(config));
-      }
-      ++attn_index;
-    }
-    return caches;
-  }
+      bool dims_known);
 };
+
+template <class T>
+std::vector<std::unique_ptr<KVCache<T>>> KVCacheBuilder::build(
+    const std::vector<std::optional<int>>& layer_head_dims, const KVCacheConfig& config,
+    bool dims_known) {
+  config.validate();
+  if (layer_head_dims.size() > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
+    throw std::invalid_argument(
+        "KVCacheBuilder::for_model: " + std::to_string(layer_head_dims.size()) +
+        " layers (layer ids are ints: at most 2^31 - 1)");
+  }
+  const bool quantized = config.key_bits < 16 || config.value_bits < 16;
+  std::vector<int> attention_layers;
+  for (std::size_t i = 0; i < layer_head_dims.size(); ++i) {
+    const std::optional<int>& d = layer_head_dims[i];
+    if (!d) continue;
+    if (*d < 1 || *d > detail::kMaxHeadDim) {
+      throw std::invalid_argument("KVCacheBuilder::for_model: head dim of layer " +
+                                  std::to_string(i) + " (" + std::to_string(*d) +
+                                  ") must be in [1, " + std::to_string(detail::kMaxHeadDim) + "]");
+    }
+    if (dims_known && quantized && *d % config.quant_group != 0) {
+      throw std::invalid_argument("KVCacheBuilder::for_model: quant_group (" +
+                                  std::to_string(config.quant_group) +
+                                  ") must divide the head dim of layer " + std::to_string(i) +
+                                  " (" + std::to_string(*d) + ")");
+    }
+    attention_layers.push_back(static_cast<int>(i));
+  }
+  const int n_attn = static_cast<int>(attention_layers.size());
+
+  const detail::Method method = detail::method_of(config).id;
+  std::shared_ptr<SqueezeCoordinator> coordinator;
+  std::vector<int> pyramid;
+  if (method == detail::Method::squeeze && n_attn > 0) {
+    coordinator = std::make_shared<SqueezeCoordinator>(
+        n_attn, config.squeeze_budget, config.squeeze_n_sink, config.squeeze_strength);
+  } else if (method == detail::Method::pyramidkv) {
+    pyramid =
+        pyramid_budgets(n_attn, config.pyramid_budget, config.pyramid_n_sink, config.pyramid_beta);
+  }
+
+  std::vector<std::unique_ptr<KVCache<T>>> caches;
+  caches.reserve(layer_head_dims.size());
+  std::size_t attn_index = 0;
+  for (std::size_t i = 0; i < layer_head_dims.size(); ++i) {
+    if (!layer_head_dims[i]) {
+      caches.push_back(std::make_unique<KVCache<T>>(config));
+      continue;
+    }
+    if (method == detail::Method::squeeze) {
+      caches.push_back(
+          std::make_unique<SqueezeAttentionCache<T>>(config, static_cast<int>(i), coordinator));
+    } else if (method == detail::Method::pyramidkv) {
+      KVCacheConfig layer_config = config;
+      layer_config.pyramid_resolved_budget = pyramid[attn_index];
+      caches.push_back(std::make_unique<PyramidKVCache<T>>(layer_config));
+    } else {
+      caches.push_back(KVCacheFactory::create<T>(config));
+    }
+    ++attn_index;
+  }
+  return caches;
+}
 
 }  // namespace veloxquant::cache
