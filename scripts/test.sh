@@ -70,8 +70,11 @@ fi
 
 # -O0 -g1: the tests compile fast (under UBSan, -O1 costs three times as much) with line tables
 # for symbolised reports; no NDEBUG, so Eigen's own index and shape assertions stay on.
+# The C compiler of the same family builds the C ABI's tests and C example (clang++ -> clang).
+CC_OF_CXX=${CC:-$(echo "$CXX" | sed -e 's/clang++/clang/' -e 's/g++/gcc/')}
 cmake -S . -B "$BUILD" -DCMAKE_CXX_COMPILER="$(command -v "$CXX")" \
-  -DCMAKE_BUILD_TYPE=Check -DCMAKE_CXX_FLAGS_CHECK="-O0 -g1" \
+  -DCMAKE_C_COMPILER="$(command -v "$CC_OF_CXX")" \
+  -DCMAKE_BUILD_TYPE=Check -DCMAKE_CXX_FLAGS_CHECK="-O0 -g1" -DCMAKE_C_FLAGS_CHECK="-O0 -g1" \
   -DVELOXQUANT_SANITIZE="$SANITIZE" -DVELOXQUANT_TEST_LIBRARY_FLAGS="-O1" \
   -DVELOXQUANT_TEST_HEAVY_FLAGS="-O1" \
   -DVELOXQUANT_BUILD_TESTS=ON -DVELOXQUANT_BUILD_EXAMPLES=ON >/dev/null

@@ -24,6 +24,7 @@ function(veloxquant_add_packaging_test name mode)
       -DGENERATOR=${CMAKE_GENERATOR}
       -DMAKE_PROGRAM=${CMAKE_MAKE_PROGRAM}
       -DCXX_COMPILER=${CMAKE_CXX_COMPILER}
+      -DC_COMPILER=${CMAKE_C_COMPILER}
       -DEIGEN3_DIR=${VELOXQUANT_EIGEN3_DIR}
       -DEXPECTED_VERSION=${PROJECT_VERSION}
       -P ${CMAKE_CURRENT_LIST_DIR}/run_consumer.cmake)
