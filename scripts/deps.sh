@@ -8,6 +8,9 @@ command -v g++ >/dev/null 2>&1 || need+=(g++)
 if [ "${1:-}" != "--demo-only" ]; then
   [ -f /usr/include/gtest/gtest.h ] || need+=(libgtest-dev)
   [ -f /usr/include/benchmark/benchmark.h ] || need+=(libbenchmark-dev)
+  # The Python module's test (tests/python): Debian's interpreter and numpy, no pip.
+  /usr/bin/python3 -c "import numpy" >/dev/null 2>&1 || need+=(python3-numpy)
+  command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 fi
 if [ ${#need[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

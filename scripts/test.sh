@@ -73,7 +73,7 @@ fi
 # The C compiler of the same family builds the C ABI's tests and C example (clang++ -> clang).
 CC_OF_CXX=${CC:-$(echo "$CXX" | sed -e 's/clang++/clang/' -e 's/g++/gcc/')}
 cmake -S . -B "$BUILD" -DCMAKE_CXX_COMPILER="$(command -v "$CXX")" \
-  -DCMAKE_C_COMPILER="$(command -v "$CC_OF_CXX")" \
+  -DCMAKE_C_COMPILER="$(command -v "$CC_OF_CXX")" -DPython3_EXECUTABLE=/usr/bin/python3 \
   -DCMAKE_BUILD_TYPE=Check -DCMAKE_CXX_FLAGS_CHECK="-O0 -g1" -DCMAKE_C_FLAGS_CHECK="-O0 -g1" \
   -DVELOXQUANT_SANITIZE="$SANITIZE" -DVELOXQUANT_TEST_LIBRARY_FLAGS="-O1" \
   -DVELOXQUANT_TEST_HEAVY_FLAGS="-O1" \

@@ -2,7 +2,7 @@
 // catches what the library throws and turns it into a status and this thread's message
 // (docs/c_abi.md; the decisions: docs/design.md I). Compiled into veloxquant_c (static and
 // shared); with the caches' templates instantiated once in src/veloxquant.cpp.
-#include <atomic>
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cstdio>
@@ -39,9 +39,6 @@ struct vq_caches {
 
   const vq_storage storage;
   std::map<std::string, std::string> metadata;
-  // Set by the C pool wrapper when a call enters the engine's parallel-for: a call that fails
-  // after that has had its layer reset by the library (VQ_ECALLBACK).
-  std::atomic<bool> pool_entered{false};
 };
 
 namespace {
@@ -74,6 +71,12 @@ constexpr vq_storage storage_of() {
 // ---- errors ------------------------------------------------------------------------------------
 
 thread_local std::string last_error;
+
+// Set by the C pool wrapper on the thread whose call enters the engine's parallel-for: a call
+// that fails after that has had its layer reset by the library (VQ_ECALLBACK). Per thread, not
+// per set: a fork carries its source's pool (KVCacheBuilder::fork copies it), and the calling
+// thread is the one that runs a call's parallel-for.
+thread_local bool pool_entered = false;
 
 // An argument the C side got wrong, reported as VQ_EINVAL (the C++ library's own
 // std::invalid_argument maps to the same status).
@@ -207,9 +210,9 @@ decltype(auto) with_ref(const vq_tensor& t, const char* what, F&& f) {
 // The engine's C thread pool as a vc::ParallelFor. A task's exception cannot cross the C pool's
 // frames: the first is kept and thrown once the pool returns (the cache then resets, as for any
 // failing parallel-for).
-vc::ParallelFor c_pool(vq_parallel_for_fn fn, void* pool_ctx, std::atomic<bool>* entered) {
-  return [fn, pool_ctx, entered](int tasks, const std::function<void(int)>& task) {
-    entered->store(true);
+vc::ParallelFor c_pool(vq_parallel_for_fn fn, void* pool_ctx) {
+  return [fn, pool_ctx](int tasks, const std::function<void(int)>& task) {
+    pool_entered = true;
     struct Call {
       const std::function<void(int)>* task;
       std::mutex mutex;
@@ -236,7 +239,6 @@ std::vector<std::string> field_names() {
   std::vector<std::string> names;
   vc::KVCacheConfig c;
   vc::detail::for_each_config_field(c, [&](const char* name, auto&) { names.emplace_back(name); });
-  names.emplace_back("budget");
   return names;
 }
 
@@ -318,7 +320,7 @@ std::string format(const std::optional<int>& v) { return v ? std::to_string(*v) 
 template <class T, class F>
 auto layer_call(Set<T>& set, int layer, F&& call) -> decltype(call()) {
   auto& view = set.views[static_cast<std::size_t>(layer)];
-  set.pool_entered.store(false);
+  pool_entered = false;
   try {
     if constexpr (std::is_void_v<decltype(call())>) {
       call();
@@ -330,7 +332,7 @@ auto layer_call(Set<T>& set, int layer, F&& call) -> decltype(call()) {
   } catch (const CError&) {
     throw;
   } catch (...) {
-    if (!set.pool_entered.load()) throw;
+    if (!pool_entered) throw;
     view.reset();
     std::string what = "the engine's parallel-for failed";
     try {
@@ -379,17 +381,24 @@ std::int64_t update_typed(Set<T>& set, int layer, const vq_tensor& k, const vq_t
   });
 }
 
-// Copies rows [B, H, n, D] of a view into out in `layout` as float.
+// Copies rows [B, H, n, D] of a view into out in `layout` as float, each head's rows in ascending
+// position (the order update_and_fetch returns; a view keeps the retained rows in storage order).
 template <class T, class Rows>
 void copy_rows(const vc::KVView<T>& view, Rows rows_of, Eigen::Index dim, float* out,
                vc::Layout layout) {
   const Eigen::Index B = view.batch(), H = view.heads(), n = view.rows();
+  std::vector<Eigen::Index> order(static_cast<std::size_t>(n));
   for (Eigen::Index b = 0; b < B; ++b) {
     for (Eigen::Index h = 0; h < H; ++h) {
       const auto m = rows_of(b, h);
-      for (Eigen::Index r = 0; r < n; ++r) {
-        const Eigen::Index at = layout == vc::Layout::head_major ? ((b * H + h) * n + r) * dim
-                                                                 : ((b * n + r) * H + h) * dim;
+      const auto pos = view.positions(b, h);
+      for (Eigen::Index r = 0; r < n; ++r) order[static_cast<std::size_t>(r)] = r;
+      std::sort(order.begin(), order.end(),
+                [&](Eigen::Index x, Eigen::Index y) { return pos(x) < pos(y); });
+      for (Eigen::Index i = 0; i < n; ++i) {
+        const Eigen::Index r = order[static_cast<std::size_t>(i)];
+        const Eigen::Index at = layout == vc::Layout::head_major ? ((b * H + h) * n + i) * dim
+                                                                 : ((b * n + i) * H + h) * dim;
         for (Eigen::Index d = 0; d < dim; ++d) out[at + d] = static_cast<float>(m(r, d));
       }
     }
@@ -623,7 +632,12 @@ vq_status vq_attend_ex(vq_caches* s, int layer, const vq_tensor* q, const vq_ten
     need(out, "out");
     check_layer(*s, layer);
     const vc::Layout l = layout_of(out_layout, "out_layout");
-    if (q->seq == 0 && k->seq == 0 && v->seq == 0) return;
+    const vq_tensor* all[] = {q, k, v};
+    bool empty = true;
+    for (const vq_tensor* t : all) {
+      empty = empty && t->seq == 0 && t->batch >= 0 && t->heads >= 0 && t->dim >= 0;
+    }
+    if (empty) return;
     visit(*s, [&](auto& set) { attend_typed(set, layer, *q, *k, *v, out, l); });
   });
 }
@@ -759,8 +773,7 @@ vq_status vq_set_parallel_for(vq_caches* s, vq_parallel_for_fn fn, void* pool_ct
       fail(VQ_EINVAL, "workers (" + std::to_string(workers) + ") must be >= 1");
     }
     visit(*s, [&](auto& set) {
-      const vc::ParallelFor run =
-          fn == nullptr ? vc::ParallelFor() : c_pool(fn, pool_ctx, &set.pool_entered);
+      const vc::ParallelFor run = fn == nullptr ? vc::ParallelFor() : c_pool(fn, pool_ctx);
       for (auto& c : set.caches) c->set_parallel_for(run, fn == nullptr ? 1 : workers);
     });
   });

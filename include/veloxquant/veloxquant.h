@@ -89,7 +89,8 @@ VQ_API vq_status vq_config_set(vq_config* c, const char* field, const char* valu
  * (nothing written then). */
 VQ_API vq_status vq_config_get(const vq_config* c, const char* field, char* buf, size_t size,
                                size_t* needed);
-/* The i-th field's name (0 <= i < vq_config_field_count()), NULL past the end. */
+/* The i-th field's name (0 <= i < vq_config_field_count()), NULL past the end: every
+ * KVCacheConfig field, each readable and settable ("budget", a setter of several, is not one). */
 VQ_API int vq_config_field_count(void);
 VQ_API const char* vq_config_field_name(int i);
 /* VQ_OK when caches could be built from c; else VQ_EINVAL naming the first bad field. */
@@ -133,7 +134,8 @@ VQ_API vq_status vq_attend_ex(vq_caches* s, int layer, const vq_tensor* q, const
 VQ_API vq_status vq_update(vq_caches* s, int layer, const vq_tensor* k, const vq_tensor* v,
                            const vq_tensor* q, int64_t* rows);
 /* Copies the returned window of layer's last vq_update as float: keys [batch, kv_heads, rows,
- * head_dim] and values [..., value_dim] in `layout` (either pointer may be NULL to skip it).
+ * head_dim] and values [..., value_dim] in `layout` (either pointer may be NULL to skip it), each
+ * head's rows in ascending position as update_and_fetch returns them (the call's own rows last).
  * VQ_ESTATE when the layer has had no vq_update since the set was built, reset, loaded, forked or
  * rolled back, or after a later vq_attend. */
 VQ_API vq_status vq_fetch(const vq_caches* s, int layer, float* keys, float* values,
@@ -167,7 +169,8 @@ typedef void (*vq_task_fn)(void* task_ctx, int task);
 typedef void (*vq_parallel_for_fn)(void* pool_ctx, int tasks, vq_task_fn task, void* task_ctx);
 /* Lends the pool to every layer (KVCache::set_parallel_for; workers >= 1 threads it runs on);
  * fn NULL returns to serial. Results are bit-identical to serial ones. A pool that skips or
- * repeats a task makes the call fail with VQ_ECALLBACK and reset that layer. */
+ * repeats a task, or a task that fails, makes the call fail with VQ_ECALLBACK and reset that
+ * layer. vq_fork's copy uses the same pool. */
 VQ_API vq_status vq_set_parallel_for(vq_caches* s, vq_parallel_for_fn fn, void* pool_ctx,
                                      int workers);
 

@@ -1,5 +1,5 @@
-/* C consumer of the packaging tests (tests/cmake/*): the C ABI (veloxquant/veloxquant.h) the way a
- * C engine uses it: a two-layer SqueezeAttention set, a prefill and a decode step through
+/* C consumer of the packaging tests (in tests/cmake): the C ABI (veloxquant/veloxquant.h) the
+ * way a C engine uses it: a two-layer SqueezeAttention set, a prefill and a decode step through
  * vq_attend, and one refused call. Exits nonzero on any mismatch. */
 #include <stdio.h>
 #include <string.h>

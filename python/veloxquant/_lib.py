@@ -1,0 +1,148 @@
+"""ctypes bindings of the C ABI (include/veloxquant/veloxquant.h) and its errors."""
+import ctypes
+import ctypes.util
+import os
+
+# vq_status
+OK, EINVAL, ENOMEM, EIO, EFORMAT, ESTATE, ECALLBACK = range(7)
+# vq_storage, vq_layout, vq_dtype
+STORAGES = {"half": 0, "bfloat16": 1, "float": 2}
+HEAD_MAJOR = 0
+F16, BF16, F32, F64 = range(4)
+
+
+class VeloxQuantError(Exception):
+    """Base of the errors a vq_ call reports; `status` is its vq_status."""
+
+    status = None
+
+
+class InvalidArgumentError(VeloxQuantError, ValueError):
+    """VQ_EINVAL: a bad argument, field, value or shape; nothing changed."""
+
+    status = EINVAL
+
+
+class OutOfMemoryError(VeloxQuantError, MemoryError):
+    """VQ_ENOMEM: memory ran out; nothing changed."""
+
+    status = ENOMEM
+
+
+class CacheIOError(VeloxQuantError, OSError):
+    """VQ_EIO: a file could not be opened, read, written or renamed."""
+
+    status = EIO
+
+
+class FormatError(VeloxQuantError, ValueError):
+    """VQ_EFORMAT: a file that is empty, truncated, corrupt or not a prompt cache."""
+
+    status = EFORMAT
+
+
+class StateError(VeloxQuantError, RuntimeError):
+    """VQ_ESTATE: the set's state refuses the call (a rollback without a checkpoint)."""
+
+    status = ESTATE
+
+
+class CallbackError(VeloxQuantError, RuntimeError):
+    """VQ_ECALLBACK: the engine's parallel-for failed; the layer was reset."""
+
+    status = ECALLBACK
+
+
+_ERRORS = {c.status: c for c in (InvalidArgumentError, OutOfMemoryError, CacheIOError,
+                                 FormatError, StateError, CallbackError)}
+
+
+class Tensor(ctypes.Structure):
+    """struct vq_tensor."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int), ("batch", ctypes.c_int),
+                ("heads", ctypes.c_int), ("seq", ctypes.c_int), ("dim", ctypes.c_int),
+                ("layout", ctypes.c_int)]
+
+
+_p, _i, _i64, _st = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int
+_s, _T = ctypes.c_char_p, ctypes.POINTER(Tensor)
+_PP, _SP = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_char_p)
+_PROTOTYPES = {  # name: (restype, argtypes)
+    "vq_abi_version": (_i, []),
+    "vq_library_version": (_s, []),
+    "vq_last_error": (_s, []),
+    "vq_config_new": (_p, []),
+    "vq_config_free": (None, [_p]),
+    "vq_config_copy": (_p, [_p]),
+    "vq_config_set": (_st, [_p, _s, _s]),
+    "vq_config_get": (_st, [_p, _s, ctypes.c_char_p, ctypes.c_size_t,
+                            ctypes.POINTER(ctypes.c_size_t)]),
+    "vq_config_field_count": (_i, []),
+    "vq_config_field_name": (_s, [_i]),
+    "vq_config_validate": (_st, [_p]),
+    "vq_caches_new": (_st, [_p, _i, _i, _PP]),
+    "vq_caches_free": (None, [_p]),
+    "vq_layers": (_i, [_p]),
+    "vq_storage_of": (_st, [_p, ctypes.POINTER(ctypes.c_int)]),
+    "vq_attend_ex": (_st, [_p, _i, _T, _T, _T, _p, _i]),
+    "vq_update": (_st, [_p, _i, _T, _T, _T, ctypes.POINTER(_i64)]),
+    "vq_fetch": (_st, [_p, _i, _p, _p, _i]),
+    "vq_offset": (_i64, [_p, _i]),
+    "vq_layer_budget": (_i, [_p, _i]),
+    "vq_rows": (_i64, [_p, _i]),
+    "vq_kept_bytes": (ctypes.c_size_t, [_p]),
+    "vq_reset": (None, [_p]),
+    "vq_fork": (_st, [_p, _PP]),
+    "vq_checkpoint": (_st, [_p]),
+    "vq_rollback": (_st, [_p]),
+    "vq_metadata_set": (_st, [_p, _s, _s]),
+    "vq_metadata_count": (_i, [_p]),
+    "vq_metadata_at": (_st, [_p, _i, _SP, _SP]),
+    "vq_save": (_st, [_p, _s]),
+    "vq_load": (_st, [_s, _PP]),
+}
+
+_lib = None
+
+
+def lib():
+    """The loaded libveloxquant_c: $VELOXQUANT_C_LIBRARY (a full path), else find_library."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    path = os.environ.get("VELOXQUANT_C_LIBRARY") or ctypes.util.find_library("veloxquant_c")
+    if not path:
+        raise OSError("veloxquant: libveloxquant_c not found; set VELOXQUANT_C_LIBRARY to the "
+                      "full path of libveloxquant_c.so (CMake target veloxquant_c)")
+    try:
+        handle = ctypes.CDLL(path)
+    except OSError as e:
+        raise OSError(f"veloxquant: cannot load the C library '{path}': {e}") from e
+    for name, (restype, argtypes) in _PROTOTYPES.items():
+        fn = getattr(handle, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    if handle.vq_abi_version() // 1000 != 1:
+        raise OSError(f"veloxquant: '{path}' has ABI {handle.vq_abi_version()}; this module "
+                      "needs major version 1")
+    _lib = handle
+    return _lib
+
+
+def last_error():
+    """This thread's message for its last failing vq_ call."""
+    return lib().vq_last_error().decode("utf-8", "replace")
+
+
+def check(status):
+    """Raises the exception of a status other than VQ_OK, carrying vq_last_error()."""
+    if status != OK:
+        raise _ERRORS.get(status, VeloxQuantError)(last_error())
+
+
+def text(value, what):
+    """value as the NUL-terminated UTF-8 bytes a const char* takes."""
+    data = os.fsencode(value) if what == "path" else str(value).encode("utf-8")
+    if b"\0" in data:
+        raise InvalidArgumentError(f"{what} {value!r} contains a NUL character")
+    return data

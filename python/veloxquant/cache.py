@@ -1,0 +1,356 @@
+"""KVCacheConfig, KVCacheBuilder, the model's CacheSet and its per-layer KVCache objects."""
+import ctypes
+import functools
+import numbers
+
+import numpy as np
+
+from . import _lib
+from ._lib import check, lib
+
+_INT_MAX = 2**31 - 1
+
+
+@functools.lru_cache(maxsize=None)
+def _types():
+    """{field: type} of every KVCacheConfig field, probed from the values vq_config_set takes."""
+    c = _new(lib().vq_config_new())
+    try:
+        types = {}
+        for i in range(lib().vq_config_field_count()):
+            name = lib().vq_config_field_name(i)
+            for probe, kind in ((b"x", str), (b"0.5", float), (b"true", bool), (b"none", None)):
+                if lib().vq_config_set(c, name, probe) == _lib.OK:
+                    break
+            else:
+                kind = int
+            types[name.decode()] = kind
+        return types
+    finally:
+        lib().vq_config_free(c)
+
+
+def _new(handle):
+    """handle, unless a constructor returned NULL (out of memory)."""
+    if not handle:
+        raise _lib.OutOfMemoryError("veloxquant: out of memory")
+    return handle
+
+
+def _format(value):
+    if value is None:
+        return "none"
+    if isinstance(value, (bool, np.bool_)):
+        return "true" if value else "false"
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    if isinstance(value, numbers.Real):
+        return repr(float(value))
+    if isinstance(value, str):
+        return value
+    raise TypeError(f"a config value must be str, int, float, bool or None, not {type(value)}")
+
+
+class KVCacheConfig:
+    """Every knob of every policy (C++ KVCacheConfig), read and set as attributes.
+
+    KVCacheConfig(method="h2o", h2o_budget=64) sets fields through vq_config_set; a value may be
+    a str (passed as is), int, float, bool or None (an unset optional budget). Unknown fields
+    and unparsable values raise ValueError; the values' meaning is checked by validate() and
+    when caches are built.
+    """
+
+    def __init__(self, **fields):
+        object.__setattr__(self, "_handle", None)
+        object.__setattr__(self, "_handle", _new(lib().vq_config_new()))
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    def __del__(self):
+        if getattr(self, "_handle", None) and _lib._lib is not None:
+            _lib._lib.vq_config_free(self._handle)
+            object.__setattr__(self, "_handle", None)
+
+    @staticmethod
+    def fields():
+        """The field names (those readable as attributes; "budget" is only set)."""
+        return [f for f in _types() if f != "budget"]
+
+    def __setattr__(self, name, value):
+        if name.startswith("_"):
+            return object.__setattr__(self, name, value)
+        check(lib().vq_config_set(self._handle, _lib.text(name, "field"),
+                                  _lib.text(_format(value), "value")))
+
+    def __getattr__(self, name):  # only for names that are not ordinary attributes
+        if name.startswith("_") or name not in _types() or name == "budget":
+            raise AttributeError(f"KVCacheConfig has no field {name!r}")
+        buf, needed = ctypes.create_string_buffer(64), ctypes.c_size_t(0)
+        if lib().vq_config_get(self._handle, name.encode(), buf, 64, ctypes.byref(needed)) != 0:
+            buf = ctypes.create_string_buffer(needed.value)
+            check(lib().vq_config_get(self._handle, name.encode(), buf, needed.value, None))
+        value, kind = buf.value.decode("utf-8"), _types()[name]
+        if kind is None:
+            return None if value == "none" else int(value)
+        return (value == "true") if kind is bool else kind(value)
+
+    def set_budget(self, rows):
+        """Sets every method's budget (squeeze_budget, h2o_budget, ...; stream_window_size)."""
+        self.budget = rows
+
+    def validate(self):
+        """Raises ValueError naming the first bad field of the configured method."""
+        check(lib().vq_config_validate(self._handle))
+
+    def to_dict(self):
+        """{field: value} of every field."""
+        return {f: getattr(self, f) for f in self.fields()}
+
+    def copy(self):
+        """An independent copy (vq_config_copy)."""
+        out = KVCacheConfig()
+        lib().vq_config_free(out._handle)
+        object.__setattr__(out, "_handle", None)
+        object.__setattr__(out, "_handle", _new(lib().vq_config_copy(self._handle)))
+        return out
+
+    __copy__ = copy
+
+    def __deepcopy__(self, memo):
+        return self.copy()
+
+    def __reduce__(self):
+        return (_config_from_dict, (self.to_dict(),))
+
+    def __eq__(self, other):
+        return isinstance(other, KVCacheConfig) and self.to_dict() == other.to_dict()
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"KVCacheConfig(method={self.method!r})"
+
+
+def _config_from_dict(fields):
+    return KVCacheConfig(**fields)
+
+
+def _tensor(name, x, kv_dtype=None):
+    """(array, vq_tensor) for a [B, H, S, D] input: float16/32/64 as is, uint16 (or an
+    ml_dtypes bfloat16) as bfloat16 bits, anything else converted to float32."""
+    a = np.asarray(x)
+    if kv_dtype is not None and a.dtype != kv_dtype:
+        a = a.astype(kv_dtype)
+    codes = {"float16": _lib.F16, "float32": _lib.F32, "float64": _lib.F64,
+             "uint16": _lib.BF16, "bfloat16": _lib.BF16}
+    if a.dtype.name not in codes:
+        a = a.astype(np.float32)
+    if not a.dtype.isnative:
+        a = a.astype(a.dtype.newbyteorder("="))
+    if a.ndim != 4:
+        raise _lib.InvalidArgumentError(f"{name} must be 4-D [B, H, S, D]; its shape is {a.shape}")
+    if max(a.shape) > _INT_MAX:
+        raise _lib.InvalidArgumentError(f"{name}: a dimension of {a.shape} exceeds INT_MAX")
+    a = np.ascontiguousarray(a)
+    return a, _lib.Tensor(a.ctypes.data, codes[a.dtype.name], *a.shape, _lib.HEAD_MAJOR)
+
+
+def _kv_dtype(keys, values):
+    """The one dtype keys and values are passed in (the C ABI takes one for both)."""
+    k, v = np.asarray(keys).dtype, np.asarray(values).dtype
+    if k == v:
+        return None
+    if k.kind == "f" and v.kind == "f":
+        return np.promote_types(k, v)
+    raise _lib.InvalidArgumentError(f"keys ({k}) and values ({v}) must have the same dtype")
+
+
+class KVCache:
+    """Layer `layer` of a CacheSet: the calls of one attention layer."""
+
+    def __init__(self, caches, layer):
+        self._set, self.layer = caches, layer
+
+    def update_and_fetch(self, keys, values, queries=None):
+        """Absorbs keys/values [B, H, S, D] (queries [B, G*H, S, D] optional: real-query
+        scoring) and returns (K, V), float32 [B, H, n, D]: the rows kept before the call and the
+        call's S rows, in ascending position (the call's last). Attention over them needs only the
+        causal mask on the last S."""
+        kd = _kv_dtype(keys, values)
+        k, kt = _tensor("keys", keys, kd)
+        v, vt = _tensor("values", values, kd)
+        q, qt = _tensor("queries", queries) if queries is not None else (None, None)
+        rows, h = ctypes.c_int64(0), self._set._handle
+        check(lib().vq_update(h, self.layer, kt, vt, qt, ctypes.byref(rows)))
+        B, H, _, Dk = k.shape
+        K = np.empty((B, H, rows.value, Dk), np.float32)
+        V = np.empty((B, H, rows.value, v.shape[3]), np.float32)
+        check(lib().vq_fetch(h, self.layer, K.ctypes.data, V.ctypes.data, _lib.HEAD_MAJOR))
+        return K, V
+
+    def attend(self, queries, keys, values):
+        """Absorbs keys/values [B, H, S, D] and returns softmax(q K^T / sqrt(D)) V over the kept
+        rows and the call's own (causal), float32 [B, Hq, S, Dv]; queries [B, Hq = G*H, S, D]."""
+        kd = _kv_dtype(keys, values)
+        k, kt = _tensor("keys", keys, kd)
+        v, vt = _tensor("values", values, kd)
+        q, qt = _tensor("queries", queries)
+        out = np.empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), np.float32)
+        check(lib().vq_attend_ex(self._set._handle, self.layer, qt, kt, vt, out.ctypes.data,
+                                 _lib.HEAD_MAJOR))
+        return out
+
+    @property
+    def offset(self):
+        """The true position of the layer's next token (its RoPE position)."""
+        return lib().vq_offset(self._set._handle, self.layer)
+
+    @property
+    def layer_budget(self):
+        """Rows per KV head kept after a call; None without one (standard, or not yet known)."""
+        b = lib().vq_layer_budget(self._set._handle, self.layer)
+        return None if b < 0 else b
+
+    @property
+    def tokens_kept(self):
+        """Rows per KV head the layer holds now."""
+        return lib().vq_rows(self._set._handle, self.layer)
+
+    def __repr__(self):
+        return f"<veloxquant.KVCache layer {self.layer} offset {self.offset}>"
+
+
+class CacheSet:
+    """One model's caches (a sequence of KVCache, one per layer), from KVCacheBuilder.for_model or
+    CacheSet.load. One thread at a time per set."""
+
+    def __init__(self, handle):
+        self._handle = handle
+        self._layers = [KVCache(self, i) for i in range(lib().vq_layers(handle))]
+
+    def __del__(self):
+        if getattr(self, "_handle", None) and _lib._lib is not None:
+            _lib._lib.vq_caches_free(self._handle)
+            self._handle = None
+
+    def __len__(self):
+        return len(self._layers)
+
+    def __getitem__(self, i):
+        return self._layers[i]
+
+    def __iter__(self):
+        return iter(self._layers)
+
+    @property
+    def storage(self):
+        """How rows are stored: "half", "bfloat16" or "float"."""
+        s = ctypes.c_int(0)
+        check(lib().vq_storage_of(self._handle, ctypes.byref(s)))
+        return {v: k for k, v in _lib.STORAGES.items()}[s.value]
+
+    @property
+    def kept_bytes(self):
+        """Bytes of rows the whole set holds (the layers' kept_bytes summed)."""
+        return lib().vq_kept_bytes(self._handle)
+
+    @property
+    def metadata(self):
+        """The set's string metadata (saved with it, read back by load), as a new dict."""
+        out = {}
+        for i in range(lib().vq_metadata_count(self._handle)):
+            k, v = ctypes.c_char_p(), ctypes.c_char_p()
+            check(lib().vq_metadata_at(self._handle, i, ctypes.byref(k), ctypes.byref(v)))
+            out[k.value.decode("utf-8")] = v.value.decode("utf-8")
+        return out
+
+    def reset(self):
+        """Every layer back to empty, before an unrelated sequence."""
+        lib().vq_reset(self._handle)
+
+    def fork(self):
+        """An independent copy that continues bit-identically (metadata copied)."""
+        out = ctypes.c_void_p()
+        check(lib().vq_fork(self._handle, ctypes.byref(out)))
+        return CacheSet(out.value)
+
+    __copy__ = fork
+
+    def __deepcopy__(self, memo):
+        return self.fork()
+
+    def __reduce__(self):
+        raise TypeError("a CacheSet is not picklable; use save() and CacheSet.load()")
+
+    def checkpoint(self):
+        """Marks the set's state; a later checkpoint replaces it."""
+        check(lib().vq_checkpoint(self._handle))
+
+    def rollback(self):
+        """Returns to the checkpoint and consumes it; StateError without one."""
+        check(lib().vq_rollback(self._handle))
+
+    def save(self, path, metadata=None):
+        """Writes the set to path (replaced atomically). metadata (a dict of str), when given,
+        replaces the set's metadata first."""
+        if metadata is not None:
+            for key in self.metadata:
+                check(lib().vq_metadata_set(self._handle, _lib.text(key, "key"), None))
+            for key, value in metadata.items():
+                check(lib().vq_metadata_set(self._handle, _lib.text(key, "key"),
+                                            _lib.text(value, "value")))
+        check(lib().vq_save(self._handle, _lib.text(path, "path")))
+
+    @classmethod
+    def load(cls, path):
+        """A new set from a file save() wrote, continuing exactly where the saved one stood."""
+        out = ctypes.c_void_p()
+        check(lib().vq_load(_lib.text(path, "path"), ctypes.byref(out)))
+        return cls(out.value)
+
+    def __repr__(self):
+        return f"<veloxquant.CacheSet {len(self)} layers, {self.storage}>"
+
+
+class KVCacheBuilder:
+    """Builds a model's caches (C++ KVCacheBuilder) and runs the set-wide operations."""
+
+    @staticmethod
+    def for_model(n_layers, config, storage="half"):
+        """A CacheSet of n_layers caches from config (validated), rows stored as storage
+        ("half", "bfloat16" or "float")."""
+        if storage not in _lib.STORAGES:
+            raise _lib.InvalidArgumentError(f"storage {storage!r} is not one of "
+                                            f"{', '.join(_lib.STORAGES)}")
+        if not isinstance(n_layers, numbers.Integral) or not 0 < n_layers <= _INT_MAX:
+            raise _lib.InvalidArgumentError(f"n_layers ({n_layers!r}) must be an int >= 1")
+        out = ctypes.c_void_p()
+        check(lib().vq_caches_new(config._handle, int(n_layers), _lib.STORAGES[storage],
+                                  ctypes.byref(out)))
+        return CacheSet(out.value)
+
+    @staticmethod
+    def reset(caches):
+        caches.reset()
+
+    @staticmethod
+    def fork(caches):
+        return caches.fork()
+
+    @staticmethod
+    def checkpoint(caches):
+        caches.checkpoint()
+
+    @staticmethod
+    def rollback(caches):
+        caches.rollback()
+
+
+def save_prompt_cache(path, caches, metadata=None):
+    """caches.save(path, metadata)."""
+    caches.save(path, metadata)
+
+
+def load_prompt_cache(path):
+    """CacheSet.load(path)."""
+    return CacheSet.load(path)
