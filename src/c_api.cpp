@@ -3,20 +3,26 @@
 // (docs/c_abi.md; the decisions: docs/design.md I). Compiled into veloxquant_c (static and
 // shared); with the caches' templates instantiated once in src/veloxquant.cpp.
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <fstream>
+#include <iomanip>
+#include <locale>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <new>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -207,28 +213,49 @@ decltype(auto) with_ref(const vq_tensor& t, const char* what, F&& f) {
   }
 }
 
-// The engine's C thread pool as a vc::ParallelFor. A task's exception cannot cross the C pool's
+// The engine's C thread pool as a vc::ParallelFor. The C pool gets this thread's PoolCall as
+// its context: it outlives the call, so a task the pool runs after returning (a misbehaving
+// pool) finds the call closed and does nothing, as the library's task ledger would; the wrapper
+// waits for tasks still running before it returns. A task's exception cannot cross the C pool's
 // frames: the first is kept and thrown once the pool returns (the cache then resets, as for any
 // failing parallel-for).
+struct PoolCall {
+  const std::function<void(int)>* task = nullptr;
+  std::atomic<bool> open{false};
+  std::atomic<int> running{0};
+  std::mutex mutex;
+  std::exception_ptr first;
+};
+thread_local PoolCall pool_call;
+
+void run_pool_task(void* ctx, int i) {
+  auto* c = static_cast<PoolCall*>(ctx);
+  c->running.fetch_add(1);  // before looking at `open`: the closing side waits for it
+  if (c->open.load()) {
+    try {
+      (*c->task)(i);
+    } catch (...) {
+      const std::lock_guard<std::mutex> lock(c->mutex);
+      if (!c->first) c->first = std::current_exception();
+    }
+  }
+  c->running.fetch_sub(1);
+}
+
 vc::ParallelFor c_pool(vq_parallel_for_fn fn, void* pool_ctx) {
   return [fn, pool_ctx](int tasks, const std::function<void(int)>& task) {
     pool_entered = true;
-    struct Call {
-      const std::function<void(int)>* task;
-      std::mutex mutex;
-      std::exception_ptr first;
-    } call{&task, {}, nullptr};
-    const vq_task_fn run_one = [](void* ctx, int i) {
-      auto* c = static_cast<Call*>(ctx);
-      try {
-        (*c->task)(i);
-      } catch (...) {
-        const std::lock_guard<std::mutex> lock(c->mutex);
-        if (!c->first) c->first = std::current_exception();
-      }
-    };
-    fn(pool_ctx, tasks, run_one, &call);
-    if (call.first) std::rethrow_exception(call.first);
+    PoolCall& call = pool_call;
+    call.task = &task;
+    call.first = nullptr;
+    call.open.store(true);
+    fn(pool_ctx, tasks, run_pool_task, &call);
+    call.open.store(false);
+    while (call.running.load() != 0) std::this_thread::yield();
+    call.task = nullptr;
+    std::exception_ptr first = std::move(call.first);
+    call.first = nullptr;
+    if (first) std::rethrow_exception(first);
   };
 }
 
@@ -261,14 +288,31 @@ I parse_int(const std::string& field, const std::string& text) {
   return v;
 }
 
+// Floating-point text without the locale: std::from_chars / to_chars where the standard library
+// has them for double (libstdc++ 11+), else a stream imbued with the classic locale.
+#if defined(__cpp_lib_to_chars) && __cpp_lib_to_chars >= 201611L
+#define VQ_DETAIL_FLOAT_CHARCONV 1
+#else
+#define VQ_DETAIL_FLOAT_CHARCONV 0
+#endif
+
 double parse_double(const std::string& field, const std::string& text) {
   double v = 0.0;
+  bool ok = !text.empty(), range = true;
+#if VQ_DETAIL_FLOAT_CHARCONV
   const char* end = text.data() + text.size();
   const auto [p, ec] = std::from_chars(text.data(), end, v, std::chars_format::general);
-  if (ec == std::errc::result_out_of_range) {
-    fail(VQ_EINVAL, field + ": \"" + text + "\" is out of range of a double");
-  }
-  if (ec != std::errc() || p != end || text.empty()) {
+  range = ec != std::errc::result_out_of_range;
+  ok = ok && ec == std::errc() && p == end;
+#else
+  std::istringstream in(text);
+  in.imbue(std::locale::classic());
+  in >> v;
+  ok = ok && !in.fail() && in.peek() == std::char_traits<char>::eof();
+  range = !(in.fail() && (v == HUGE_VAL || v == -HUGE_VAL));
+#endif
+  if (!range) fail(VQ_EINVAL, field + ": \"" + text + "\" is out of range of a double");
+  if (!ok) {
     fail(VQ_EINVAL, field + ": \"" + text + "\" is not a number (C locale: \"0.95\", \"1e-3\")");
   }
   return v;
@@ -303,20 +347,35 @@ void parse_into(const std::string& field, const std::string& text, std::optional
 std::string format(const std::string& v) { return v; }
 std::string format(int v) { return std::to_string(v); }
 std::string format(bool v) { return v ? "true" : "false"; }
-std::string format(double v) {
+std::string format(double v) {  // the shortest text that reads back as v
+#if VQ_DETAIL_FLOAT_CHARCONV
   char buf[64];
-  const auto r = std::to_chars(buf, buf + sizeof(buf), v);  // shortest text that reads back
+  const auto r = std::to_chars(buf, buf + sizeof(buf), v);
   return std::string(buf, r.ptr);
+#else
+  std::string text;
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::ostringstream out;
+    out.imbue(std::locale::classic());
+    out << std::setprecision(digits) << v;
+    text = out.str();
+    std::istringstream back(text);
+    back.imbue(std::locale::classic());
+    double w = 0.0;
+    if (back >> w && w == v) break;
+  }
+  return text;
+#endif
 }
 std::string format(const std::optional<int>& v) { return v ? std::to_string(*v) : "none"; }
 
 // ---- the set's calls
 // -----------------------------------------------------------------------------
 
-// Runs one call of a layer: the layer's fetch window is dropped once the call has changed the
-// layer (it succeeded, or the engine's pool failed and the library reset the layer), kept when
-// the call was refused (nothing changed). A failure after the call entered the pool is
-// VQ_ECALLBACK, naming the reset.
+// Runs one call of a layer. The layer's fetch window (a view into the cache's storage) is kept
+// only when the call was refused as bad input (std::invalid_argument: thrown before the call
+// reserves storage, which may move rows); after a success or any other failure it is dropped. A
+// failure after the call entered the pool is VQ_ECALLBACK, naming the reset.
 template <class T, class F>
 auto layer_call(Set<T>& set, int layer, F&& call) -> decltype(call()) {
   auto& view = set.views[static_cast<std::size_t>(layer)];
@@ -331,9 +390,11 @@ auto layer_call(Set<T>& set, int layer, F&& call) -> decltype(call()) {
     }
   } catch (const CError&) {
     throw;
+  } catch (const std::invalid_argument&) {
+    throw;
   } catch (...) {
-    if (!pool_entered) throw;
     view.reset();
+    if (!pool_entered) throw;
     std::string what = "the engine's parallel-for failed";
     try {
       throw;
@@ -387,6 +448,7 @@ template <class T, class Rows>
 void copy_rows(const vc::KVView<T>& view, Rows rows_of, Eigen::Index dim, float* out,
                vc::Layout layout) {
   const Eigen::Index B = view.batch(), H = view.heads(), n = view.rows();
+  if (n == 0) return;  // nothing to copy (B and H may be anything a seq-0 call passed)
   std::vector<Eigen::Index> order(static_cast<std::size_t>(n));
   for (Eigen::Index b = 0; b < B; ++b) {
     for (Eigen::Index h = 0; h < H; ++h) {
@@ -537,12 +599,22 @@ vq_status vq_config_get(const vq_config* c, const char* field, char* buf, size_t
   });
 }
 
-int vq_config_field_count(void) { return static_cast<int>(all_fields().size()); }
+int vq_config_field_count(void) {
+  int n = 0;
+  (void)guarded("vq_config_field_count", VQ_ENOMEM,
+                [&] { n = static_cast<int>(all_fields().size()); });
+  return n;
+}
 
 const char* vq_config_field_name(int i) {
-  const auto& names = all_fields();
-  if (i < 0 || static_cast<std::size_t>(i) >= names.size()) return nullptr;
-  return names[static_cast<std::size_t>(i)].c_str();
+  const char* name = nullptr;
+  (void)guarded("vq_config_field_name", VQ_ENOMEM, [&] {
+    const auto& names = all_fields();
+    if (i >= 0 && static_cast<std::size_t>(i) < names.size()) {
+      name = names[static_cast<std::size_t>(i)].c_str();
+    }
+  });
+  return name;
 }
 
 vq_status vq_config_validate(const vq_config* c) {
@@ -786,7 +858,8 @@ vq_status vq_metadata_set(vq_caches* s, const char* key, const char* value) {
     if (value == nullptr) {
       s->metadata.erase(key);
     } else {
-      s->metadata[key] = value;
+      std::string k(key), v(value);  // allocated before the map changes
+      s->metadata.insert_or_assign(std::move(k), std::move(v));
     }
   });
 }

@@ -184,7 +184,8 @@ VQ_API int vq_metadata_count(const vq_caches* s); /* -1 for NULL */
 VQ_API vq_status vq_metadata_at(const vq_caches* s, int i, const char** key, const char** value);
 
 /* Writes the set and its metadata to path, replaced atomically (an earlier file survives any
- * failure): VQ_EIO when it cannot be written. */
+ * failure): VQ_EIO when it cannot be written, VQ_EINVAL for a set the format cannot hold (more
+ * than 2^32 - 1 metadata entries). */
 VQ_API vq_status vq_save(const vq_caches* s, const char* path);
 /* A new set from a file vq_save (or save_prompt_cache) wrote, in the file's storage type; it
  * continues exactly where the saved one stood. VQ_EIO for a file that cannot be opened or read,

@@ -226,7 +226,9 @@ class CacheSet:
 
     def __init__(self, handle):
         self._handle = handle
-        self._layers = [KVCache(self, i) for i in range(lib().vq_layers(handle))]
+        self._n_layers = lib().vq_layers(handle)
+        # Layer objects are made on demand: a list of them, each referring back to the set, would
+        # be a cycle that keeps the C set alive until the garbage collector runs.
 
     def __del__(self):
         if getattr(self, "_handle", None) and _lib._lib is not None:
@@ -234,13 +236,20 @@ class CacheSet:
             self._handle = None
 
     def __len__(self):
-        return len(self._layers)
+        return self._n_layers
 
     def __getitem__(self, i):
-        return self._layers[i]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n_layers))]
+        if not isinstance(i, numbers.Integral):
+            raise TypeError(f"layer index must be an int, not {type(i).__name__}")
+        j = int(i) + self._n_layers if i < 0 else int(i)
+        if not 0 <= j < self._n_layers:
+            raise IndexError(f"layer {i} out of range (the set has {self._n_layers} layers)")
+        return KVCache(self, j)
 
     def __iter__(self):
-        return iter(self._layers)
+        return (KVCache(self, j) for j in range(self._n_layers))
 
     @property
     def storage(self):
@@ -292,14 +301,28 @@ class CacheSet:
 
     def save(self, path, metadata=None):
         """Writes the set to path (replaced atomically). metadata (a dict of str), when given,
-        replaces the set's metadata first."""
-        if metadata is not None:
-            for key in self.metadata:
-                check(lib().vq_metadata_set(self._handle, _lib.text(key, "key"), None))
-            for key, value in metadata.items():
-                check(lib().vq_metadata_set(self._handle, _lib.text(key, "key"),
-                                            _lib.text(value, "value")))
-        check(lib().vq_save(self._handle, _lib.text(path, "path")))
+        replaces the set's metadata, if the save succeeds (on any error it is left as it was)."""
+        if metadata is None:
+            check(lib().vq_save(self._handle, _lib.text(path, "path")))
+            return
+        new = {_lib.text(k, "key"): _lib.text(v, "value") for k, v in metadata.items()}
+        old = self.metadata
+        try:
+            self._replace_metadata({k.encode("utf-8"): v.encode("utf-8") for k, v in old.items()},
+                                   new)
+            check(lib().vq_save(self._handle, _lib.text(path, "path")))
+        except BaseException:
+            self._replace_metadata(new, {k.encode("utf-8"): v.encode("utf-8")
+                                         for k, v in old.items()})
+            raise
+
+    def _replace_metadata(self, current, wanted):
+        """Metadata from `current` to `wanted` (dicts of bytes)."""
+        for key in current:
+            if key not in wanted:
+                check(lib().vq_metadata_set(self._handle, key, None))
+        for key, value in wanted.items():
+            check(lib().vq_metadata_set(self._handle, key, value))
 
     @classmethod
     def load(cls, path):

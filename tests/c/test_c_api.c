@@ -1436,6 +1436,20 @@ static void test_seq_zero(void) {
   for (i = 0; i < 64; ++i) q[i] = k[i] = v[i] = 0.5f;
   for (i = 0; i < 64; ++i) out[i] = 123.0f;
 
+  /* A seq-0 vq_update with the largest batch and head counts holds no row: the fetch of its
+   * window copies nothing (and returns at once, whatever B and H say). */
+  {
+    vq_caches* s = new_set("h2o", 6, 1, VQ_FLOAT);
+    vq_tensor hk = tensor_of(k, VQ_F32, INT_MAX, INT_MAX, 0, 1, VQ_HEAD_MAJOR);
+    vq_tensor hv = tensor_of(v, VQ_F32, INT_MAX, INT_MAX, 0, 1, VQ_HEAD_MAJOR);
+    int64_t n = -1;
+    CHECK_OK(vq_update(s, 0, &hk, &hv, NULL, &n));
+    CHECK(n == 0);
+    CHECK_OK(vq_fetch(s, 0, out, out, VQ_HEAD_MAJOR));
+    CHECK(out[0] == 123.0f); /* nothing written */
+    vq_caches_free(s);
+  }
+
   /* On a fresh set: nothing happens, the first real call still sets the dims. */
   CHECK_OK(vq_attend(t.a, 0, q, k, v, out, 1, 4, 2, 0, 8, VQ_HEAD_MAJOR));
   CHECK_OK(vq_attend(t.a, 0, q, k, v, out, 1, 4, 2, 0, 8, VQ_TOKEN_MAJOR));
@@ -2287,11 +2301,14 @@ static void test_checkpoint_rollback(void) {
 /* ---- 20. vq_set_parallel_for -------------------------------------------------------------------
  */
 
-enum { POOL_ALL = 0, POOL_REVERSE = 1, POOL_SKIP_LAST = 2, POOL_REPEAT_FIRST = 3 };
+enum { POOL_ALL = 0, POOL_REVERSE = 1, POOL_SKIP_LAST = 2, POOL_REPEAT_FIRST = 3, POOL_LATE = 4 };
 typedef struct {
   int mode;
   int calls;
   long tasks_run;
+  vq_task_fn late_task; /* POOL_LATE: the task kept back */
+  void* late_ctx;
+  int late_index;
 } pool_t;
 
 /* A serial "thread pool": runs the tasks on this thread (all in order, in reverse, or wrongly). */
@@ -2302,6 +2319,12 @@ static void test_pool(void* pool_ctx, int tasks, vq_task_fn task, void* task_ctx
   for (i = 0; i < tasks; ++i) {
     const int t = p->mode == POOL_REVERSE ? tasks - 1 - i : i;
     if (p->mode == POOL_SKIP_LAST && t == tasks - 1) continue;
+    if (p->mode == POOL_LATE && t == tasks - 1) { /* kept, to be run after the pool returned */
+      p->late_task = task;
+      p->late_ctx = task_ctx;
+      p->late_index = t;
+      continue;
+    }
     task(task_ctx, t);
     ++p->tasks_run;
     if (p->mode == POOL_REPEAT_FIRST && t == 0) task(task_ctx, 0);
@@ -2321,8 +2344,8 @@ static shape_t shape_big(int seq) {
 }
 
 static void test_parallel_for(void) {
-  pool_t pool = {POOL_ALL, 0, 0};
-  pool_t reverse = {POOL_REVERSE, 0, 0};
+  pool_t pool = {POOL_ALL, 0, 0, NULL, NULL, 0};
+  pool_t reverse = {POOL_REVERSE, 0, 0, NULL, NULL, 0};
   twin_t t = twin_new("h2o", 32, 2, VQ_HALF);
   int i;
   t.shape = shape_big;
@@ -2369,6 +2392,18 @@ static void test_parallel_for(void) {
     pool.mode = POOL_REPEAT_FIRST;
     CHECK_FAIL(attend_hm(t.a, 1, &c, c.out), VQ_ECALLBACK, "parallel");
     CHECK(vq_rows(t.a, 1) == 0 && vq_offset(t.a, 1) == 0);
+    /* A pool that runs its last task after returning: the call failed (the task had not run);
+     * the late task then does nothing (it must not touch the finished call), and the layer
+     * takes the next call. */
+    pool.mode = POOL_LATE;
+    pool.late_task = NULL;
+    CHECK_FAIL(attend_hm(t.a, 1, &c, c.out), VQ_ECALLBACK, "parallel");
+    CHECK(pool.late_task != NULL);
+    if (pool.late_task != NULL) pool.late_task(pool.late_ctx, pool.late_index);
+    CHECK(vq_rows(t.a, 1) == 0 && vq_offset(t.a, 1) == 0);
+    pool.mode = POOL_ALL;
+    CHECK_OK(attend_hm(t.a, 1, &c, c.out));
+    CHECK(vq_offset(t.a, 1) == 64);
     call_free(&c);
   }
 
@@ -2376,7 +2411,7 @@ static void test_parallel_for(void) {
    * then skips a task fails the fork's call with VQ_ECALLBACK and resets the fork's layer, and
    * leaves the source alone. */
   {
-    pool_t lent = {POOL_ALL, 0, 0};
+    pool_t lent = {POOL_ALL, 0, 0, NULL, NULL, 0};
     vq_caches* src = new_set("h2o", 32, 1, VQ_HALF);
     vq_caches* fork = NULL;
     call_t c = call_new(shape_big(64), 2650u);

@@ -126,6 +126,12 @@ if(MODE STREQUAL "install")
   message(STATUS "installed into ${PREFIX}")
 
 elseif(MODE STREQUAL "find_package")
+  # A C-only project (no C++ enabled, no Eigen) first: veloxquant::c and ::c_static.
+  set(saved_work "${WORK_DIR}")
+  set(WORK_DIR "${saved_work}/c_only")
+  build_and_run_cmake_consumer(find_package_c "-DCMAKE_PREFIX_PATH=${PREFIX}"
+                               -DCMAKE_DISABLE_FIND_PACKAGE_Eigen3=ON)
+  set(WORK_DIR "${saved_work}")
   build_and_run_cmake_consumer(find_package "-DCMAKE_PREFIX_PATH=${PREFIX}")
   # It must have used the fresh install, not some other copy of the package.
   file(STRINGS "${WORK_DIR}/build/CMakeCache.txt" dir_line REGEX "^veloxquant_DIR:")
@@ -200,14 +206,14 @@ elseif(MODE STREQUAL "pkg-config")
   list(JOIN c_pc_dirs ":" c_pc_path)
   set(ENV{PKG_CONFIG_PATH} "${c_pc_path}:$ENV{PKG_CONFIG_PATH}")
   foreach(kind shared static)
-    set(static_flag "")
+    set(pc veloxquant-c)
     if(kind STREQUAL "static")
-      set(static_flag --static)
+      set(pc veloxquant-c-static)  # the archive by its path, and the C++ runtime
     endif()
-    execute_process(COMMAND "${pkg_config}" ${static_flag} --cflags --libs veloxquant-c
+    execute_process(COMMAND "${pkg_config}" --cflags --libs ${pc}
                     OUTPUT_VARIABLE c_flags OUTPUT_STRIP_TRAILING_WHITESPACE
                     COMMAND_ERROR_IS_FATAL ANY)
-    message(STATUS "pkg-config ${static_flag} --cflags --libs veloxquant-c = ${c_flags}")
+    message(STATUS "pkg-config --cflags --libs ${pc} = ${c_flags}")
     separate_arguments(c_flags UNIX_COMMAND "${c_flags}")
     set(libdir_flags "")
     foreach(flag IN LISTS c_flags)
@@ -215,14 +221,17 @@ elseif(MODE STREQUAL "pkg-config")
         list(APPEND libdir_flags "-Wl,-rpath,${CMAKE_MATCH_1}")
       endif()
     endforeach()
-    if(kind STREQUAL "static")
-      # -l picks the shared library when both are there: ask for the archive.
-      list(TRANSFORM c_flags REPLACE "^-lveloxquant_c$" "-l:libveloxquant_c.a")
-    endif()
     set(c_exe "${WORK_DIR}/consumer_c_${kind}")
     run_step("${C_COMPILER}" -std=c99 -Wall -Wextra -Werror -pedantic -O0
              "${consumers_dir}/main.c" -o "${c_exe}" ${c_flags} ${libdir_flags})
     run_step("${c_exe}")
+    if(kind STREQUAL "static")
+      # Nothing of the shared library: the program runs with no libveloxquant_c.so to find.
+      execute_process(COMMAND ldd "${c_exe}" OUTPUT_VARIABLE deps RESULT_VARIABLE ldd_rc)
+      if(ldd_rc EQUAL 0 AND deps MATCHES "libveloxquant_c")
+        message(FATAL_ERROR "${c_exe} loads the shared library:\n${deps}")
+      endif()
+    endif()
   endforeach()
 
 else()

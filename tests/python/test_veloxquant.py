@@ -7,12 +7,14 @@ operations, input types and errors. Run: python3 -m unittest discover -s tests/p
 VELOXQUANT_C_LIBRARY and PYTHONPATH=python set (tests/python/CMakeLists.txt does).
 """
 import copy
+import gc
 import os
 import pickle
 import subprocess
 import sys
 import tempfile
 import unittest
+import weakref
 
 try:
     import numpy as np
@@ -351,6 +353,20 @@ class CacheSetTest(unittest.TestCase):
         self.assertEqual((caches[0].offset, fork[0].offset), (10, 14))
         self.assertEqual(copy.deepcopy(fork)[1].offset, 14)
 
+    def test_a_set_is_freed_when_dropped(self):
+        """No reference cycle keeps a set (and its C memory) alive until the collector runs."""
+        gc.disable()
+        self.addCleanup(gc.enable)
+        caches = squeeze_set()
+        step(caches, np.random.default_rng(3), 5)
+        fork = caches.fork()
+        layers = list(fork)
+        alive = weakref.ref(fork)
+        del fork
+        self.assertIsNotNone(alive())  # its layer objects still hold it
+        del layers
+        self.assertIsNone(alive())
+
     def test_checkpoint_rollback(self):
         caches = squeeze_set()
         step(caches, np.random.default_rng(6), 6)
@@ -418,6 +434,15 @@ class ErrorTest(unittest.TestCase):
         self.assertIn("missing.vqkv", str(e.exception))
         with self.assertRaises(OSError):
             squeeze_set().save(os.path.join(self.tmp.name, "no", "such", "dir.vqkv"))
+
+    def test_failed_save_keeps_metadata(self):
+        caches = squeeze_set()
+        caches.save(os.path.join(self.tmp.name, "a.vqkv"), {"a": "1"})
+        with self.assertRaises(OSError):
+            caches.save(os.path.join(self.tmp.name, "no", "dir.vqkv"), {"b": "2"})
+        with self.assertRaises(ValueError):
+            caches.save(os.path.join(self.tmp.name, "b.vqkv"), {"b": "2", "c": "x\0y"})
+        self.assertEqual(caches.metadata, {"a": "1"})
 
     def test_corrupt_file(self):
         caches = squeeze_set()
