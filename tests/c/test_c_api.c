@@ -13,6 +13,7 @@
 
 #include <limits.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -2343,6 +2344,45 @@ static shape_t shape_big(int seq) {
   return s;
 }
 
+/* A real thread pool: each call starts `workers` POSIX threads; thread w runs the tasks
+ * w, w + workers, ... and the pool returns once all have joined. */
+enum { THREAD_POOL_MAX = 4 };
+typedef struct {
+  int workers;
+  int calls;
+} thread_pool_t;
+typedef struct {
+  vq_task_fn task;
+  void* task_ctx;
+  int first, step, tasks;
+} thread_part_t;
+
+static void* thread_pool_part(void* arg) {
+  const thread_part_t* part = (const thread_part_t*)arg;
+  int i;
+  for (i = part->first; i < part->tasks; i += part->step) part->task(part->task_ctx, i);
+  return NULL;
+}
+
+static void thread_pool(void* pool_ctx, int tasks, vq_task_fn task, void* task_ctx) {
+  thread_pool_t* p = (thread_pool_t*)pool_ctx;
+  pthread_t threads[THREAD_POOL_MAX];
+  thread_part_t parts[THREAD_POOL_MAX];
+  int w, started = 0;
+  ++p->calls;
+  for (w = 0; w < p->workers; ++w) {
+    parts[w].task = task;
+    parts[w].task_ctx = task_ctx;
+    parts[w].first = w;
+    parts[w].step = p->workers;
+    parts[w].tasks = tasks;
+    if (pthread_create(&threads[w], NULL, thread_pool_part, &parts[w]) != 0) break;
+    ++started;
+  }
+  for (w = started; w < p->workers; ++w) (void)thread_pool_part(&parts[w]); /* no thread: here */
+  for (w = 0; w < started; ++w) pthread_join(threads[w], NULL);
+}
+
 static void test_parallel_for(void) {
   pool_t pool = {POOL_ALL, 0, 0, NULL, NULL, 0};
   pool_t reverse = {POOL_REVERSE, 0, 0, NULL, NULL, 0};
@@ -2362,6 +2402,16 @@ static void test_parallel_for(void) {
   CHECK_OK(vq_set_parallel_for(t.a, test_pool, &reverse, 3)); /* any order is fine */
   TWIN_STEP(t, 1, 48);
   CHECK(reverse.calls > 0);
+  {
+    /* Threads for real: still bit-identical to the serial twin. */
+    thread_pool_t threaded = {THREAD_POOL_MAX, 0};
+    CHECK_OK(vq_set_parallel_for(t.a, thread_pool, &threaded, THREAD_POOL_MAX));
+    TWIN_STEP(t, 0, 64);
+    for (i = 0; i < 3; ++i) TWIN_STEP(t, i % 2, 1);
+    TWIN_STEP(t, 1, 32);
+    CHECK(threaded.calls > 0);
+    CHECK_OK(vq_set_parallel_for(t.a, test_pool, &reverse, 3));
+  }
   TWIN_UPDATE(t, 0, 40);
 
   /* A pool that skips a task: VQ_ECALLBACK, and — the one failure that changes something, per
