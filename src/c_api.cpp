@@ -500,6 +500,38 @@ std::unique_ptr<vq_caches> load_set(const char* path) {
   return load(Eigen::half{});
 }
 
+// vq_caches_new and vq_caches_new_dims: `build(tag)` makes the std::vector of caches for T.
+template <class Build>
+vq_status new_set(const char* api, const vq_config* c, int n_layers, vq_storage storage,
+                  vq_caches** out, Build&& build) {
+  if (out != nullptr) *out = nullptr;
+  return guarded(api, VQ_EINVAL, [&] {
+    need(out, "out");
+    need(c, "config");
+    if (n_layers < 1) {
+      fail(VQ_EINVAL, "n_layers (" + std::to_string(n_layers) + ") must be >= 1");
+    }
+    auto make = [&](auto tag) -> vq_caches* {
+      using T = decltype(tag);
+      return new Set<T>(build(tag), storage);
+    };
+    switch (storage) {
+      case VQ_HALF:
+        *out = make(Eigen::half{});
+        break;
+      case VQ_BFLOAT16:
+        *out = make(Eigen::bfloat16{});
+        break;
+      case VQ_FLOAT:
+        *out = make(float{});
+        break;
+      default:
+        fail(VQ_EINVAL, "storage " + std::to_string(static_cast<int>(storage)) +
+                            " is not VQ_HALF, VQ_BFLOAT16 or VQ_FLOAT");
+    }
+  });
+}
+
 }  // namespace
 
 // ---- the ABI
@@ -625,31 +657,30 @@ vq_status vq_config_validate(const vq_config* c) {
 }
 
 vq_status vq_caches_new(const vq_config* c, int n_layers, vq_storage storage, vq_caches** out) {
-  if (out != nullptr) *out = nullptr;
-  return guarded("vq_caches_new", VQ_EINVAL, [&] {
-    need(out, "out");
-    need(c, "config");
-    if (n_layers < 1) {
-      fail(VQ_EINVAL, "n_layers (" + std::to_string(n_layers) + ") must be >= 1");
+  return new_set("vq_caches_new", c, n_layers, storage, out, [&](auto tag) {
+    using T = decltype(tag);
+    return vc::KVCacheBuilder::for_model<T>(n_layers, c->config);
+  });
+}
+
+vq_status vq_caches_new_dims(const vq_config* c, const int* head_dims, int n_layers,
+                             vq_storage storage, vq_caches** out) {
+  if (head_dims == nullptr) {
+    if (out != nullptr) *out = nullptr;
+    return set_error(VQ_EINVAL, "vq_caches_new_dims", "head_dims is NULL");
+  }
+  return new_set("vq_caches_new_dims", c, n_layers, storage, out, [&](auto tag) {
+    using T = decltype(tag);
+    std::vector<std::optional<int>> dims(static_cast<std::size_t>(n_layers));
+    for (int i = 0; i < n_layers; ++i) {
+      const int d = head_dims[i];
+      if (d < 0) {
+        fail(VQ_EINVAL, "head_dims[" + std::to_string(i) + "] (" + std::to_string(d) +
+                            ") must be >= 0 (0: a layer without attention)");
+      }
+      if (d > 0) dims[static_cast<std::size_t>(i)] = d;
     }
-    auto make = [&](auto tag) -> vq_caches* {
-      using T = decltype(tag);
-      return new Set<T>(vc::KVCacheBuilder::for_model<T>(n_layers, c->config), storage);
-    };
-    switch (storage) {
-      case VQ_HALF:
-        *out = make(Eigen::half{});
-        break;
-      case VQ_BFLOAT16:
-        *out = make(Eigen::bfloat16{});
-        break;
-      case VQ_FLOAT:
-        *out = make(float{});
-        break;
-      default:
-        fail(VQ_EINVAL, "storage " + std::to_string(static_cast<int>(storage)) +
-                            " is not VQ_HALF, VQ_BFLOAT16 or VQ_FLOAT");
-    }
+    return vc::KVCacheBuilder::for_model<T>(dims, c->config);
   });
 }
 
@@ -793,6 +824,17 @@ size_t vq_kept_bytes(const vq_caches* s) {
     visit(*s, [&](auto& set) {
       for (const auto& c : set.caches) bytes += c->kept_bytes();
     });
+  });
+  return bytes;
+}
+
+size_t vq_layer_kept_bytes(const vq_caches* s, int layer) {
+  std::size_t bytes = 0;
+  (void)guarded("vq_layer_kept_bytes", VQ_EINVAL, [&] {
+    need(s, "caches");
+    check_layer(*s, layer);
+    bytes = visit(
+        *s, [&](auto& set) { return set.caches[static_cast<std::size_t>(layer)]->kept_bytes(); });
   });
   return bytes;
 }

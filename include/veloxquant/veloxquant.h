@@ -102,6 +102,14 @@ VQ_API vq_status vq_config_validate(const vq_config* c);
  * On failure *out is NULL. */
 VQ_API vq_status vq_caches_new(const vq_config* c, int n_layers, vq_storage storage,
                                vq_caches** out);
+/* KVCacheBuilder::for_model(layer_head_dims, config): head_dims[i] is layer i's head dim, or 0 for
+ * a layer without attention (it gets a standard cache; SqueezeAttention's coordinator and
+ * PyramidKV's budgets count the attention layers only). The dims are checked now (1 to 65536,
+ * divisible by quant_group when rows are quantized); as in C++, a layer's first call still sets
+ * the dims its later calls must match. VQ_EINVAL for n_layers < 1, a negative or too large dim,
+ * or a bad config. */
+VQ_API vq_status vq_caches_new_dims(const vq_config* c, const int* head_dims, int n_layers,
+                                    vq_storage storage, vq_caches** out);
 VQ_API void vq_caches_free(vq_caches* s);                            /* NULL is fine */
 VQ_API int vq_layers(const vq_caches* s);                            /* -1 for NULL */
 VQ_API vq_status vq_storage_of(const vq_caches* s, vq_storage* out); /* VQ_EINVAL for NULL */
@@ -150,6 +158,8 @@ VQ_API int vq_layer_budget(const vq_caches* s, int layer);
 VQ_API int64_t vq_rows(const vq_caches* s, int layer);
 /* Bytes of rows the whole set holds (KVCache::kept_bytes summed); 0 for NULL. */
 VQ_API size_t vq_kept_bytes(const vq_caches* s);
+/* Bytes of rows one layer holds (KVCache::kept_bytes); 0 for NULL or a bad layer. */
+VQ_API size_t vq_layer_kept_bytes(const vq_caches* s, int layer);
 VQ_API void vq_reset(vq_caches* s); /* every layer back to empty (before an unrelated sequence) */
 
 /* ---- many sequences (docs/design.md 10) ------------------------------------------------------ */

@@ -216,6 +216,11 @@ class KVCache:
         """Rows per KV head the layer holds now."""
         return lib().vq_rows(self._set._handle, self.layer)
 
+    @property
+    def kept_bytes(self):
+        """Bytes of rows this layer holds (C++ KVCache::kept_bytes)."""
+        return lib().vq_layer_kept_bytes(self._set._handle, self.layer)
+
     def __repr__(self):
         return f"<veloxquant.KVCache layer {self.layer} offset {self.offset}>"
 
@@ -340,14 +345,25 @@ class KVCacheBuilder:
 
     @staticmethod
     def for_model(n_layers, config, storage="half"):
-        """A CacheSet of n_layers caches from config (validated), rows stored as storage
-        ("half", "bfloat16" or "float")."""
+        """A CacheSet from config (validated), rows stored as storage ("half", "bfloat16" or
+        "float"): n_layers caches, or, given a list of head dims, one cache per entry (None or 0:
+        a layer without attention, which gets a standard cache), as C++ for_model does."""
         if storage not in _lib.STORAGES:
             raise _lib.InvalidArgumentError(f"storage {storage!r} is not one of "
                                             f"{', '.join(_lib.STORAGES)}")
-        if not isinstance(n_layers, numbers.Integral) or not 0 < n_layers <= _INT_MAX:
-            raise _lib.InvalidArgumentError(f"n_layers ({n_layers!r}) must be an int >= 1")
         out = ctypes.c_void_p()
+        if not isinstance(n_layers, numbers.Integral):
+            dims = [0 if d is None else d for d in n_layers]
+            if not dims or not all(isinstance(d, numbers.Integral) and 0 <= d <= _INT_MAX
+                                   for d in dims):
+                raise _lib.InvalidArgumentError(
+                    f"layer head dims ({n_layers!r}) must be a non-empty list of ints >= 0 or None")
+            array = (ctypes.c_int * len(dims))(*dims)
+            check(lib().vq_caches_new_dims(config._handle, array, len(dims),
+                                           _lib.STORAGES[storage], ctypes.byref(out)))
+            return CacheSet(out.value)
+        if not 0 < n_layers <= _INT_MAX:
+            raise _lib.InvalidArgumentError(f"n_layers ({n_layers!r}) must be an int >= 1")
         check(lib().vq_caches_new(config._handle, int(n_layers), _lib.STORAGES[storage],
                                   ctypes.byref(out)))
         return CacheSet(out.value)

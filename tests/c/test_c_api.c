@@ -2077,6 +2077,63 @@ static void test_fetch_state(void) {
 /* ---- 16. counters: offset, rows, budget, kept bytes ---------------------------------------------
  */
 
+/* vq_caches_new_dims: head dims declared per layer, 0 for a layer without attention; and
+ * vq_layer_kept_bytes. */
+static void test_caches_new_dims(void) {
+  vq_config* c = vq_config_new();
+  vq_caches* s = NULL;
+  const int dims[3] = {8, 0, 8};
+  CHECK_OK(vq_config_set(c, "method", "h2o"));
+  CHECK_OK(vq_config_set(c, "budget", "8"));
+  CHECK_OK(vq_caches_new_dims(c, dims, 3, VQ_HALF, &s));
+  CHECK(s != NULL && vq_layers(s) == 3);
+  if (s != NULL) {
+    call_t wide = call_new(shape_std(20), 3100u);
+    shape_t sh16 = shape_std(1);
+    call_t d16;
+    sh16.dim = 16;
+    sh16.vdim = 16;
+    d16 = call_new(sh16, 3101u);
+    CHECK(vq_layer_budget(s, 0) == 8 && vq_layer_budget(s, 2) == 8);
+    CHECK(vq_layer_budget(s, 1) == -1); /* no attention: a standard cache */
+    CHECK_OK(attend_hm(s, 0, &wide, wide.out));
+    /* Later calls must match the first call's dims (the declared ones only size the checks). */
+    CHECK_FAIL(attend_hm(s, 0, &d16, d16.out), VQ_EINVAL, "differ");
+    CHECK(vq_offset(s, 0) == 20);
+    CHECK_OK(attend_hm(s, 1, &wide, wide.out)); /* the standard layer keeps every row */
+    CHECK(vq_rows(s, 0) == 8 && vq_rows(s, 1) == 20 && vq_rows(s, 2) == 0);
+    /* 1 sequence x 2 KV heads x rows x (8 + 8) elements x 2 bytes */
+    CHECK(vq_layer_kept_bytes(s, 0) == 512u && vq_layer_kept_bytes(s, 1) == 1280u);
+    CHECK(vq_layer_kept_bytes(s, 2) == 0u);
+    CHECK(vq_kept_bytes(s) == 512u + 1280u);
+    CHECK_FAIL_VALUE(vq_layer_kept_bytes(s, 3) == 0u, "layer");
+    CHECK_FAIL_VALUE(vq_layer_kept_bytes(s, -1) == 0u, "layer");
+    CHECK_FAIL_VALUE(vq_layer_kept_bytes(NULL, 0) == 0u, "NULL");
+    call_free(&wide);
+    call_free(&d16);
+    vq_caches_free(s);
+  }
+  /* Bad input: *out is NULL afterwards, the message names the problem. */
+  {
+    const int negative[2] = {8, -1}, huge[1] = {70000}, eight[1] = {8};
+    s = (vq_caches*)&s; /* not NULL: the call must clear it */
+    CHECK_FAIL(vq_caches_new_dims(c, NULL, 2, VQ_HALF, &s), VQ_EINVAL, "head_dims");
+    CHECK(s == NULL);
+    CHECK_FAIL(vq_caches_new_dims(c, negative, 2, VQ_HALF, &s), VQ_EINVAL, "head_dims[1]");
+    CHECK(s == NULL);
+    CHECK_FAIL(vq_caches_new_dims(c, huge, 1, VQ_HALF, &s), VQ_EINVAL, "70000");
+    CHECK_FAIL(vq_caches_new_dims(c, eight, 0, VQ_HALF, &s), VQ_EINVAL, "n_layers");
+    CHECK_FAIL(vq_caches_new_dims(c, eight, 1, (vq_storage)7, &s), VQ_EINVAL, "storage");
+    CHECK_FAIL(vq_caches_new_dims(NULL, eight, 1, VQ_HALF, &s), VQ_EINVAL, "config");
+    CHECK_FAIL(vq_caches_new_dims(c, eight, 1, VQ_HALF, NULL), VQ_EINVAL, "out");
+    /* Quantized rows: the group must divide the declared dim, checked now. */
+    CHECK_OK(vq_config_set(c, "key_bits", "8"));
+    CHECK_FAIL(vq_caches_new_dims(c, eight, 1, VQ_HALF, &s), VQ_EINVAL, "quant_group");
+    CHECK(s == NULL);
+  }
+  vq_config_free(c);
+}
+
 static void test_counters(void) {
   int i;
   /* H2O budget 8, 20 tokens one at a time on layer 0 only. */
@@ -2876,6 +2933,7 @@ int main(void) {
       {"update_fetch", test_update_fetch},
       {"fetch_state", test_fetch_state},
       {"counters", test_counters},
+      {"caches_new_dims", test_caches_new_dims},
       {"reset", test_reset},
       {"fork", test_fork},
       {"checkpoint_rollback", test_checkpoint_rollback},

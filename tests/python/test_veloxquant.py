@@ -353,6 +353,26 @@ class CacheSetTest(unittest.TestCase):
         self.assertEqual((caches[0].offset, fork[0].offset), (10, 14))
         self.assertEqual(copy.deepcopy(fork)[1].offset, 14)
 
+    def test_layer_head_dims(self):
+        """for_model with a list of head dims: None is a layer without attention (standard)."""
+        config = vq.KVCacheConfig(method="h2o")
+        config.set_budget(8)
+        caches = vq.KVCacheBuilder.for_model([8, None, 8], config, "float")
+        self.assertEqual([c.layer_budget for c in caches], [8, None, 8])
+        rng = np.random.default_rng(11)
+        q, k, v = (rng.standard_normal(s).astype(np.float32)
+                   for s in ((1, 4, 20, 8), (1, 2, 20, 8), (1, 2, 20, 8)))
+        for cache in caches:
+            cache.attend(q, k, v)
+        self.assertEqual([c.tokens_kept for c in caches], [8, 20, 8])
+        self.assertEqual([c.kept_bytes for c in caches], [2 * 8 * 16 * 4, 2 * 20 * 16 * 4,
+                                                          2 * 8 * 16 * 4])
+        self.assertEqual(sum(c.kept_bytes for c in caches), caches.kept_bytes)
+        with self.assertRaises(ValueError):  # a call whose dim is not the first call's
+            caches[0].attend(*(np.zeros((1, h, 1, 16), np.float32) for h in (4, 2, 2)))
+        with self.assertRaises(ValueError):
+            vq.KVCacheBuilder.for_model([8, -1], config)
+
     def test_a_set_is_freed_when_dropped(self):
         """No reference cycle keeps a set (and its C memory) alive until the collector runs."""
         gc.disable()
