@@ -186,11 +186,9 @@ class KVCache {
   std::int64_t offset() const { return offset_; }
 
   /// The retained set, rows in ascending position: [B, H, n, D] (keys and values).
-  KVPair<T> state() const {
-    KVPair<T> out;
-    copy_retained(out);
-    return out;
-  }
+  /// (Defined after the class, not inline: like run, it reaches the row kernels, which a TU built
+  /// against the compiled library only declares; detail/simd_kernels.hpp.)
+  KVPair<T> state() const;
 
   /// Positions of head (b, h)'s retained rows, ascending: [n] (empty before the first call).
   /// Throws std::out_of_range for a head outside [0, B) x [0, H).
@@ -885,6 +883,13 @@ class KVCache {
   int workers_ = 1;
   bool parallel_heads_ = true;
 };
+
+template <class T>
+KVPair<T> KVCache<T>::state() const {
+  KVPair<T> out;
+  copy_retained(out);
+  return out;
+}
 
 template <class T>
 KVView<T> KVCache<T>::run(const detail::InputRows& keys, const detail::InputRows& values,

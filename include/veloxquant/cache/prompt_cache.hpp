@@ -138,63 +138,9 @@ class PromptCacheIO {
   /// messages; `verify` false skips the checksums (the fuzzer only: it reaches the structure
   /// behind them). Throws std::runtime_error for any file that is not one this library could
   /// have written (docs/design.md G); nothing is returned then.
-  static PromptCache<T> load(std::istream& in, const std::string& source = "", bool verify = true) {
-    if (!little_endian_host()) {
-      throw std::runtime_error("load_prompt_cache: the format needs a little-endian host");
-    }
-    ByteReader r(in, verify, source);
-    r.set_where("header");
-    r.begin_section();
-    unsigned char magic[sizeof(kPromptCacheMagic)];
-    r.bytes(magic, sizeof(magic));
-    if (std::memcmp(magic, kPromptCacheMagic, sizeof(magic)) != 0) {
-      r.fail("not a veloxquant prompt cache (the first 8 bytes are not the format's magic)");
-    }
-    const std::uint32_t version = r.u32();
-    if (version > kPromptCacheVersion) {
-      r.fail("format version " + std::to_string(version) + " is newer than this library reads (" +
-             std::to_string(kPromptCacheVersion) + "); a newer veloxquant wrote it");
-    }
-    if (version == 0) r.fail("format version 0 does not exist");
-    const std::uint8_t storage = r.u8();
-    std::uint8_t reserved = 0;
-    for (int i = 0; i < 3; ++i) reserved |= r.u8();
-    const std::uint32_t n_caches = r.u32(), n_coordinators = r.u32(), n_metadata = r.u32();
-    r.end_section();
-    if (reserved != 0) r.fail("reserved header bytes are not zero");
-    if (storage != storage_code<T>()) {
-      const char* name = storage_code_name(storage);
-      if (name == nullptr) r.fail("unknown storage type code " + std::to_string(storage));
-      r.fail(std::string("the file holds ") + name + " rows; load_prompt_cache<" +
-             storage_code_name(storage_code<T>()) + "> reads " +
-             storage_code_name(storage_code<T>()) + " rows only (load it with load_prompt_cache<" +
-             name + ">)");
-    }
-
-    PromptCache<T> out;
-    r.set_where("metadata");
-    r.begin_section();
-    for (std::uint32_t i = 0; i < n_metadata; ++i) {
-      std::string key = r.string();
-      std::string value = r.string();
-      if (!out.metadata.empty() && !(out.metadata.rbegin()->first < key)) {
-        r.fail("key '" + printable(key) + "' is out of order or repeated");
-      }
-      out.metadata.emplace_hint(out.metadata.end(), std::move(key), std::move(value));
-      r.charge(kChargeMetadataEntry, "the metadata entries");
-    }
-    r.end_section();
-
-    StateLinks links(read_coordinators(r, n_coordinators));
-    for (std::uint32_t i = 0; i < n_caches; ++i) {
-      out.caches.push_back(read_cache(r, i, version, links));
-    }
-    if (const std::int64_t unused = links.first_unused(); unused >= 0) {
-      r.set_where("coordinator " + std::to_string(unused));
-      r.fail("no cache of the file uses it");
-    }
-    return out;
-  }
+  // (Defined after the class, not inline: a TU built against the compiled library does not
+  // instantiate the loader behind load_prompt_cache; extern_templates.hpp.)
+  static PromptCache<T> load(std::istream& in, const std::string& source = "", bool verify = true);
 
   /// True when `in` holds no byte more; else throws: a file that goes on after its last cache.
   static void expect_end(std::istream& in, const std::string& source) {
@@ -454,6 +400,65 @@ class PromptCacheIO {
     return cache;
   }
 };
+
+template <class T>
+PromptCache<T> PromptCacheIO<T>::load(std::istream& in, const std::string& source, bool verify) {
+  if (!little_endian_host()) {
+    throw std::runtime_error("load_prompt_cache: the format needs a little-endian host");
+  }
+  ByteReader r(in, verify, source);
+  r.set_where("header");
+  r.begin_section();
+  unsigned char magic[sizeof(kPromptCacheMagic)];
+  r.bytes(magic, sizeof(magic));
+  if (std::memcmp(magic, kPromptCacheMagic, sizeof(magic)) != 0) {
+    r.fail("not a veloxquant prompt cache (the first 8 bytes are not the format's magic)");
+  }
+  const std::uint32_t version = r.u32();
+  if (version > kPromptCacheVersion) {
+    r.fail("format version " + std::to_string(version) + " is newer than this library reads (" +
+           std::to_string(kPromptCacheVersion) + "); a newer veloxquant wrote it");
+  }
+  if (version == 0) r.fail("format version 0 does not exist");
+  const std::uint8_t storage = r.u8();
+  std::uint8_t reserved = 0;
+  for (int i = 0; i < 3; ++i) reserved |= r.u8();
+  const std::uint32_t n_caches = r.u32(), n_coordinators = r.u32(), n_metadata = r.u32();
+  r.end_section();
+  if (reserved != 0) r.fail("reserved header bytes are not zero");
+  if (storage != storage_code<T>()) {
+    const char* name = storage_code_name(storage);
+    if (name == nullptr) r.fail("unknown storage type code " + std::to_string(storage));
+    r.fail(std::string("the file holds ") + name + " rows; load_prompt_cache<" +
+           storage_code_name(storage_code<T>()) + "> reads " +
+           storage_code_name(storage_code<T>()) + " rows only (load it with load_prompt_cache<" +
+           name + ">)");
+  }
+
+  PromptCache<T> out;
+  r.set_where("metadata");
+  r.begin_section();
+  for (std::uint32_t i = 0; i < n_metadata; ++i) {
+    std::string key = r.string();
+    std::string value = r.string();
+    if (!out.metadata.empty() && !(out.metadata.rbegin()->first < key)) {
+      r.fail("key '" + printable(key) + "' is out of order or repeated");
+    }
+    out.metadata.emplace_hint(out.metadata.end(), std::move(key), std::move(value));
+    r.charge(kChargeMetadataEntry, "the metadata entries");
+  }
+  r.end_section();
+
+  StateLinks links(read_coordinators(r, n_coordinators));
+  for (std::uint32_t i = 0; i < n_caches; ++i) {
+    out.caches.push_back(read_cache(r, i, version, links));
+  }
+  if (const std::int64_t unused = links.first_unused(); unused >= 0) {
+    r.set_where("coordinator " + std::to_string(unused));
+    r.fail("no cache of the file uses it");
+  }
+  return out;
+}
 
 }  // namespace detail
 

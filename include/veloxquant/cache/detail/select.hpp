@@ -48,7 +48,11 @@ inline Index worst_of(const float* score, const std::int64_t* pos, const std::ui
 /// scores are gathered into `buf` ([hi - lo]) and searched with the SIMD argmin: the one-token
 /// calls' eviction.
 inline Index worst_in_order(const std::int32_t* order, Index lo, Index hi, const float* score,
-                            Tie tie, float* buf) {
+                            Tie tie, float* buf)
+// (It calls a kernel from non-template code: like the kernels, declared only in a TU built against
+// the compiled library; simd_kernels.hpp.)
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED
+{
   if (lo >= hi) return -1;
   const Index n = hi - lo;
   for (Index i = 0; i < n; ++i) buf[i] = score[order[lo + i]];
@@ -64,6 +68,9 @@ inline Index worst_in_order(const std::int32_t* order, Index lo, Index hi, const
   }
   return lo + best;
 }
+#else
+    ;
+#endif
 
 /// Moves the `k` rows to evict first among the `n` candidates (indices into score and pos) to the
 /// front of `candidates`, by the order above (the rest in any order). Does nothing when k >= n.

@@ -18,7 +18,20 @@
 #include "quant.hpp"
 #include "simd_common.hpp"
 
-#if VELOXQUANT_DETAIL_X86
+// A TU built against the compiled library (VELOXQUANT_EXTERN_TEMPLATES, the veloxquant::compiled
+// target) instantiates no cache member, so it calls no kernel: there the dispatching kernels
+// below are declared, not defined, and the instruction-set paths and their intrinsics headers are
+// not read (a third of such a TU's compile time, BENCHMARKS.md section 4). The one TU that
+// instantiates the caches (VELOXQUANT_INSTANTIATE_TEMPLATES), a header-only TU, and a TU that
+// calls the kernels itself (VELOXQUANT_DEFINE_KERNELS: the kernel tests) define them.
+#if defined(VELOXQUANT_EXTERN_TEMPLATES) && !defined(VELOXQUANT_INSTANTIATE_TEMPLATES) && \
+    !defined(VELOXQUANT_DEFINE_KERNELS)
+#define VELOXQUANT_DETAIL_KERNELS_DEFINED 0
+#else
+#define VELOXQUANT_DETAIL_KERNELS_DEFINED 1
+#endif
+
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED && VELOXQUANT_DETAIL_X86
 #include <emmintrin.h>
 #include <immintrin.h>
 #endif
@@ -26,6 +39,8 @@
 namespace veloxquant::cache::detail {
 using Index = Eigen::Index;
 }  // namespace veloxquant::cache::detail
+
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED
 
 #include "simd_scalar.hpp"
 
@@ -63,8 +78,11 @@ namespace veloxquant::cache::detail::neon {
 }  // namespace veloxquant::cache::detail::neon
 #endif  // VELOXQUANT_DETAIL_ARM64
 
+#endif  // VELOXQUANT_DETAIL_KERNELS_DEFINED
+
 namespace veloxquant::cache::detail {
 
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED
 #if VELOXQUANT_DETAIL_X86
 #define VELOXQUANT_DETAIL_DISPATCH(call) \
   switch (active_simd_level()) {         \
@@ -86,6 +104,7 @@ namespace veloxquant::cache::detail {
 #else
 #define VELOXQUANT_DETAIL_DISPATCH(call) return scalar::call
 #endif
+#endif  // VELOXQUANT_DETAIL_KERNELS_DEFINED
 
 /// Row length the kernels of every path accept: D rounded up to 16 floats (the widest vector).
 inline Index padded_dim(Index d) { return (d + 15) / 16 * 16; }
@@ -96,18 +115,28 @@ inline Index padded_dim(Index d) { return (d + 15) / 16 * 16; }
 template <class T>
 inline void logits(const float* q, Index m, Index ldq, const T* keys, Index key_stride,
                    const std::int32_t* idx, Index n, Index d, float scale, float* out, Index ldo,
-                   float* kbuf) {
+                   float* kbuf)
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED
+{
   VELOXQUANT_DETAIL_DISPATCH(logits(q, m, ldq, keys, key_stride, idx, n, d, scale, out, ldo, kbuf));
 }
+#else
+    ;
+#endif
 
 /// Keys for logits_packed: rows [j0, j1) of keys (row j at keys + j * key_stride, [d] of T) as
 /// float32 in the path's tiles of kt (packed_size(n, d) floats for n keys). buf: scratch of
 /// padded_dim(d) floats.
 template <class T>
 inline void pack_keys(const T* keys, Index key_stride, Index j0, Index j1, Index d, float* kt,
-                      float* buf) {
+                      float* buf)
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED
+{
   VELOXQUANT_DETAIL_DISPATCH(pack_keys(keys, key_stride, j0, j1, d, kt, buf));
 }
+#else
+    ;
+#endif
 
 /// Floats the packed keys of n keys of dim d take on any path: n rounded up to 32 (two of the
 /// widest vectors), times d.
@@ -117,41 +146,68 @@ inline Index packed_size(Index n, Index d) { return (n + 31) / 32 * 32 * d; }
 /// prefill blocks' logits (no horizontal sums). q: [m, ldq] float32 rows; out: [m, ldo];
 /// qbuf: scratch of 4 * d floats.
 inline void logits_packed(const float* q, Index m, Index ldq, const float* kt, Index n, Index d,
-                          float scale, float* out, Index ldo, float* qbuf) {
+                          float scale, float* out, Index ldo, float* qbuf)
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED
+{
   VELOXQUANT_DETAIL_DISPATCH(logits_packed(q, m, ldq, kt, n, d, scale, out, ldo, qbuf));
 }
+#else
+    ;
+#endif
 
 /// w[0, n) = the mean over `rows` rows of x ([rows, ldx]) of their softmax over [0, n); -inf
 /// logits get weight exactly 0; the rows are overwritten with their exp values and inv ([rows],
 /// optional) receives each row's normaliser (row r's softmax = x[r] * inv[r]). w may be null.
-inline void softmax_mean(float* x, Index rows, Index ldx, Index n, float* w, float* inv = nullptr) {
+inline void softmax_mean(float* x, Index rows, Index ldx, Index n, float* w, float* inv = nullptr)
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED
+{
   VELOXQUANT_DETAIL_DISPATCH(softmax_mean(x, rows, ldx, n, w, inv));
 }
+#else
+    ;
+#endif
 
 /// The attention output of softmax rows: out[r][0, dv) = inv[r] * sum_{c < n} e[r][c] *
 /// values[c][0, dv), r < rows. e: [rows, lde] exp values, inv: [rows] (as softmax_mean leaves
 /// them); values: [n, dv] stored rows of T; out: row r at out + r * ldo ([dv] float32).
 template <class T>
 inline void weighted_rows(const float* e, Index lde, const float* inv, Index rows, const T* values,
-                          Index dv, Index n, float* out, Index ldo) {
+                          Index dv, Index n, float* out, Index ldo)
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED
+{
   VELOXQUANT_DETAIL_DISPATCH(weighted_rows(e, lde, inv, rows, values, dv, n, out, ldo));
 }
+#else
+    ;
+#endif
 
 /// Index of the lowest of x[0, n) (n >= 1), the first among equals or the last when `last`; *hits:
 /// how many hold that value (up to 2); -1 when some x[i] is NaN.
-inline Index argmin(const float* x, Index n, bool last, int* hits) {
+inline Index argmin(const float* x, Index n, bool last, int* hits)
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED
+{
   VELOXQUANT_DETAIL_DISPATCH(argmin(x, n, last, hits));
 }
+#else
+    ;
+#endif
 
 /// s[i] = s[i] * decay + w[i], i < n.
-inline void decay_accumulate(float* s, const float* w, Index n, float decay) {
+inline void decay_accumulate(float* s, const float* w, Index n, float decay)
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED
+{
   VELOXQUANT_DETAIL_DISPATCH(decay_accumulate(s, w, n, decay));
 }
+#else
+    ;
+#endif
 
 /// One row of n input elements stored as T (round to nearest even; a double is converted as
 /// Eigen converts it: to float32 first).
 template <class U, class T>
-inline void store_row(const U* src, T* dst, Index n) {
+inline void store_row(const U* src, T* dst, Index n)
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED
+{
   if constexpr (std::is_same_v<U, T>) {
     std::memcpy(dst, src, sizeof(T) * static_cast<std::size_t>(n));
   } else if constexpr (std::is_same_v<U, double>) {
@@ -160,6 +216,9 @@ inline void store_row(const U* src, T* dst, Index n) {
     VELOXQUANT_DETAIL_DISPATCH(convert_row(src, dst, n));
   }
 }
+#else
+    ;
+#endif
 
 /// One query row as float32 into dst ([padded_dim(d)], zero-padded).
 template <class Q>
@@ -176,36 +235,52 @@ inline void load_query_row(const Q* src, Index d, float* dst) {
 template <class T>
 inline void logits(const float* q, Index m, Index ldq, const StoredRows<T>& keys,
                    const std::int32_t* idx, Index n, Index d, float scale, float* out, Index ldo,
-                   float* kbuf) {
+                   float* kbuf)
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED
+{
   if (!keys.quantized()) {
     return logits(q, m, ldq, keys.data, keys.stride, idx, n, d, scale, out, ldo, kbuf);
   }
   const QuantRows r = keys.bytes();
   VELOXQUANT_DETAIL_DISPATCH(qlogits(q, m, ldq, r, idx, n, scale, out, ldo, kbuf));
 }
+#else
+    ;
+#endif
 
 /// pack_keys over stored key rows [j0, j1). As pack_keys() above.
 template <class T>
-inline void pack_keys(const StoredRows<T>& keys, Index j0, Index j1, Index d, float* kt,
-                      float* buf) {
+inline void pack_keys(const StoredRows<T>& keys, Index j0, Index j1, Index d, float* kt, float* buf)
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED
+{
   if (!keys.quantized()) return pack_keys(keys.data, keys.stride, j0, j1, d, kt, buf);
   const QuantRows r = keys.bytes();
   VELOXQUANT_DETAIL_DISPATCH(qpack_keys(r, j0, j1, kt, buf));
 }
+#else
+    ;
+#endif
 
 /// weighted_rows over the first n stored value rows. As weighted_rows() above.
 template <class T>
 inline void weighted_rows(const float* e, Index lde, const float* inv, Index rows,
-                          const StoredRows<T>& values, Index dv, Index n, float* out, Index ldo) {
+                          const StoredRows<T>& values, Index dv, Index n, float* out, Index ldo)
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED
+{
   if (!values.quantized()) {
     return weighted_rows(e, lde, inv, rows, values.data, dv, n, out, ldo);
   }
   const QuantRows r = values.bytes();
   VELOXQUANT_DETAIL_DISPATCH(qweighted_rows(e, lde, inv, rows, r, n, out, ldo));
 }
+#else
+    ;
+#endif
 
 /// Row j of quantized rows dequantized to float32: out [padded_dim(d)], zero-padded.
-inline void dequantize_row(const QuantRows& rows, Index j, float* out) {
+inline void dequantize_row(const QuantRows& rows, Index j, float* out)
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED
+{
   const auto pad = [&] {
     for (Index k = rows.fmt.dim; k < padded_dim(rows.fmt.dim); ++k) out[k] = 0.0f;
   };
@@ -233,13 +308,21 @@ inline void dequantize_row(const QuantRows& rows, Index j, float* out) {
   scalar::qload_padded_row(rows, j, out);
   pad();
 }
+#else
+    ;
+#endif
 
 /// Stored row j as float32 (the key-as-query row): dst [padded_dim(d)], zero-padded.
 template <class T>
-inline void load_stored_row(const StoredRows<T>& rows, Index j, Index d, float* dst) {
+inline void load_stored_row(const StoredRows<T>& rows, Index j, Index d, float* dst)
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED
+{
   if (rows.quantized()) return dequantize_row(rows.bytes(), j, dst);
   load_query_row(rows.data + j * rows.stride, d, dst);
 }
+#else
+    ;
+#endif
 
 #undef VELOXQUANT_DETAIL_DISPATCH
 
