@@ -9,6 +9,7 @@
 //   - in exactly one TU, define VELOXQUANT_INSTANTIATE_TEMPLATES as well and include
 //     <veloxquant/cache.hpp>: it holds the explicit instantiation definitions.
 // Every TU of a program must see the same library configuration (VELOXQUANT_ASSERT, NDEBUG).
+// In the consumer TUs the SIMD kernels are declared, not defined (detail/simd_kernels.hpp).
 // docs/design.md describes this choice.
 #pragma once
 
