@@ -180,10 +180,11 @@ void feed(std::vector<std::unique_ptr<vc::KVCache<T>>>& caches, std::mt19937& rn
           bool queries) {
   for (auto& c : caches) {
     const vc::Tensor4<float> k = fill(rng, 1, 2, S, 8), v = fill(rng, 1, 2, S, 8);
+    // Views, not fetches: adaptive heads may hold different numbers of rows (SPEC 14).
     if (queries) {
-      (void)c->update_and_fetch(k, v, fill(rng, 1, 4, S, 8));
+      (void)c->update_and_view(k, v, fill(rng, 1, 4, S, 8));
     } else {
-      (void)c->update_and_fetch(k, v);
+      (void)c->update_and_view(k, v);
     }
   }
 }
@@ -281,6 +282,17 @@ inline std::map<std::string, std::string> make_seeds() {
   c.method = "h2o";
   c.proxy_scoring = "knorm";
   model(Eigen::half{}, "seed-h2o-knorm-half", c, {9, 1, 1}, false);
+  // Adaptive heads (docs/design.md 4.9): ragged heads, each head section with its own rows.
+  c = seed_config();
+  c.method = "h2o";
+  c.head_budgets = "adaptive";
+  c.head_budget_floor = 0.3;
+  model(float{}, "seed-h2o-adaptive-float", c, {9, 1, 1}, true);
+  c = seed_config();
+  c.head_budgets = "adaptive";
+  c.key_bits = 8;
+  c.value_bits = 4;
+  model(Eigen::half{}, "seed-squeeze-adaptive-q84-half", c, {9, 1, 1}, false);
   return out;
 }
 

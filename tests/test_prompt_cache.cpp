@@ -767,7 +767,7 @@ std::string as_version(const std::string& bytes, std::uint32_t version) {
   fmt::FileMap moved;  // the sections where they lie once the fields are out
   moved.sections = map.sections;
   // The fields that came after version 1, the last in a config first: earlier offsets stay valid.
-  const char* newer[] = {"value_norm_power", "proxy_scoring"};
+  const char* newer[] = {"head_budget_floor", "head_budgets", "value_norm_power", "proxy_scoring"};
   for (std::uint32_t i = caches; i-- > 0;) {  // the last cache first, for the same reason
     const std::string p = "cache" + std::to_string(i);
     std::uint32_t removed = 0;
@@ -801,19 +801,19 @@ std::string as_version(const std::string& bytes, std::uint32_t version) {
 /// behaviour that wrote it (docs/design.md G, 4.7), and is the very set: saved again, it is the
 /// current file byte for byte. A version-1 file may not hold the newer field.
 TEST(PromptCacheLoad, Version1FilesLoadWithTheKeyAsQueryProxy) {
-  ASSERT_EQ(vc::detail::kPromptCacheVersion, 3U);
-  const std::string v3 = save_to_string(rich_set<Eigen::half>(), {{"k", "v"}});
-  const std::string v1 = as_version<Eigen::half>(v3, 1);
-  ASSERT_LT(v1.size(), v3.size());
+  ASSERT_EQ(vc::detail::kPromptCacheVersion, 4U);
+  const std::string v4 = save_to_string(rich_set<Eigen::half>(), {{"k", "v"}});
+  const std::string v1 = as_version<Eigen::half>(v4, 1);
+  ASSERT_LT(v1.size(), v4.size());
   vc::PromptCache<Eigen::half> loaded = load_from_string<Eigen::half>(v1);
   ASSERT_EQ(loaded.caches.size(), 4U);
   for (const auto& c : loaded.caches) {
     EXPECT_EQ(c->config().proxy_scoring, "key_as_query");
     EXPECT_EQ(c->config().value_norm_power, 0.0);
   }
-  EXPECT_EQ(save_to_string(loaded.caches, loaded.metadata), v3);
+  EXPECT_EQ(save_to_string(loaded.caches, loaded.metadata), v4);
 
-  std::string mixed = as_version<Eigen::half>(v3, 2);  // a version-1 header over version-2 configs
+  std::string mixed = as_version<Eigen::half>(v4, 2);  // a version-1 header over version-2 configs
   const fmt::FileMap map = fmt::walk<Eigen::half>(mixed);
   fmt::patch(mixed, map.at("header.version"), std::uint32_t{1});
   fmt::reseal(mixed, map);
@@ -826,15 +826,15 @@ TEST(PromptCacheLoad, Version1FilesLoadWithTheKeyAsQueryProxy) {
 /// that wrote it (docs/design.md G, 4.8), and saved again is the current file byte for byte; a
 /// version-2 file may not hold the newer field. value_norm_power itself round-trips.
 TEST(PromptCacheLoad, Version2FilesLoadRankingByScoreAlone) {
-  const std::string v3 = save_to_string(rich_set<Eigen::half>(), {{"k", "v"}});
-  const std::string v2 = as_version<Eigen::half>(v3, 2);
-  ASSERT_LT(v2.size(), v3.size());
+  const std::string v4 = save_to_string(rich_set<Eigen::half>(), {{"k", "v"}});
+  const std::string v2 = as_version<Eigen::half>(v4, 2);
+  ASSERT_LT(v2.size(), v4.size());
   vc::PromptCache<Eigen::half> loaded = load_from_string<Eigen::half>(v2);
   ASSERT_EQ(loaded.caches.size(), 4U);
   for (const auto& c : loaded.caches) EXPECT_EQ(c->config().value_norm_power, 0.0);
-  EXPECT_EQ(save_to_string(loaded.caches, loaded.metadata), v3);
+  EXPECT_EQ(save_to_string(loaded.caches, loaded.metadata), v4);
 
-  std::string mixed = v3;  // a version-2 header over version-3 configs
+  std::string mixed = as_version<Eigen::half>(v4, 3);  // a version-2 header over version-3 configs
   const fmt::FileMap map = fmt::walk<Eigen::half>(mixed);
   fmt::patch(mixed, map.at("header.version"), std::uint32_t{2});
   fmt::reseal(mixed, map);
@@ -848,6 +848,31 @@ TEST(PromptCacheLoad, Version2FilesLoadRankingByScoreAlone) {
   Caches<float> a = vc::KVCacheBuilder::for_model<float>(2, c);
   const vc::PromptCache<float> back = load_from_string<float>(save_to_string(a, {}));
   for (const auto& cache : back.caches) EXPECT_EQ(cache->config().value_norm_power, 1.5);
+}
+
+/// A version-3 file (written before head_budgets existed) loads with uniform heads, the
+/// behaviour that wrote it (docs/design.md G, 4.9), and saved again is the current file byte for
+/// byte; a version-3 file may not hold the newer fields. Both fields round-trip, and an adaptive
+/// set's ragged heads (each head section with its own row count) load as they were saved.
+TEST(PromptCacheLoad, Version3FilesLoadWithUniformHeads) {
+  const std::string v4 = save_to_string(rich_set<Eigen::half>(), {{"k", "v"}});
+  const std::string v3 = as_version<Eigen::half>(v4, 3);
+  ASSERT_LT(v3.size(), v4.size());
+  vc::PromptCache<Eigen::half> loaded = load_from_string<Eigen::half>(v3);
+  ASSERT_EQ(loaded.caches.size(), 4U);
+  for (const auto& c : loaded.caches) {
+    EXPECT_EQ(c->config().head_budgets, "uniform");
+    EXPECT_EQ(c->config().head_budget_floor, 0.2);
+  }
+  EXPECT_EQ(save_to_string(loaded.caches, loaded.metadata), v4);
+
+  std::string mixed = v4;  // a version-3 header over version-4 configs
+  const fmt::FileMap map = fmt::walk<Eigen::half>(mixed);
+  fmt::patch(mixed, map.at("header.version"), std::uint32_t{3});
+  fmt::reseal(mixed, map);
+  const std::string msg = load_error<Eigen::half>(mixed);
+  EXPECT_NE(msg.find("config field 'head_budgets' is not in format version 3"), std::string::npos)
+      << msg;
 }
 
 /// Value-weighted eviction (docs/design.md 4.8) after a load: each row's |v|^p is recomputed from

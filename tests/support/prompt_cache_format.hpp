@@ -92,7 +92,7 @@ class Walker {
     begin();
     const auto n_fields = u32(p + ".config_fields");
     std::map<std::string, std::int64_t> ints;
-    std::string method;
+    std::string method, head_budgets = "uniform";
     for (std::uint32_t f = 0; f < n_fields; ++f) {
       const std::size_t len = byte();
       const std::string name = b_.substr(at_, len);
@@ -113,6 +113,7 @@ class Walker {
         case 4: {
           const auto n = u32(q + ".length");
           method = name == "method" ? b_.substr(at_, n) : method;
+          head_budgets = name == "head_budgets" ? b_.substr(at_, n) : head_budgets;
           take(q, n);
           break;
         }
@@ -143,8 +144,10 @@ class Walker {
     }
     end();
     if (!(flags & 1) || rows == 0) return;  // head sections only for a cache holding rows
-    const bool scored = method == "squeeze" || method == "h2o" || method == "pyramidkv" ||
-                        method == "tova" || method == "snapkv";
+    const bool h2o_core = method == "squeeze" || method == "h2o" || method == "pyramidkv";
+    const bool scored = h2o_core || method == "tova" || method == "snapkv";
+    // Adaptive heads (version 4): each head section starts with its own row count.
+    const bool adaptive = h2o_core && head_budgets == "adaptive";
     const auto stride = [&](std::int64_t bits, std::int64_t dim) -> std::size_t {
       if (bits == 16) return static_cast<std::size_t>(dim) * elem_;
       const std::int64_t g = ints.at("quant_group"), groups = dim / g;
@@ -155,10 +158,10 @@ class Walker {
     };
     const std::size_t ks = stride(ints.at("key_bits"), key_dim);
     const std::size_t vs = stride(ints.at("value_bits"), value_dim);
-    const auto n = static_cast<std::size_t>(rows);
     for (std::int64_t h = 0; h < batch * heads; ++h) {
       const std::string q = p + ".head" + std::to_string(h);
       begin();
+      const auto n = static_cast<std::size_t>(adaptive ? i64(q + ".rows") : rows);
       take(q + ".positions", n * 8);
       if (scored) take(q + ".scores", n * 4);
       if (sums) {

@@ -36,8 +36,7 @@ class H2OCache : public KVCache<T> {
     r.recent_by_ratio = false;
     r.grace = config.h2o_grace;
     r.decay = static_cast<float>(config.h2o_decay);
-    r.proxy = detail::proxy_scoring_of(config.proxy_scoring);
-    r.value_power = config.value_norm_power;
+    detail::h2o_core_ranking(config, r);
     return r;
   }
 };

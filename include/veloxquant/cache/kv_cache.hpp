@@ -46,6 +46,14 @@ namespace detail {
 inline ProxyScoring proxy_scoring_of(const std::string& name) {
   return static_cast<ProxyScoring>(std::max(proxy_scoring_index(name), 0));
 }
+/// The H2O core's scoring and sharing of rows from `config` (validated before): the query-free
+/// scorer, the value-weighted ranking, adaptive heads and their floor.
+inline void h2o_core_ranking(const KVCacheConfig& config, Rule& r) {
+  r.proxy = proxy_scoring_of(config.proxy_scoring);
+  r.value_power = config.value_norm_power;
+  r.adaptive = config.head_budgets == "adaptive";
+  r.head_floor = config.head_budget_floor;
+}
 }  // namespace detail
 
 /// The standard append-only KV cache (method "standard") and the common base of every eviction
@@ -473,6 +481,7 @@ class KVCache {
       const detail::HeadStore<T>& h = heads_[i];
       h.compacted_slots(src);
       w.begin_head();
+      if (rule_.adaptive) w.out().i64(static_cast<std::int64_t>(h.live()));  // its own rows
       w.positions(h, src);
       if (detail::scored_rows(rule_.kind)) w.scores(h, src);
       extra(w.out(), i);
@@ -506,26 +515,42 @@ class KVCache {
     if (!s.dims_known() || s.rows == 0) return;
     const detail::RowFormat kf = key_format(s.key_dim), vf = value_format(s.value_dim);
     const bool with_scores = detail::scored_rows(rule_.kind);
-    const auto n = static_cast<std::uint64_t>(s.rows);
     std::vector<std::int64_t> pos;
     std::vector<float> score;
+    std::int64_t most = 0;
     for (std::int64_t b = 0; b < s.batch; ++b) {
+      std::int64_t held = 0;
       for (std::int64_t hh = 0; hh < s.heads; ++hh) {
         r.begin_head(b, hh);
+        // Adaptive heads hold their own number of rows (docs/design.md G, 4.9).
+        std::int64_t rows = s.rows;
+        if (rule_.adaptive) {
+          rows = r.in().i64();
+          detail::check_saved_head_rows(s, rows);
+        }
+        const auto n = static_cast<std::uint64_t>(rows);
         r.in().array(pos, n);
         if (with_scores) r.in().array(score, n);
         extra.read(r.in());
         detail::HeadStore<T> head(kf, vf);
-        r.rows(head, s.rows);
+        r.rows(head, rows);
         // After the rows: its buffers (one weight per slot, one value row) are then no larger
         // than what the file has already paid for; restore computes the weights.
         if (rule_.value_power > 0.0) head.enable_value_weights(rule_.value_power);
         r.end_head();
-        detail::check_saved_head(s, rule_, head, pos, with_scores ? &score : nullptr);
+        detail::check_saved_head(s, rule_, head, rows, pos, with_scores ? &score : nullptr);
         extra.check(s);
         r.keep_head();
         s.stores.push_back(std::move(head));
+        held += rows;
+        most = std::max(most, rows);
       }
+      if (rule_.adaptive) detail::check_saved_pool(s, rule_, held);
+    }
+    if (most != s.rows) {
+      detail::bad_state("the descriptor's " + std::to_string(s.rows) +
+                        " rows per head are not what the most-holding head holds (" +
+                        std::to_string(most) + ")");
     }
   }
   /// Makes the cache stand where the saved one stood (its heads leave `s`).
@@ -647,10 +672,30 @@ class KVCache {
                                  "tokens_seen() + B * H * S");
   }
 
-  // Rows each head holds (the same for all heads), 0 before the first call. A cache loaded from a
-  // prompt cache with no rows holds no head objects until its next call brings rows (their
-  // number is B·H, which only the call's own tensors make real; docs/design.md G).
-  Index live_rows() const { return heads_.empty() ? 0 : heads_.front().live(); }
+  // Rows each head holds (the same for all heads; adaptive heads: the most any holds), 0 before
+  // the first call. A cache loaded from a prompt cache with no rows holds no head objects until
+  // its next call brings rows (their number is B·H, which only the call's own tensors make real;
+  // docs/design.md G).
+  Index live_rows() const {
+    if (heads_.empty()) return 0;
+    if (!rule_.adaptive) return heads_.front().live();
+    Index n = 0;
+    for (const auto& h : heads_) n = std::max(n, h.live());
+    return n;
+  }
+  // Whether the heads hold different numbers of rows (only adaptive heads can).
+  bool ragged() const {
+    if (!rule_.adaptive) return false;
+    for (const auto& h : heads_) {
+      if (h.live() != heads_.front().live()) return true;
+    }
+    return false;
+  }
+  static std::string ragged_message(const char* api) {
+    return std::string(api) +
+           ": the heads hold different numbers of rows (adaptive head budgets, SPEC 14), which "
+           "one dense tensor cannot return; use attend or update_and_view";
+  }
 
   std::size_t row_bytes() const {
     return static_cast<std::size_t>(dims_.key_dim + dims_.value_dim) * sizeof(T);
@@ -676,6 +721,11 @@ class KVCache {
     }
     detail::check_update_rows<T>(keys, values, api);
     if (queries) detail::check_queries(*queries, keys, api);
+  }
+  // update_and_fetch(_into) returns the window, [B, H, n, D]: refused when the heads hold
+  // different numbers of rows (the window is the rows held now plus the call's).
+  void check_dense(const char* api) const {
+    if (ragged()) throw std::invalid_argument(ragged_message(api));
   }
 
   // The one body of every update API; `api` names the caller in errors; `out` (fetch and
@@ -706,6 +756,12 @@ class KVCache {
         static_cast<std::size_t>(tasks_for(keys.batch * keys.heads, scratch_size(keys, plan)));
     if (scratch_.size() < workers) scratch_.resize(workers);
     for (auto& s : scratch_) s.fit(scratch_size(keys, plan));
+    if (rule_.adaptive) {
+      // The pooled eviction runs on the first worker's scratch, after the heads.
+      detail::ScratchSize z = scratch_size(keys, plan);
+      z.pooled = keys.heads * z.columns;
+      scratch_.front().fit(z);
+    }
     return fresh;
   }
   detail::ScratchSize scratch_size(const detail::InputRows& keys,
@@ -753,11 +809,21 @@ class KVCache {
                     bool copy, const detail::AttendOut* att, PoolCall& pool, const char* api) {
     const Index S = keys.seq;
     const Index n_heads = dims_.batch * dims_.heads;
+    // Adaptive heads (docs/design.md 4.9): the windows start and a pending re-budget applies to
+    // each sequence's pool before the heads take the call, which evicts nothing; the pool gives up
+    // its excess after all of them have.
+    const bool pooled = rule_.adaptive;
+    detail::Rule head_rule = rule_;
+    if (pooled) {
+      head_rule.budget.reset();
+      for (auto& head : heads_) head.begin_window(copy);
+      if (rebudget_ && rule_.budget) pool_rebudget(queries != nullptr);
+    }
     const auto one = [&](Index i, detail::Scratch& sc) {
       auto& head = heads_[static_cast<std::size_t>(i)];
       const Index b = i / dims_.heads, h = i % dims_.heads;
-      head.begin_window(copy);
-      if (rebudget_ && rule_.budget) {
+      if (!pooled) head.begin_window(copy);
+      if (!pooled && rebudget_ && rule_.budget) {
         // KeyDiff ranks the rows it holds now, in a call without queries (with queries, the
         // scores are attention mass, docs/design.md 4.7, weighted by |v|^p under
         // value_norm_power, 4.8).
@@ -778,11 +844,12 @@ class KVCache {
       }
       const detail::HeadQueries q{queries, b, h, groups};
       const detail::HeadAttend a{att, b, h, groups};
-      detail::absorb_head(head, rule_, plan, S, q, a, sc);
+      detail::absorb_head(head, head_rule, plan, S, q, a, sc);
     };
     const int tasks = pool.tasks;
     if (tasks <= 1) {
       for (Index i = 0; i < n_heads; ++i) one(i, scratch_.front());
+      if (pooled && rule_.budget) pool_rebudget(queries != nullptr);
       return;
     }
     // Task t takes heads [start(t), start(t + 1)): n / tasks each, the first n % tasks one more
@@ -802,7 +869,10 @@ class KVCache {
       thrown = std::current_exception();
     }
     pool.ledger->close();
-    if (!thrown && !pool.ledger->misused()) return;
+    if (!thrown && !pool.ledger->misused()) {
+      if (pooled && rule_.budget) pool_rebudget(queries != nullptr);
+      return;
+    }
     // Some heads took the call and others did not: no state the cache can go on from. Reset
     // before the message is built (building it may throw bad_alloc).
     reset();
@@ -812,14 +882,41 @@ class KVCache {
                            "); the cache was reset");
   }
 
+  // Adaptive heads: every sequence's heads brought within their pool of H x budget rows
+  // (docs/design.md 4.9), at a call's start (a pending re-budget) and after its heads took it;
+  // ranked as a head's own re-budget ranks: KeyDiff's ranking in a call without queries,
+  // score x |v|^p under value_norm_power in a call with them, else the scores.
+  void pool_rebudget(bool with_queries) {
+    detail::Scratch& sc = scratch_.front();
+    const int budget = *rule_.budget;
+    const bool keydiff = rule_.proxy == detail::ProxyScoring::keydiff && !with_queries;
+    const bool weighted = rule_.value_power > 0.0 && with_queries;
+    for (Index b = 0; b < dims_.batch; ++b) {
+      detail::HeadStore<T>* seq = heads_.data() + b * dims_.heads;
+      const auto rank = [&](Index h, detail::Scratch& s) -> const float* {
+        detail::HeadStore<T>& head = seq[h];
+        if (keydiff) return detail::keydiff_rank_head(head, 0, head.live(), s);
+        if (weighted) return detail::value_rank_head(head, s);
+        return nullptr;
+      };
+      detail::pooled_rebudget(seq, dims_.heads, budget, rule_.floor_rows(), rule_.n_sink,
+                              rule_.protected_recent(), sc, rank);
+    }
+  }
+
   KVView<T> make_view(Index rows, Index new_rows, const detail::InputRows& keys,
                       const detail::InputRows& values, bool view_copy) const {
     if (!dims_.known) {
       return KVView<T>(&heads_, keys.batch, keys.heads, keys.dim, values.dim, 0, 0);
     }
-    return KVView<T>(&heads_, dims_.batch, dims_.heads, dims_.key_dim, dims_.value_dim, rows,
-                     new_rows, view_copy ? copy_.view_keys() : nullptr,
-                     view_copy ? copy_.view_values() : nullptr);
+    // Adaptive heads may differ: each then shows its own slots in use (the copy of a quantized
+    // window is laid out at the longest head's rows).
+    const Index stride = rule_.adaptive ? max_physical() : rows;
+    bool ragged = false;
+    for (const auto& h : heads_) ragged = ragged || h.physical() != stride;
+    return KVView<T>(&heads_, dims_.batch, dims_.heads, dims_.key_dim, dims_.value_dim,
+                     ragged ? -1 : stride, new_rows, view_copy ? copy_.view_keys() : nullptr,
+                     view_copy ? copy_.view_values() : nullptr, stride);
   }
 
   static void resize_pair(KVPair<T>& out, Index b, Index h, Index n, Index dk, Index dv) {
@@ -842,15 +939,22 @@ class KVCache {
   // CopyBuffers::refit_view): a quantized cache's view.
   void copy_slots() {
     detail::copy_rows(heads_, dims_.key_dim, dims_.value_dim, storage_.quantized(),
-                      copy_.view_keys(), copy_.view_values(), copy_.row(), detail::SlotRows{});
+                      copy_.view_keys(), copy_.view_values(), copy_.row(), max_physical(),
+                      detail::SlotRows{});
+  }
+  // The most slots in use in any head (the window's longest head after a call).
+  Index max_physical() const {
+    Index n = 0;
+    for (const auto& h : heads_) n = std::max(n, h.physical());
+    return n;
   }
   // The rows `each` takes of every head (detail/layer_storage.hpp) into `out`: [B, H, n, D] twice.
   template <class Each>
   void copy_rows(KVPair<T>& out, float* buf, const Each& each) const {
-    resize_pair(out, dims_.batch, dims_.heads, detail::rows_taken(heads_, each), dims_.key_dim,
-                dims_.value_dim);
+    const Index n = detail::rows_taken(heads_, each);
+    resize_pair(out, dims_.batch, dims_.heads, n, dims_.key_dim, dims_.value_dim);
     detail::copy_rows(heads_, dims_.key_dim, dims_.value_dim, storage_.quantized(),
-                      out.first.data(), out.second.data(), buf, each);
+                      out.first.data(), out.second.data(), buf, n, each);
   }
 
   // Multiply-adds per call below which heads run serially (a fork costs more).
@@ -886,6 +990,7 @@ class KVCache {
 
 template <class T>
 KVPair<T> KVCache<T>::state() const {
+  if (ragged()) throw std::invalid_argument(ragged_message("state"));
   KVPair<T> out;
   copy_retained(out);
   return out;
@@ -899,6 +1004,7 @@ KVView<T> KVCache<T>::run(const detail::InputRows& keys, const detail::InputRows
   const detail::CallGate::Entry entry = gate_.enter(api);
   // 1. Validation: nothing has changed if it throws.
   validate_call(keys, values, queries, api);
+  if (out) check_dense(api);
   const Index S = keys.seq;
   // A view of a quantized cache shows a dequantized copy of the window (docs/design.md 2.3).
   const bool view_copy = !out && !att && storage_.quantized();

@@ -2,6 +2,7 @@
 // KVCacheConfig).
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
@@ -32,6 +33,8 @@ std::string name_list(const std::array<const char*, N>& names) {
 /// The values of KVCacheConfig::proxy_scoring (docs/design.md 4.7): how the H2O-core policies score
 /// a call that brings no queries; detail::ProxyScoring lists the scorers in this order.
 inline constexpr std::array<const char*, 3> kProxyScorings = {"key_as_query", "keydiff", "knorm"};
+/// KVCacheConfig::head_budgets, by name (SPEC 14, docs/design.md 4.9).
+inline constexpr std::array<const char*, 2> kHeadBudgets = {"uniform", "adaptive"};
 
 /// Index of `name` in kProxyScorings, or -1.
 inline int proxy_scoring_index(const std::string& name) {
@@ -146,6 +149,17 @@ struct KVCacheConfig {
   /// score alone (SPEC 4.6); 2 with squeeze_decay 0.95 and squeeze_n_sink 0 is the measured best
   /// (docs/fidelity.md). In [0, 4]. Calls without queries ignore it.
   double value_norm_power = 0.0;
+
+  /// How SqueezeAttention, H2O and PyramidKV share a layer's rows among its heads (SPEC 14,
+  /// docs/design.md 4.9): "uniform" (every head keeps the budget) or "adaptive" (AdaKV: the
+  /// heads of a sequence share a pool of H x budget rows, each eviction takes the least-scored
+  /// row of the layer among the heads above their floor; heads then hold different numbers of
+  /// rows, so update_and_fetch and state() refuse ragged heads: use attend or update_and_view).
+  /// The other methods ignore it.
+  std::string head_budgets = "uniform";
+  /// Adaptive heads: the share of the budget every head keeps at least (its sinks and protected
+  /// recent rows count toward it), in (0, 1]; 1 keeps every head at the budget.
+  double head_budget_floor = 0.2;
 
   /// Sets the rows-per-head budget of every method (docs/design.md 2.1): squeeze_budget,
   /// h2o_budget, pyramid_budget, tova_budget, snap_budget, and stream_window_size = rows -
@@ -338,6 +352,13 @@ inline void KVCacheConfig::validate() const {
   check_bits("key_bits", key_bits);
   check_bits("value_bits", value_bits);
   if (quant_group < 8) config_error("quant_group", quant_group, "must be >= 8");
+  if (std::find(kHeadBudgets.begin(), kHeadBudgets.end(), head_budgets) == kHeadBudgets.end()) {
+    throw std::invalid_argument("KVCacheConfig: head_budgets '" + head_budgets +
+                                "' is unknown; valid: " + name_list(kHeadBudgets));
+  }
+  if (!(head_budget_floor > 0.0 && head_budget_floor <= 1.0)) {
+    config_error("head_budget_floor", head_budget_floor, "must be in (0, 1]");
+  }
   m.validate(*this);
 }
 
@@ -379,6 +400,8 @@ void for_each_config_field(Config& c, F&& f) {
   f("quant_group", c.quant_group);
   f("proxy_scoring", c.proxy_scoring);        // since prompt-cache format version 2
   f("value_norm_power", c.value_norm_power);  // since prompt-cache format version 3
+  f("head_budgets", c.head_budgets);          // since prompt-cache format version 4
+  f("head_budget_floor", c.head_budget_floor);  // since prompt-cache format version 4
 }
 
 /// The prompt-cache format version that first stored config field `name` (docs/design.md G): a
@@ -386,6 +409,7 @@ void for_each_config_field(Config& c, F&& f) {
 /// library that wrote the file).
 inline unsigned config_field_since(const char* name) {
   const std::string n(name);
+  if (n == "head_budgets" || n == "head_budget_floor") return 4U;
   return n == "value_norm_power" ? 3U : n == "proxy_scoring" ? 2U : 1U;
 }
 

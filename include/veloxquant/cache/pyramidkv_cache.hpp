@@ -46,8 +46,7 @@ class PyramidKVCache : public KVCache<T> {
     r.n_sink = config.pyramid_n_sink;
     r.recent_ratio = config.pyramid_recent_ratio;
     r.decay = static_cast<float>(config.pyramid_decay);
-    r.proxy = detail::proxy_scoring_of(config.proxy_scoring);
-    r.value_power = config.value_norm_power;
+    detail::h2o_core_ranking(config, r);
     return r;
   }
 };

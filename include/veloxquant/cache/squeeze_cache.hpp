@@ -265,8 +265,7 @@ class SqueezeAttentionCache : public KVCache<T> {
     r.n_sink = config.squeeze_n_sink;
     r.recent_ratio = config.squeeze_recent_ratio;
     r.decay = static_cast<float>(config.squeeze_decay);
-    r.proxy = detail::proxy_scoring_of(config.proxy_scoring);
-    r.value_power = config.value_norm_power;
+    detail::h2o_core_ranking(config, r);
     return r;
   }
   bool coordinated() const { return coordinator_ && layer_id_; }

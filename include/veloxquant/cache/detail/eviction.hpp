@@ -1,5 +1,6 @@
-// veloxquant — choosing the rows a head gives up (docs/design.md 4.2, 4.5, 4.8): the re-budget of
-// a whole head, the one row a decode step evicts, and the value-weighted ranking they may use.
+// veloxquant — choosing the rows a head gives up (docs/design.md 4.2, 4.5, 4.8, 4.9): the re-budget
+// of a whole head, the one row a decode step evicts, the value-weighted ranking they may use, and
+// the pooled re-budget of the heads of one sequence that share their rows (adaptive heads).
 #pragma once
 
 #include <Eigen/Core>
@@ -73,6 +74,55 @@ Index worst_live(const HeadStore<T>& head, int n_sink, int g, float* buf) {
   const Index k = argmin(buf, n_phys, false, &hits);
   if (k >= 0 && hits == 1 && buf[k] < inf) return head.order_index(static_cast<Slot>(k));
   return worst_in_order(ord, sinks, n - g, score, Tie::evict_earliest, buf);
+}
+
+/// The pooled re-budget of adaptive heads (SPEC 14, docs/design.md 4.9): the `n` heads of one
+/// sequence share `n * budget` rows; while they hold more, the row with the lowest rank among
+/// the unprotected rows (not a sink, not among its head's newest `g`) of the heads holding more
+/// than `floor_rows` goes, ties to the earlier position, then to the lower head. `rank(h, sc)`
+/// gives head h's ranking by slot (null: its scores); it is asked once per head, before any row
+/// goes. sc.pool holds room for every unprotected row of the heads.
+template <class T, class Rank>
+void pooled_rebudget(HeadStore<T>* heads, Index n, int budget, Index floor_rows, int n_sink, int g,
+                     Scratch& sc, const Rank& rank) {
+  Index held = 0;
+  for (Index h = 0; h < n; ++h) held += heads[h].live();
+  const Index excess = held - n * static_cast<Index>(budget);
+  if (excess <= 0) return;
+  // Each head's candidates: its `quota` lowest-ranked unprotected rows at most (it never goes
+  // below its floor), and never more than the excess. The union's `excess` lowest are exactly
+  // what taking the pool's lowest row one at a time would take.
+  PoolPick* pool = sc.pool.data();
+  Index n_pool = 0;
+  for (Index h = 0; h < n; ++h) {
+    HeadStore<T>& head = heads[h];
+    const Index live = head.live();
+    const Index sinks = head.leading_sinks(n_sink);
+    const Index hi = std::max(sinks, live - g);
+    const Index m = hi - sinks;
+    const Index quota = std::min({m, std::max<Index>(0, live - floor_rows), excess});
+    if (quota <= 0) continue;
+    const float* r = rank(h, sc);
+    if (r == nullptr) r = head.scores_data_const();
+    std::int32_t* picks = sc.picks.data();
+    std::copy(head.order().data() + sinks, head.order().data() + hi, picks);
+    order_worst_first(picks, m, quota, r, head.positions_data(), Tie::evict_earliest);
+    for (Index i = 0; i < quota; ++i) {
+      const Slot s = picks[i];
+      pool[n_pool++] = PoolPick{r[s], static_cast<std::int32_t>(h), head.position(s), s};
+    }
+  }
+  const Index take = std::min(excess, n_pool);
+  const auto before = [](const PoolPick& a, const PoolPick& b) {
+    if (evicts_before(a.rank, a.pos, b.rank, b.pos, Tie::evict_earliest)) return true;
+    if (evicts_before(b.rank, b.pos, a.rank, a.pos, Tie::evict_earliest)) return false;
+    return a.head < b.head;
+  };
+  if (take < n_pool) std::nth_element(pool, pool + take, pool + n_pool, before);
+  for (Index i = 0; i < take; ++i) heads[pool[i].head].mark_dead(pool[i].slot);
+  for (Index h = 0; h < n; ++h) {
+    if (!heads[h].holes().empty()) heads[h].drop_dead();
+  }
 }
 
 }  // namespace veloxquant::cache::detail

@@ -79,7 +79,8 @@ struct SlotRows {
   }
 };
 
-/// Rows per head `each` takes (the same for every head; 0 without heads).
+/// Rows per head `each` takes (the same for every head: the caller refuses ragged heads; 0
+/// without heads).
 template <class T, class Each>
 Index rows_taken(const std::vector<HeadStore<T>>& heads, const Each& each) {
   Index n = 0;
@@ -87,26 +88,31 @@ Index rows_taken(const std::vector<HeadStore<T>>& heads, const Each& each) {
   return n;
 }
 
-/// Gathers, per head, the rows `each` takes into kout ([B·H, n, Dk]) and vout ([B·H, n, Dv]),
-/// sized by the caller. Rows of a `quantized` layer are dequantized through `buf` (float32,
+/// Gathers, per head, the rows `each` takes into kout ([B·H, stride, Dk]) and vout ([B·H, stride,
+/// Dv]), sized by the caller: head i's rows from row i·stride on (`stride` at least the most rows
+/// a head gives). Rows of a `quantized` layer are dequantized through `buf` (float32,
 /// row_floats(Dk, Dv)).
 template <class T, class Each>
 void copy_rows(const std::vector<HeadStore<T>>& heads, Index dk, Index dv, bool quantized, T* kout,
-               T* vout, float* buf, const Each& each) {
+               T* vout, float* buf, Index stride, const Each& each) {
   const auto k_elems = static_cast<std::size_t>(dk);
   const auto v_elems = static_cast<std::size_t>(dv);
   float* row = quantized ? buf : nullptr;
-  for (const auto& h : heads) {
+  for (std::size_t i = 0; i < heads.size(); ++i) {
+    const HeadStore<T>& h = heads[i];
+    const std::size_t first = i * static_cast<std::size_t>(stride);
+    T* ko = kout + first * k_elems;
+    T* vo = vout + first * v_elems;
     each(h, [&](Index s) {
       VELOXQUANT_ASSERT(row || !quantized, "quantized rows copied without a buffer");
       if (row) {
-        h.read_rows(s, kout, vout, row);
+        h.read_rows(s, ko, vo, row);
       } else {
-        std::memcpy(kout, h.key_ptr(s), k_elems * sizeof(T));
-        std::memcpy(vout, h.value_ptr(s), v_elems * sizeof(T));
+        std::memcpy(ko, h.key_ptr(s), k_elems * sizeof(T));
+        std::memcpy(vo, h.value_ptr(s), v_elems * sizeof(T));
       }
-      kout += k_elems;
-      vout += v_elems;
+      ko += k_elems;
+      vo += v_elems;
     });
   }
 }

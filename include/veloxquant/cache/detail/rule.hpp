@@ -36,6 +36,10 @@ struct Rule {
   float decay = 1.0f;
   ProxyScoring proxy = ProxyScoring::key_as_query;  ///< cumulative: calls without queries
   double value_power = 0.0;  ///< cumulative, calls with queries: rank by score * |v|^p (> 0)
+  /// cumulative: adaptive heads (SPEC 14, docs/design.md 4.9): the heads of a sequence share
+  /// H x budget rows, each keeping at least floor_rows(); evictions come once per call, pooled.
+  bool adaptive = false;
+  double head_floor = 1.0;   ///< adaptive: the share of the budget every head keeps at least
   int window = 0;            ///< window: rows kept besides the sinks
   int obs_window = 0;        ///< prompt: query tokens that rank the prompt
   bool compressed = false;   ///< prompt: a call has been ranked and cut (until reset)
@@ -51,6 +55,13 @@ struct Rule {
     g = std::min(g, span - 1);
     g = std::max(g, 0LL);
     return static_cast<int>(g);
+  }
+  /// Adaptive heads: the rows every head keeps at least under the budget in force,
+  /// ceil(head_floor x budget) (0 while the budget is unknown).
+  Index floor_rows() const {
+    if (!budget) return 0;
+    const double rows = std::ceil(head_floor * static_cast<double>(*budget));
+    return std::min<Index>(*budget, static_cast<Index>(rows));
   }
   /// Rows a head holds in steady state (sizes storage growth): budget + 1, or unbounded.
   Index steady_rows() const {
@@ -113,7 +124,9 @@ inline CallPlan plan_call(const Rule& r, Index S, Index groups, bool attend = fa
         p.rows = std::max<Index>(p.rows, 2);  // absorb_proxy: two rows of queries
         break;
       }
-      const bool once_per_call = r.kind == RuleKind::cumulative && groups > 0;
+      // Adaptive heads evict once per call in every case: the pool is the layer's, after every
+      // head has taken the call.
+      const bool once_per_call = r.kind == RuleKind::cumulative && (groups > 0 || r.adaptive);
       p.gather = S > 1 && !once_per_call;
       p.block = block_tokens(S, G);
       p.rows = std::min(p.block, S) * G;

@@ -33,6 +33,15 @@ class Buffer {
   std::size_t cap_ = 0;
 };
 
+/// A row the pooled eviction of adaptive heads may take (docs/design.md 4.9): its rank, its
+/// position and where it lives (a head of the sequence, a slot of that head).
+struct PoolPick {
+  float rank;
+  std::int32_t head;
+  std::int64_t pos;
+  std::int32_t slot;
+};
+
 /// Sizes of one call's scratch.
 struct ScratchSize {
   Index rows = 0;       // logit rows of one product (tokens of a block x query heads per token)
@@ -40,6 +49,7 @@ struct ScratchSize {
   Index dim = 0;        // padded head dim
   bool gather = false;  // the call gathers its live rows into dense columns
   bool packed = false;  // the call's keys are packed as columns for the prefill logits
+  Index pooled = 0;     // adaptive heads: rows one sequence's heads may give up (heads x columns)
 };
 
 /// Scratch of one worker.
@@ -55,6 +65,7 @@ struct Scratch {
   Buffer<std::int32_t> picks;  // [columns] selection candidates
   Buffer<float> inv;           // [rows] each logit row's softmax normaliser (attend)
   Buffer<float> packed;        // [dim, packed ld(columns)] key columns (prefill logits)
+  Buffer<PoolPick> pool;       // [pooled] candidates of a pooled eviction (adaptive heads)
 
   /// Row stride of `logits` for `columns` columns: a multiple of 16 floats.
   static Index ld(Index columns) { return (columns + 15) / 16 * 16; }
@@ -76,12 +87,13 @@ struct Scratch {
     inv.fit(rows);
     // packed_size(columns, dim) of simd_kernels.hpp
     packed.fit(z.packed ? dim * static_cast<std::size_t>((z.columns + 31) / 32 * 32) : 0);
+    pool.fit(static_cast<std::size_t>(z.pooled));
   }
 
   std::size_t heap_bytes() const {
     return queries.heap_bytes() + keys.heap_bytes() + logits.heap_bytes() + weights.heap_bytes() +
            slot.heap_bytes() + score.heap_bytes() + pos.heap_bytes() + alive.heap_bytes() +
-           picks.heap_bytes() + inv.heap_bytes() + packed.heap_bytes();
+           picks.heap_bytes() + inv.heap_bytes() + packed.heap_bytes() + pool.heap_bytes();
   }
 };
 

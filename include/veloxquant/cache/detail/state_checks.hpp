@@ -118,7 +118,9 @@ void check_saved_rows(const SavedCache<T>& s, const Rule& rule) {
   const bool bounded = rule.kind == RuleKind::window || rule.kind == RuleKind::cumulative ||
                        rule.kind == RuleKind::last_attention;
   const std::int64_t sinks = std::min<std::int64_t>(rule.n_sink, s.offset);
-  if (bounded && s.has_budget() && s.rows > std::max<std::int64_t>(s.budget, sinks)) {
+  // Adaptive heads share H x budget rows per sequence (check_saved_pool); one head may hold more.
+  if (bounded && !rule.adaptive && s.has_budget() &&
+      s.rows > std::max<std::int64_t>(s.budget, sinks)) {
     bad_state(std::to_string(s.rows) + " rows per head over its budget of " +
               std::to_string(s.budget));
   }
@@ -160,17 +162,41 @@ void check_stored_rows(const HeadStore<T>& head, Index n) {
   }
 }
 
-/// One head as read: its scores (null for a policy that does not score them), positions, sinks,
-/// keys and quantized rows' scales. Restores the head's live order from the positions.
+/// Adaptive heads (docs/design.md 4.9): a head's own row count, at most the descriptor's (the
+/// most any head holds).
+template <class T>
+void check_saved_head_rows(const SavedCache<T>& s, std::int64_t rows) {
+  if (rows < 0 || rows > s.rows) {
+    bad_state("a head holds " + std::to_string(rows) + " rows, the most any holds being " +
+              std::to_string(s.rows));
+  }
+}
+/// Adaptive heads: one sequence's heads hold `held` rows together, within their pool of
+/// H x budget (or H x the sinks, when an adopted budget is below them).
+template <class T>
+void check_saved_pool(const SavedCache<T>& s, const Rule& rule, std::int64_t held) {
+  if (!s.has_budget()) return;
+  const std::int64_t sinks = std::min<std::int64_t>(rule.n_sink, s.offset);
+  const std::int64_t per_head = std::max<std::int64_t>(s.budget, sinks);
+  if (held > per_head * s.heads) {
+    bad_state("a sequence's heads hold " + std::to_string(held) + " rows, over their pool of " +
+              std::to_string(s.heads) + " x " + std::to_string(per_head));
+  }
+}
+
+/// One head of `rows` rows as read: its scores (null for a policy that does not score them),
+/// positions, sinks, keys and quantized rows' scales. Restores the head's live order from the
+/// positions.
 template <class T>
 void check_saved_head(const SavedCache<T>& s, const Rule& rule, HeadStore<T>& head,
-                      const std::vector<std::int64_t>& pos, const std::vector<float>* score) {
+                      std::int64_t rows, const std::vector<std::int64_t>& pos,
+                      const std::vector<float>* score) {
   if (score) check_saved_scores(*score, rule);
-  if (!head.restore(s.rows, pos.data(), score ? score->data() : nullptr)) {
+  if (!head.restore(rows, pos.data(), score ? score->data() : nullptr)) {
     bad_state("two rows share a position");
   }
   const auto& order = head.order();
-  if (s.rows > 0) {
+  if (rows > 0) {
     const std::int64_t first = head.position(order.front()), last = head.position(order.back());
     if (first < 0 || last >= s.offset) {
       bad_state("positions " + std::to_string(first) + ".." + std::to_string(last) +
@@ -180,11 +206,11 @@ void check_saved_head(const SavedCache<T>& s, const Rule& rule, HeadStore<T>& he
   // Sinks are never evicted: positions 0..min(n_sink, offset) - 1 are all retained.
   if (rule.kind != RuleKind::keep_all) {
     const std::int64_t k = std::min<std::int64_t>(rule.n_sink, s.offset);
-    if (k > 0 && (s.rows < k || head.position(order[static_cast<std::size_t>(k - 1)]) != k - 1)) {
+    if (k > 0 && (rows < k || head.position(order[static_cast<std::size_t>(k - 1)]) != k - 1)) {
       bad_state("a sink (one of the first " + std::to_string(k) + " positions) is missing");
     }
   }
-  check_stored_rows(head, s.rows);
+  check_stored_rows(head, rows);
 }
 
 /// The descriptor of a cache whose policy is `rule` and rows kf / vf (their dims unused):
