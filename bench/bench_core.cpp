@@ -410,6 +410,24 @@ void BM_DecodeAttendValueNorm(benchmark::State& state) {
   decode_attend(state, config, budget);
 }
 BENCHMARK(BM_DecodeAttendValueNorm)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond);
+// BM_DecodeAttend with adaptive heads (SPEC 14, docs/design.md 4.9): the layer's 8 heads share
+// 8 x budget rows; every step's up to 8 evictions are one pooled selection. Default floor; the
+// second variant also ranks by score * |v|^2 (the recommended setting with queries).
+void BM_DecodeAttendAdaptive(benchmark::State& state) {
+  const int budget = static_cast<int>(state.range(0));
+  vc::KVCacheConfig config = squeeze_config(budget);
+  config.head_budgets = "adaptive";
+  decode_attend(state, config, budget);
+}
+void BM_DecodeAttendAdaptiveValueNorm(benchmark::State& state) {
+  const int budget = static_cast<int>(state.range(0));
+  vc::KVCacheConfig config = squeeze_config(budget);
+  config.head_budgets = "adaptive";
+  config.value_norm_power = 2.0;
+  decode_attend(state, config, budget);
+}
+BENCHMARK(BM_DecodeAttendAdaptive)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DecodeAttendAdaptiveValueNorm)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond);
 
 // BM_DecodeAttend on one kernel path (second argument: the SimdLevel's number; paths this CPU
 // cannot run are skipped): the paths side by side in one binary (BENCHMARKS.md section 12).

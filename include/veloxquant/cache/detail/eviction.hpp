@@ -5,6 +5,7 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -76,6 +77,10 @@ Index worst_live(const HeadStore<T>& head, int n_sink, int g, float* buf) {
   return worst_in_order(ord, sinks, n - g, score, Tie::evict_earliest, buf);
 }
 
+/// Candidates per head up to which pooled_rebudget selects them in one pass (a decode step: up to
+/// one row per head over the pool) rather than by nth_element over all of them.
+inline constexpr Index kSmallQuota = 16;
+
 /// The pooled re-budget of adaptive heads (SPEC 14, docs/design.md 4.9): the `n` heads of one
 /// sequence share `n * budget` rows; while they hold more, the row with the lowest rank among
 /// the unprotected rows (not a sink, not among its head's newest `g`) of the heads holding more
@@ -92,6 +97,11 @@ void pooled_rebudget(HeadStore<T>* heads, Index n, int budget, Index floor_rows,
   // Each head's candidates: its `quota` lowest-ranked unprotected rows at most (it never goes
   // below its floor), and never more than the excess. The union's `excess` lowest are exactly
   // what taking the pool's lowest row one at a time would take.
+  const auto before = [](const PoolPick& a, const PoolPick& b) {
+    if (evicts_before(a.rank, a.pos, b.rank, b.pos, Tie::evict_earliest)) return true;
+    if (evicts_before(b.rank, b.pos, a.rank, a.pos, Tie::evict_earliest)) return false;
+    return a.head < b.head;
+  };
   PoolPick* pool = sc.pool.data();
   Index n_pool = 0;
   for (Index h = 0; h < n; ++h) {
@@ -104,20 +114,33 @@ void pooled_rebudget(HeadStore<T>* heads, Index n, int budget, Index floor_rows,
     if (quota <= 0) continue;
     const float* r = rank(h, sc);
     if (r == nullptr) r = head.scores_data_const();
-    std::int32_t* picks = sc.picks.data();
-    std::copy(head.order().data() + sinks, head.order().data() + hi, picks);
-    order_worst_first(picks, m, quota, r, head.positions_data(), Tie::evict_earliest);
-    for (Index i = 0; i < quota; ++i) {
-      const Slot s = picks[i];
-      pool[n_pool++] = PoolPick{r[s], static_cast<std::int32_t>(h), head.position(s), s};
+    const Slot* ord = head.order().data();
+    const auto pick = [&](Slot s) {
+      return PoolPick{r[s], static_cast<std::int32_t>(h), head.position(s), s};
+    };
+    if (quota <= kSmallQuota) {
+      // A decode step (a few rows over the pool): one pass keeping the `quota` lowest, sorted,
+      // in the pool itself; most rows fail the first comparison with the highest kept.
+      PoolPick* kept = pool + n_pool;
+      Index n_kept = 0;
+      for (Index i = sinks; i < hi; ++i) {
+        const Slot s = ord[i];
+        if (n_kept == quota && !(r[s] <= kept[quota - 1].rank) && !std::isnan(r[s])) continue;
+        const PoolPick x = pick(s);
+        if (n_kept == quota && !before(x, kept[quota - 1])) continue;
+        Index at = n_kept < quota ? n_kept++ : quota - 1;
+        for (; at > 0 && before(x, kept[at - 1]); --at) kept[at] = kept[at - 1];
+        kept[at] = x;
+      }
+      n_pool += n_kept;
+      continue;
     }
+    std::int32_t* picks = sc.picks.data();
+    std::copy(ord + sinks, ord + hi, picks);
+    order_worst_first(picks, m, quota, r, head.positions_data(), Tie::evict_earliest);
+    for (Index i = 0; i < quota; ++i) pool[n_pool++] = pick(picks[i]);
   }
   const Index take = std::min(excess, n_pool);
-  const auto before = [](const PoolPick& a, const PoolPick& b) {
-    if (evicts_before(a.rank, a.pos, b.rank, b.pos, Tie::evict_earliest)) return true;
-    if (evicts_before(b.rank, b.pos, a.rank, a.pos, Tie::evict_earliest)) return false;
-    return a.head < b.head;
-  };
   if (take < n_pool) std::nth_element(pool, pool + take, pool + n_pool, before);
   for (Index i = 0; i < take; ++i) heads[pool[i].head].mark_dead(pool[i].slot);
   for (Index h = 0; h < n; ++h) {
