@@ -438,7 +438,13 @@ std::int64_t update_typed(Set<T>& set, int layer, const vq_tensor& k, const vq_t
       });
     }
     view = std::move(fresh);
-    return static_cast<std::int64_t>(view->rows());
+    // Adaptive heads may differ (docs/design.md 4.9): the longest head's rows.
+    if (!view->ragged()) return static_cast<std::int64_t>(view->rows());
+    Eigen::Index most = 0;
+    for (Eigen::Index b = 0; b < view->batch(); ++b) {
+      for (Eigen::Index h = 0; h < view->heads(); ++h) most = std::max(most, view->rows(b, h));
+    }
+    return static_cast<std::int64_t>(most);
   });
 }
 
@@ -770,6 +776,11 @@ vq_status vq_fetch(const vq_caches* s, int layer, float* keys, float* values, vq
                             " has no window to fetch: no vq_update since the set was built, "
                             "reset, loaded, forked or rolled back, or a vq_attend after it");
       }
+      if (view->ragged()) {
+        fail(VQ_EINVAL, "layer " + std::to_string(layer) +
+                            ": its heads hold different numbers of rows (adaptive head "
+                            "budgets), which one dense buffer cannot return; use vq_attend");
+      }
       if (keys != nullptr) {
         copy_rows(
             *view, [&](Eigen::Index b, Eigen::Index h) { return view->keys(b, h); },
@@ -811,8 +822,37 @@ int64_t vq_rows(const vq_caches* s, int layer) {
   (void)guarded("vq_rows", VQ_EINVAL, [&] {
     need(s, "caches");
     check_layer(*s, layer);
-    rows = visit(
-        *s, [&](auto& set) { return set.caches[static_cast<std::size_t>(layer)]->tokens_kept(); });
+    rows = visit(*s, [&](auto& set) {
+      const auto& cache = *set.caches[static_cast<std::size_t>(layer)];
+      std::int64_t most = cache.tokens_kept();
+      if (cache.ragged_heads()) {
+        for (Eigen::Index b = 0; b < cache.batch(); ++b) {
+          for (Eigen::Index h = 0; h < cache.heads(); ++h) {
+            most = std::max(most, cache.head_rows(b, h));
+          }
+        }
+      }
+      return most;
+    });
+  });
+  return rows;
+}
+
+int64_t vq_head_rows(const vq_caches* s, int layer, int b, int h) {
+  std::int64_t rows = -1;
+  (void)guarded("vq_head_rows", VQ_EINVAL, [&] {
+    need(s, "caches");
+    check_layer(*s, layer);
+    rows = visit(*s, [&](auto& set) {
+      const auto& cache = *set.caches[static_cast<std::size_t>(layer)];
+      if (b < 0 || b >= cache.batch() || h < 0 || h >= cache.heads()) {
+        fail(VQ_EINVAL, "head (" + std::to_string(b) + ", " + std::to_string(h) +
+                            ") is outside layer " + std::to_string(layer) + "'s " +
+                            std::to_string(cache.batch()) + " x " + std::to_string(cache.heads()) +
+                            " heads");
+      }
+      return cache.head_rows(b, h);
+    });
   });
   return rows;
 }

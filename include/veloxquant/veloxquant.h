@@ -34,7 +34,7 @@ extern "C" {
  * (a program built against another major must not load this library); the minor when functions
  * are added. vq_abi_version() returns the library's VQ_ABI_VERSION. */
 #define VQ_ABI_VERSION_MAJOR 1
-#define VQ_ABI_VERSION_MINOR 0
+#define VQ_ABI_VERSION_MINOR 1
 #define VQ_ABI_VERSION (VQ_ABI_VERSION_MAJOR * 1000 + VQ_ABI_VERSION_MINOR)
 
 #if defined(_WIN32) && defined(VQ_BUILDING_SHARED)
@@ -138,7 +138,9 @@ VQ_API vq_status vq_attend_ex(vq_caches* s, int layer, const vq_tensor* q, const
 
 /* Absorbs a call without attending (KVCache::update_and_view; q may be NULL: the policy's
  * query-free scoring). *rows gets the rows per head of the returned window (the rows kept before
- * the call plus seq), which vq_fetch copies out until the layer's next call. */
+ * the call plus seq), which vq_fetch copies out until the layer's next call. With adaptive head
+ * budgets (field "head_budgets", docs/design.md 4.9) heads may hold different numbers of rows:
+ * *rows is then the longest head's, and vq_fetch refuses (VQ_EINVAL): use vq_attend. */
 VQ_API vq_status vq_update(vq_caches* s, int layer, const vq_tensor* k, const vq_tensor* v,
                            const vq_tensor* q, int64_t* rows);
 /* Copies the returned window of layer's last vq_update as float: keys [batch, kv_heads, rows,
@@ -154,8 +156,12 @@ VQ_API int64_t vq_offset(const vq_caches* s, int layer);
 /* Rows per KV head the layer keeps after a call (its budget; SqueezeAttention: the coordinator's
  * decision once made); -1 for NULL, a bad layer, or a cache without a budget (standard). */
 VQ_API int vq_layer_budget(const vq_caches* s, int layer);
-/* Rows per KV head the layer holds now (0 before its first call); -1 for NULL or a bad layer. */
+/* Rows per KV head the layer holds now (0 before its first call); with adaptive head budgets, the
+ * most any head holds; -1 for NULL or a bad layer. */
 VQ_API int64_t vq_rows(const vq_caches* s, int layer);
+/* Rows head (b, h) of the layer holds now (adaptive heads differ; 0 before the layer's first
+ * call); -1 for NULL, a bad layer, or a head outside the layer's [0, batch) x [0, kv_heads). */
+VQ_API int64_t vq_head_rows(const vq_caches* s, int layer, int b, int h);
 /* Bytes of rows the whole set holds (KVCache::kept_bytes summed); 0 for NULL. */
 VQ_API size_t vq_kept_bytes(const vq_caches* s);
 /* Bytes of rows one layer holds (KVCache::kept_bytes); 0 for NULL or a bad layer. */

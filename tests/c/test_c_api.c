@@ -2886,6 +2886,143 @@ static void test_save_bad_paths(void) {
 /* ---- 25. the message: kept after successes, never NULL ------------------------------------------
  */
 
+/* ---- adaptive head budgets (docs/design.md 4.9)
+ * ------------------------------------------------------------------ */
+
+/* The rows every head of layer 0 holds, summed, and whether two heads differ. */
+static int64_t held_rows(const vq_caches* s, int heads, int* ragged) {
+  int64_t sum = 0;
+  int h;
+  *ragged = 0;
+  for (h = 0; h < heads; ++h) {
+    const int64_t n = vq_head_rows(s, 0, 0, h);
+    sum += n;
+    if (n != vq_head_rows(s, 0, 0, 0)) *ragged = 1;
+  }
+  return sum;
+}
+
+/* A call of random rows (grid rows give both heads the same attention) to both sets of a twin:
+ * outputs bit-identical. */
+static void random_twin_step(twin_t* t, int seq) {
+  call_t c = call_new(shape_std(seq), t->seed);
+  float* out_b = floats(out_count(c.sh));
+  fill_any(c.q, q_count(c.sh), t->seed * 3u + 1u);
+  fill_any(c.k, k_count(c.sh), t->seed * 3u + 2u);
+  fill_any(c.v, v_count(c.sh), t->seed * 3u + 3u);
+  ++t->seed;
+  CHECK_OK(attend_hm(t->a, 0, &c, c.out));
+  CHECK_OK(attend_hm(t->b, 0, &c, out_b));
+  CHECK(memcmp(c.out, out_b, out_count(c.sh) * sizeof(float)) == 0);
+  free(out_b);
+  call_free(&c);
+}
+
+static void test_adaptive_heads(void) {
+  enum { BUDGET = 8, H = 2, STEPS = 24 };
+  vq_config* c = config_of("h2o", BUDGET);
+  vq_config* bad;
+  twin_t t;
+  int step, ragged = 0, h;
+  int64_t rows = -1, most = 0;
+  char path[1200];
+  vq_caches* loaded = NULL;
+  float junk[64];
+
+  /* The fields by name: bad values are refused when the set is built, naming the field. */
+  bad = vq_config_copy(c);
+  CHECK_OK(vq_config_set(bad, "head_budgets", "per_head"));
+  CHECK_FAIL(vq_config_validate(bad), VQ_EINVAL, "head_budgets");
+  CHECK_OK(vq_config_set(bad, "head_budgets", "adaptive"));
+  CHECK_OK(vq_config_validate(bad));
+  CHECK_OK(vq_config_set(bad, "head_budget_floor", "0"));
+  CHECK_FAIL(vq_config_validate(bad), VQ_EINVAL, "head_budget_floor");
+  CHECK_OK(vq_config_set(bad, "head_budget_floor", "1.5"));
+  CHECK_FAIL(vq_config_validate(bad), VQ_EINVAL, "head_budget_floor");
+  {
+    vq_caches* none = (vq_caches*)&junk;
+    CHECK_FAIL(vq_caches_new(bad, 1, VQ_FLOAT, &none), VQ_EINVAL, "head_budget_floor");
+    CHECK(none == NULL);
+  }
+  vq_config_free(bad);
+
+  CHECK_OK(vq_config_set(c, "head_budgets", "adaptive"));
+  CHECK_OK(vq_config_set(c, "head_budget_floor", "0.25"));
+  CHECK_OK(vq_config_set(c, "h2o_grace", "1"));
+  t.a = caches_of(c, 1, VQ_FLOAT);
+  t.b = caches_of(c, 1, VQ_FLOAT);
+  t.seed = 7000u;
+  t.shape = shape_std;
+  vq_config_free(c);
+
+  /* A prompt, then decode steps: each sequence's heads share 2 x 8 rows, each keeps 2 at least. */
+  random_twin_step(&t, 12);
+  for (step = 0; step < STEPS; ++step) {
+    int now_ragged = 0;
+    random_twin_step(&t, 1);
+    CHECK(held_rows(t.a, H, &now_ragged) == H * BUDGET);
+    for (h = 0; h < H; ++h) CHECK(vq_head_rows(t.a, 0, 0, h) >= 2);
+    ragged |= now_ragged;
+  }
+  CHECK(ragged); /* random rows do make the heads differ (else nothing below is tested) */
+  for (h = 0; h < H; ++h) {
+    if (vq_head_rows(t.a, 0, 0, h) > most) most = vq_head_rows(t.a, 0, 0, h);
+  }
+  CHECK(vq_rows(t.a, 0) == most);
+  CHECK(vq_layer_kept_bytes(t.a, 0) == (size_t)(H * BUDGET) * (8 + 8) * sizeof(float));
+
+  /* vq_head_rows: bad handles and heads. */
+  CHECK_FAIL_VALUE(vq_head_rows(NULL, 0, 0, 0) == -1, "NULL");
+  CHECK_FAIL_VALUE(vq_head_rows(t.a, 1, 0, 0) == -1, "layer");
+  CHECK_FAIL_VALUE(vq_head_rows(t.a, 0, 1, 0) == -1, "head (1, 0)");
+  CHECK_FAIL_VALUE(vq_head_rows(t.a, 0, 0, H) == -1, "head (0, 2)");
+  CHECK_FAIL_VALUE(vq_head_rows(t.a, 0, -1, 0) == -1, "head (-1, 0)");
+
+  /* vq_update works on ragged heads (the longest head's rows); vq_fetch refuses, changing nothing
+   * (the same call went to the twin through vq_update as well). */
+  {
+    call_t u = call_new(shape_std(1), 7777u);
+    fill_any(u.q, q_count(u.sh), 7778u);
+    fill_any(u.k, k_count(u.sh), 7779u);
+    vq_tensor tk = tensor_of(u.k, VQ_F32, 1, 2, 1, 8, VQ_HEAD_MAJOR);
+    vq_tensor tv = tensor_of(u.v, VQ_F32, 1, 2, 1, 8, VQ_HEAD_MAJOR);
+    vq_tensor tq = tensor_of(u.q, VQ_F32, 1, 4, 1, 8, VQ_HEAD_MAJOR);
+    int64_t rows_b = -1;
+    int64_t longest = 0;
+    /* The window's longest head: its rows before the call plus the call's one. */
+    for (h = 0; h < H; ++h) {
+      if (vq_head_rows(t.a, 0, 0, h) > longest) longest = vq_head_rows(t.a, 0, 0, h);
+    }
+    CHECK_OK(vq_update(t.a, 0, &tk, &tv, &tq, &rows));
+    CHECK(rows == longest + 1);
+    CHECK_OK(vq_update(t.b, 0, &tk, &tv, &tq, &rows_b));
+    CHECK(rows == rows_b);
+    (void)held_rows(t.a, H, &ragged);
+    CHECK(ragged);
+    {
+      const snap_t before = snap_of(t.a);
+      CHECK_FAIL(vq_fetch(t.a, 0, g_junk_out, g_junk_out, VQ_HEAD_MAJOR), VQ_EINVAL,
+                 "different numbers of rows");
+      CHECK_UNCHANGED(before, t.a);
+    }
+    call_free(&u);
+  }
+  CHECK_TWIN(t, 0);
+
+  /* Saved and loaded: the same heads, and the next steps bit-identical to the set saved. */
+  path_in_dir(path, sizeof path, "adaptive.vqkv");
+  CHECK_OK(vq_save(t.a, path));
+  CHECK_OK(vq_load(path, &loaded));
+  for (h = 0; h < H; ++h) CHECK(vq_head_rows(loaded, 0, 0, h) == vq_head_rows(t.a, 0, 0, h));
+  CHECK_SAME_STATE(loaded, t.a);
+  vq_caches_free(t.b);
+  t.b = loaded;
+  CHECK_TWIN(t, 0);
+  CHECK_TWIN(t, 0);
+  remove(path);
+  twin_free(&t);
+}
+
 static void test_last_error_rules(void) {
   vq_config* c = vq_config_new();
   char first[1024], later[1024];
@@ -2942,6 +3079,7 @@ int main(void) {
       {"save_load", test_save_load},
       {"load_bad_files", test_load_bad_files},
       {"save_bad_paths", test_save_bad_paths},
+      {"adaptive_heads", test_adaptive_heads},
       {"last_error_rules", test_last_error_rules},
   };
   const size_t n_groups = sizeof groups / sizeof groups[0];

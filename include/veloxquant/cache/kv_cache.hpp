@@ -278,6 +278,18 @@ class KVCache {
   std::int64_t tokens_seen() const { return tokens_seen_; }
   /// Rows retained in head (b=0, h=0).
   std::int64_t tokens_kept() const { return heads_.empty() ? 0 : heads_.front().live(); }
+  /// Rows retained in head (b, h) (adaptive heads differ, SPEC 14; 0 before the first call).
+  /// Throws std::out_of_range for a head outside [0, B) x [0, H).
+  std::int64_t head_rows(Index b, Index h) const {
+    if (heads_.empty()) {
+      if (dims_.known) (void)head_index(b, h);
+      return 0;
+    }
+    return head_at(b, h).live();
+  }
+  /// Whether the heads hold different numbers of rows (only adaptive heads can, SPEC 14): then
+  /// update_and_fetch(_into) and state() refuse, and a view's rows() throws.
+  bool ragged_heads() const { return ragged(); }
 
   /// Heap bytes the cache holds right now (rows, bookkeeping, scratch, by capacity).
   std::size_t heap_bytes() const {
