@@ -92,6 +92,7 @@ _PROTOTYPES = {  # name: (restype, argtypes)
     "vq_offset": (_i64, [_p, _i]),
     "vq_layer_budget": (_i, [_p, _i]),
     "vq_rows": (_i64, [_p, _i]),
+    "vq_head_rows": (_i64, [_p, _i, _i, _i]),
     "vq_kept_bytes": (ctypes.c_size_t, [_p]),
     "vq_layer_kept_bytes": (ctypes.c_size_t, [_p, _i]),
     "vq_reset": (None, [_p]),

@@ -181,6 +181,10 @@ class KVCache:
         v, vt = _tensor("values", values, kd)
         q, qt = _tensor("queries", queries) if queries is not None else (None, None)
         rows, h = ctypes.c_int64(0), self._set._handle
+        if self._ragged():  # refused before the call, as KVCache::update_and_fetch does
+            raise _lib.InvalidArgumentError(
+                "update_and_fetch: the heads hold different numbers of rows (adaptive head "
+                "budgets), which one dense array cannot return; use attend")
         check(lib().vq_update(h, self.layer, kt, vt, qt, ctypes.byref(rows)))
         B, H, _, Dk = k.shape
         K = np.empty((B, H, rows.value, Dk), np.float32)
@@ -215,6 +219,28 @@ class KVCache:
     def tokens_kept(self):
         """Rows per KV head the layer holds now."""
         return lib().vq_rows(self._set._handle, self.layer)
+
+    def head_rows(self, b, h):
+        """Rows head (b, h) holds now (adaptive head budgets: heads differ)."""
+        n = lib().vq_head_rows(self._set._handle, self.layer, b, h)
+        if n < 0:
+            raise _lib.InvalidArgumentError(_lib.last_error())
+        return n
+
+    def _ragged(self):
+        """Whether the layer's heads hold different numbers of rows."""
+        rows, h, layer = set(), self._set._handle, self.layer
+        b = 0
+        while lib().vq_head_rows(h, layer, b, 0) >= 0:
+            hh = 0
+            while True:
+                n = lib().vq_head_rows(h, layer, b, hh)
+                if n < 0:
+                    break
+                rows.add(n)
+                hh += 1
+            b += 1
+        return len(rows) > 1
 
     @property
     def kept_bytes(self):

@@ -404,6 +404,45 @@ class CacheSetTest(unittest.TestCase):
             caches.rollback()
 
 
+class AdaptiveHeadsTest(unittest.TestCase):
+    def test_ragged_heads(self):
+        """Adaptive head budgets (docs/design.md 4.9): the heads share 4 x 8 rows and come to
+        hold different numbers; attend serves them, update_and_fetch refuses before the call
+        (nothing changes) and head_rows says what each holds."""
+        config = vq.KVCacheConfig(method="h2o", h2o_n_sink=1, h2o_grace=1,
+                                  head_budgets="adaptive", head_budget_floor=0.25)
+        config.set_budget(8)
+        caches = vq.KVCacheBuilder.for_model(1, config, storage="float")
+        twin = caches.fork()
+        rng = np.random.default_rng(5)
+        layer = caches[0]
+        counts = set()
+        for seq in [12] + [1] * 16:
+            q, k, v = (rng.standard_normal(s).astype(np.float32)
+                       for s in ((1, 8, seq, 8), (1, 4, seq, 8), (1, 4, seq, 8)))
+            np.testing.assert_array_equal(layer.attend(q, k, v), twin[0].attend(q, k, v))
+            rows = [layer.head_rows(0, h) for h in range(4)]
+            self.assertEqual(sum(rows), 4 * 8)
+            self.assertGreaterEqual(min(rows), 2)
+            self.assertEqual(layer.tokens_kept, max(rows))
+            counts.add(len(set(rows)))
+        self.assertGreater(max(counts), 1)  # the heads did come to differ
+        self.assertGreater(len(set(layer.head_rows(0, h) for h in range(4))), 1)
+        k = rng.standard_normal((1, 4, 1, 8))
+        before = (layer.offset, [layer.head_rows(0, h) for h in range(4)], caches.kept_bytes)
+        with self.assertRaisesRegex(vq.InvalidArgumentError, "different numbers of rows"):
+            layer.update_and_fetch(k, k)
+        self.assertEqual(before,
+                         (layer.offset, [layer.head_rows(0, h) for h in range(4)],
+                          caches.kept_bytes))
+        with self.assertRaises(vq.InvalidArgumentError):
+            layer.head_rows(0, 4)
+        with self.assertRaises(vq.InvalidArgumentError):
+            vq.KVCacheConfig(head_budgets="per_head").validate()
+        with self.assertRaises(vq.InvalidArgumentError):
+            vq.KVCacheConfig(head_budget_floor=0.0).validate()
+
+
 class ErrorTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()
