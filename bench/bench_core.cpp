@@ -349,6 +349,7 @@ void decode_attend(benchmark::State& state, const vc::KVCacheConfig& config, int
   }
   state.SetItemsProcessed(state.iterations());
   state.counters["kept_bytes"] = static_cast<double>(cache.kept_bytes());
+  state.counters["heap_bytes"] = static_cast<double>(cache.heap_bytes());
 }
 
 // ---- speculative decoding (docs/design.md 10.2) ----------------------------------------------

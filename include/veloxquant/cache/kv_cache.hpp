@@ -762,7 +762,7 @@ class KVCache {
       fresh = detail::fresh_heads<T>(keys.batch * keys.heads, key_format(keys.dim),
                                      value_format(values.dim), S, rule_.value_power, key_sum);
     } else {
-      detail::grow_heads(heads_, S, rule_.steady_rows(), key_sum);
+      detail::grow_heads(heads_, S, rule_.steady_rows(), key_sum, rule_.adaptive);
     }
     const auto workers =
         static_cast<std::size_t>(tasks_for(keys.batch * keys.heads, scratch_size(keys, plan)));
