@@ -905,14 +905,22 @@ class KVCache {
     const bool weighted = rule_.value_power > 0.0 && with_queries;
     for (Index b = 0; b < dims_.batch; ++b) {
       detail::HeadStore<T>* seq = heads_.data() + b * dims_.heads;
-      const auto rank = [&](Index h, detail::Scratch& s) -> const float* {
+      const auto rank = [&](Index h, Index lo, Index hi, detail::Scratch& s) -> const float* {
         detail::HeadStore<T>& head = seq[h];
-        if (keydiff) return detail::keydiff_rank_head(head, 0, head.live(), s);
+        if (keydiff) return detail::keydiff_rank_head(head, lo, hi, s);
         if (weighted) return detail::value_rank_head(head, s);
         return nullptr;
       };
+      // KeyDiff's running sum follows each row out (absorb_proxy's way), so that the next
+      // ranking does not rebuild it from every row.
+      const auto mark_dead = [&](Index h, detail::Slot slot) {
+        detail::HeadStore<T>& head = seq[h];
+        const bool sum_valid = keydiff && detail::keydiff_take_out(head, slot, sc);
+        head.mark_dead(slot);
+        if (sum_valid) head.set_key_sum_valid();
+      };
       detail::pooled_rebudget(seq, dims_.heads, budget, rule_.floor_rows(), rule_.n_sink,
-                              rule_.protected_recent(), sc, rank);
+                              rule_.protected_recent(), sc, rank, mark_dead);
     }
   }
 

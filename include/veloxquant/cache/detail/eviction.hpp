@@ -84,12 +84,13 @@ inline constexpr Index kSmallQuota = 16;
 /// The pooled re-budget of adaptive heads (SPEC 14, docs/design.md 4.9): the `n` heads of one
 /// sequence share `n * budget` rows; while they hold more, the row with the lowest rank among
 /// the unprotected rows (not a sink, not among its head's newest `g`) of the heads holding more
-/// than `floor_rows` goes, ties to the earlier position, then to the lower head. `rank(h, sc)`
-/// gives head h's ranking by slot (null: its scores); it is asked once per head, before any row
-/// goes. sc.pool holds room for every unprotected row of the heads.
-template <class T, class Rank>
+/// than `floor_rows` goes, ties to the earlier position, then to the lower head. `rank(h, lo, hi,
+/// sc)` gives head h's ranking by slot of the rows at order[lo, hi) (null: its scores); it is
+/// asked once per head that may give rows up, before any row goes. `mark_dead(h, slot)` evicts a
+/// row (dropped from the live order afterwards). sc.pool holds room for every unprotected row.
+template <class T, class Rank, class MarkDead>
 void pooled_rebudget(HeadStore<T>* heads, Index n, int budget, Index floor_rows, int n_sink, int g,
-                     Scratch& sc, const Rank& rank) {
+                     Scratch& sc, const Rank& rank, const MarkDead& mark_dead) {
   Index held = 0;
   for (Index h = 0; h < n; ++h) held += heads[h].live();
   const Index excess = held - n * static_cast<Index>(budget);
@@ -112,7 +113,7 @@ void pooled_rebudget(HeadStore<T>* heads, Index n, int budget, Index floor_rows,
     const Index m = hi - sinks;
     const Index quota = std::min({m, std::max<Index>(0, live - floor_rows), excess});
     if (quota <= 0) continue;
-    const float* r = rank(h, sc);
+    const float* r = rank(h, sinks, hi, sc);
     if (r == nullptr) r = head.scores_data_const();
     const Slot* ord = head.order().data();
     const auto pick = [&](Slot s) {
@@ -142,7 +143,7 @@ void pooled_rebudget(HeadStore<T>* heads, Index n, int budget, Index floor_rows,
   }
   const Index take = std::min(excess, n_pool);
   if (take < n_pool) std::nth_element(pool, pool + take, pool + n_pool, before);
-  for (Index i = 0; i < take; ++i) heads[pool[i].head].mark_dead(pool[i].slot);
+  for (Index i = 0; i < take; ++i) mark_dead(static_cast<Index>(pool[i].head), pool[i].slot);
   for (Index h = 0; h < n; ++h) {
     if (!heads[h].holes().empty()) heads[h].drop_dead();
   }

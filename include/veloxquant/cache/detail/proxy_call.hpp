@@ -46,6 +46,20 @@ const float* keydiff_rank_head(HeadStore<T>& head, Index lo, Index hi, Scratch& 
   return rank;
 }
 
+/// Before the live slot `victim` of a KeyDiff head is evicted: takes the row's unit vector out of
+/// the running sum (docs/design.md 4.7) when the sum is valid, and says whether it was. The caller
+/// then evicts the row and marks the sum valid again, so that the next ranking need not rebuild
+/// it. Uses sc.queries row 1 for the row.
+template <class T>
+bool keydiff_take_out(HeadStore<T>& head, Slot victim, Scratch& sc) {
+  if (!head.key_sum_valid()) return false;
+  const Index d = head.key_dim();
+  float* row = sc.queries.data() + padded_dim(d);
+  load_stored_row(head.key_rows(), victim, d, row);
+  key_sum_update(head.key_sum(), row, d, head.score(victim), -1);
+  return true;
+}
+
 /// The H2O core without queries under a query-free scorer other than key-as-query (docs/design.md
 /// 4.7): the `count` rows at [call_begin(), +count) join one at a time, each with its score
 /// (K-norm: -|k|; KeyDiff: 1 / (|k| + 1e-8)); over budget, the lowest-ranked row among all but the
@@ -79,12 +93,7 @@ void absorb_proxy(HeadStore<T>& head, const Rule& rule, Index count, Scratch& sc
         keydiff ? keydiff_rank_head(head, sinks, n - g, sc) : head.scores_data_const();
     const Index at =
         worst_in_order(ord, sinks, n - g, rank, Tie::evict_earliest, sc.weights.data());
-    const Slot victim = ord[at];
-    sum_valid = keydiff && head.key_sum_valid();
-    if (sum_valid) {
-      load_stored_row(head.key_rows(), victim, d, row);
-      key_sum_update(head.key_sum(), row, d, head.score(victim), -1);
-    }
+    sum_valid = keydiff && keydiff_take_out(head, ord[at], sc);
     head.evict_at(at);
     if (sum_valid) head.set_key_sum_valid();
   }
