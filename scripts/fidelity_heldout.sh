@@ -7,7 +7,10 @@
 # settings of the table, and the query-free scorers (proxy_scoring, docs/design.md 4.7; without
 # queries only: calls with queries ignore the field), writes one CSV and one plot per run into
 # docs/fidelity_heldout/ and prints the tables (scripts/fidelity_tables.py). About 16 minutes on
-# 2 cores (two runs at a time).
+# 2 cores (two runs at a time). Then adaptive head budgets (docs/fidelity.md "Adaptive heads"):
+# uniform heads against adaptive ones at every floor of the sweep on the dev half only, and the
+# chosen floor on the report half, one run at a time, into docs/fidelity_adaptive*.csv/.svg (about
+# 5.5 minutes more; ONLY=adaptive,adaptive_keydiff runs just these).
 #
 #   bash scripts/fidelity_heldout.sh [--fixtures DIR] [other harness options, e.g. --windows 4]
 # Environment: OUT_DIR (default docs/fidelity_heldout), BUILD_DIR (default build-fidelity), both
@@ -69,3 +72,33 @@ wait "$dev" || status=1
 wait "$report" || status=1
 [ "$status" -eq 0 ] || exit 1
 python3 scripts/fidelity_tables.py "$OUT"
+
+# Adaptive heads. The floor is chosen on the dev half (the sweep); the report half only runs the
+# chosen one. CSVs and plots go to docs/ (ADAPTIVE_DIR), the printed tables and logs beside the
+# held-out runs.
+ADAPTIVE_DIR=${ADAPTIVE_DIR:-docs}
+FLOOR=0.2  # the chosen floor: KVCacheConfig::head_budget_floor's default
+SWEEP=uniform,adaptive:0.1,adaptive:0.2,adaptive:0.3,adaptive:0.5,adaptive:0.6,adaptive:0.7,adaptive:0.8,adaptive:0.9
+# name|harness arguments|the dev half's heads (floor 1 is uniform heads' control)
+ADAPTIVE_RUNS=(
+  "adaptive|--methods squeeze,h2o --scoring queries --set value_norm_power=2 --set squeeze_decay=0.95 --set squeeze_n_sink=0 --set h2o_decay=0.95 --set h2o_n_sink=0|$SWEEP,adaptive:1"
+  "adaptive_keydiff|--methods squeeze --scoring proxy --set proxy_scoring=keydiff --set squeeze_recent_ratio=0.9|$SWEEP,adaptive:0.95,adaptive:1"
+)
+for entry in "${ADAPTIVE_RUNS[@]}"; do
+  name=${entry%%|*}
+  rest=${entry#*|}
+  if [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",$name,"* ]]; then continue; fi
+  read -r -a args <<<"${rest%%|*}"
+  for half in dev report; do
+    if [ "$half" = dev ]; then range=0:400000 heads=${rest#*|}; else range=400000: heads=uniform,adaptive:$FLOOR; fi
+    "$BUILD"/examples/llama2c_fidelity "${COMMON[@]}" --range "$range" "${args[@]}" --heads "$heads" \
+      --csv "$ADAPTIVE_DIR/fidelity_${name}_${half}.csv" --svg "$ADAPTIVE_DIR/fidelity_${name}_${half}.svg" \
+      >"$OUT/${half}_${name}.txt" 2>"$OUT/${half}_${name}.log" || {
+      echo "[fidelity] $half $name failed: $OUT/${half}_${name}.log" >&2
+      tail -3 "$OUT/${half}_${name}.log" >&2
+      exit 1
+    }
+    echo "[fidelity] $half $name done"
+  done
+done
+python3 scripts/fidelity_tables.py adaptive "$ADAPTIVE_DIR"

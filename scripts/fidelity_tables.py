@@ -6,6 +6,7 @@ percentile and the mean top-1 agreement; then, window by window, how often each 
 configuration has a lower KL than the recency window (streaming_llm) and the medians of both.
 
     python3 scripts/fidelity_tables.py [DIR [CONTEXT]]   (defaults: docs/fidelity_heldout, 512)
+    python3 scripts/fidelity_tables.py adaptive [DOCS [CONTEXT]]   (docs/fidelity_adaptive*.csv)
 
 The budgets are the ones in the CSVs (largest first); CONTEXT, the windows' length in tokens,
 only labels them with their share of the context.
@@ -96,6 +97,65 @@ def main(out, context):
                 print(f"| {name} | {m} proxy | {half} | {' | '.join(cells)} |")
 
 
+def load_bytes(path):
+    """{(method, scoring, budget): {window: kept_bytes}} of one CSV, without the mean rows."""
+    out = {}
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            if r["window"] == "mean" or r["budget"] == "full":
+                continue
+            out.setdefault((r["method"], r["scoring"], int(r["budget"])), {})[int(r["window"])] = \
+                float(r["kept_bytes"])
+    return out
+
+
+def adaptive(docs, context):
+    """The tables of docs/fidelity.md "Adaptive heads": for each fidelity_adaptive*_{dev,report}.csv,
+    every series (uniform heads = the plain method name, adaptive = METHOD_adaptiveFLOOR) at every
+    budget: mean KL to 3 significant digits (10th..90th percentile), top-1, mean kept KiB, and against the same method's
+    uniform heads the windows with a lower KL and whether every window kept the same bytes."""
+    files = sorted(f for f in os.listdir(docs)
+                   if f.startswith("fidelity_adaptive") and f.endswith(".csv"))
+    for name in files:
+        runs = load(os.path.join(docs, name))
+        kept = load_bytes(os.path.join(docs, name))
+        budgets = sorted({k[2] for k in runs}, reverse=True)
+        print(f"{name}:")
+        print()
+        head = " | ".join(f"{b} rows ({100 * b / context:g}%)" for b in budgets)
+        print(f"| series | scoring | {head} |")
+        print("|---|---|" + "---:|" * len(budgets))
+        groups = []
+        for (m, s, _b) in runs:
+            if (m, s) not in groups:
+                groups.append((m, s))
+        for m, s in groups:
+            base = m.split("_adaptive")[0]
+            cells = []
+            for b in budgets:
+                w = runs.get((m, s, b))
+                if w is None:
+                    cells.append("")
+                    continue
+                kl = [k for k, _ in w.values()]
+                text = (f"{sum(kl) / len(kl):.3g} ({quantile(kl, 0.1):.2g}..{quantile(kl, 0.9):.2g}), "
+                        f"{100 * sum(t for _, t in w.values()) / len(w):.1f}%")
+                kib = sum(kept[(m, s, b)].values()) / len(w) / 1024
+                text += f", {kib:.1f} KiB"
+                ref = runs.get((base, s, b))
+                if m != base and ref is not None:
+                    wins = sum(w[i][0] < ref[i][0] for i in w)
+                    same = all(kept[(m, s, b)][i] == kept[(base, s, b)][i] for i in w)
+                    text += f", {wins}/{len(w)} lower" + ("" if same else ", OTHER BYTES")
+                cells.append(text)
+            print(f"| {m} | {s} | {' | '.join(cells)} |")
+        print()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "docs/fidelity_heldout",
-         int(sys.argv[2]) if len(sys.argv) > 2 else 512)
+    if len(sys.argv) > 1 and sys.argv[1] == "adaptive":
+        adaptive(sys.argv[2] if len(sys.argv) > 2 else "docs",
+                 int(sys.argv[3]) if len(sys.argv) > 3 else 512)
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else "docs/fidelity_heldout",
+             int(sys.argv[2]) if len(sys.argv) > 2 else 512)

@@ -365,6 +365,68 @@ TEST_F(Llama2c, FusedAttendAndTheViewPathGiveTheSameLogits) {
   }
 }
 
+/// Adaptive head budgets (SPEC 14) leave the heads of a layer with different numbers of rows; the
+/// engine serves them through attend and through the view path (per-head rows, KVView::rows(b, h)),
+/// never update_and_fetch. Both paths agree, the layer's pool holds what uniform heads hold, and
+/// with queries floor 1 is uniform heads exactly.
+TEST_F(Llama2c, AdaptiveHeadsRunOnBothAttentionPaths) {
+  const std::vector<int> tokens = sample_ids(kLength);
+  for (const char* method : {"squeeze", "h2o", "pyramidkv"}) {
+    SCOPED_TRACE(method);
+    vc::KVCacheConfig uniform;
+    uniform.method = method;
+    uniform.set_budget(24);
+    vc::KVCacheConfig adaptive = uniform;
+    adaptive.head_budgets = "adaptive";
+    const auto run = [&](const vc::KVCacheConfig& cfg, bool queries, ll::AttentionPath path,
+                         bool* ragged = nullptr, std::size_t* kept = nullptr) {
+      ll::Engine<float> e(model(),
+                          vc::KVCacheBuilder::for_model<float>(model().config().n_layers, cfg),
+                          queries, path);
+      auto out = teacher_forced(e, tokens, kPrefill);
+      if (ragged != nullptr) {
+        *ragged = false;
+        for (const auto& c : e.caches()) {
+          for (int h = 1; h < model().config().n_kv_heads; ++h)
+            *ragged = *ragged || c->positions(0, h).size() != c->positions(0, 0).size();
+        }
+      }
+      if (kept != nullptr) *kept = e.kept_bytes();
+      return out;
+    };
+    const auto worst_relative = [&](const auto& a, const auto& b) {
+      float worst = 0.0f;
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        worst = std::max(worst, (a[i] - b[i]).cwiseAbs().maxCoeff() /
+                                    std::max(1.0f, b[i].cwiseAbs().maxCoeff()));
+      }
+      return worst;
+    };
+    bool ragged_fused = false, ragged_proxy = false;
+    std::size_t kept_adaptive = 0, kept_uniform = 0, kept_proxy = 0;
+    const auto fused = run(adaptive, true, ll::AttentionPath::fused, &ragged_fused, &kept_adaptive);
+    const auto view = run(adaptive, true, ll::AttentionPath::view);
+    EXPECT_TRUE(ragged_fused)
+        << "the heads never differed: the test does not exercise ragged heads";
+    EXPECT_LE(worst_relative(fused, view), 1e-5f);
+    const auto uniform_fused = run(uniform, true, ll::AttentionPath::fused, nullptr, &kept_uniform);
+    EXPECT_EQ(kept_adaptive, kept_uniform);  // the pool: H x b rows per layer, as uniform heads
+    EXPECT_FALSE(fused.back() == uniform_fused.back());
+    // Without queries the engine takes the view path (attend needs the queries).
+    const auto proxy = run(adaptive, false, ll::AttentionPath::view, &ragged_proxy, &kept_proxy);
+    EXPECT_TRUE(ragged_proxy);
+    EXPECT_EQ(kept_proxy, kept_uniform);
+    for (const Eigen::MatrixXf& logits : proxy) EXPECT_TRUE(logits.allFinite());
+    // Floor 1: every head keeps exactly b, so with queries adaptive heads are uniform ones.
+    vc::KVCacheConfig floor1 = adaptive;
+    floor1.head_budget_floor = 1.0;
+    const auto at_floor1 = run(floor1, true, ll::AttentionPath::fused);
+    ASSERT_EQ(at_floor1.size(), uniform_fused.size());
+    for (std::size_t i = 0; i < at_floor1.size(); ++i)
+      EXPECT_TRUE(at_floor1[i] == uniform_fused[i]) << "call " << i;
+  }
+}
+
 /// llama2.c's run.c feeds the prompt one token per call. With the calibration window
 /// (squeeze_calibration_tokens, default 32) every layer gets the budget it gets when the same
 /// prompt comes as one prefill call, on the real model: and the budgets are not all the average.

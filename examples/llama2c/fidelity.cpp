@@ -11,12 +11,18 @@
 //                    [--length L] [--prompt P] [--budgets 32,64,128,256]
 //                    [--methods squeeze,squeeze_uniform,h2o,pyramidkv,tova,streaming_llm,snapkv]
 //                    [--scoring proxy,queries] [--widths 16/16,8/8,8/4,4/4] [--group G]
-//                    [--range FROM:TO] [--set FIELD=VALUE,...] [--csv FILE] [--svg FILE]
+//                    [--range FROM:TO] [--set FIELD=VALUE,...] [--heads uniform,adaptive:F,...]
+//                    [--csv FILE] [--svg FILE]
 //
 // --widths gives key/value bits per row (quantized storage, docs/design.md 2.9), --group the
 // quantization group (default 8: the model's head dim), --range the bytes of the text windows may
 // come from (docs/fidelity.md: decisions use 0:400000 only), --set overrides any KVCacheConfig
 // field by name in every evicting run (e.g. --set squeeze_decay=0.95,squeeze_recent_ratio=0.75).
+// --heads runs each method that has per-head budgets (squeeze, squeeze_uniform, h2o, pyramidkv;
+// SPEC 14, docs/design.md 4.9) once per entry: `uniform`, `adaptive` (the floor of the config,
+// head_budget_floor, after --set) or `adaptive:F` (floor F). Adaptive runs are their own series:
+// method `squeeze_adaptive0.2` etc. in the table, CSV and plot. Without --heads the config decides
+// (so --set head_budgets=adaptive still works, and is labelled the same way).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -57,6 +63,8 @@ struct Options {
   std::string csv = "fidelity.csv";
   std::string svg = "fidelity.svg";
   std::vector<std::pair<std::string, std::string>> set;  // KVCacheConfig field = value, every run
+  // Head budgets per run: "" (as the config says), "uniform", "adaptive" or "adaptive:F".
+  std::vector<std::string> heads{""};
 };
 
 std::vector<std::string> split(const std::string& s, char sep) {
@@ -131,6 +139,25 @@ Options parse(int argc, char** argv) {
           throw std::invalid_argument("--set: '" + kv + "' is not FIELD=VALUE");
         o.set.emplace_back(kv.substr(0, eq), kv.substr(eq + 1));
       }
+    } else if (a == "--heads") {
+      o.heads = split(value(), ',');
+      for (const auto& h : o.heads) {
+        bool ok = h == "uniform" || h == "adaptive";
+        if (h.rfind("adaptive:", 0) == 0) {
+          std::size_t used = 0;
+          try {
+            (void)std::stod(h.substr(9), &used);
+          } catch (const std::exception&) {
+            used = 0;
+          }
+          ok = used > 0 && used == h.size() - 9;
+        }
+        if (!ok) {
+          throw std::invalid_argument("--heads: '" + h +
+                                      "' is not uniform, adaptive or adaptive:FLOOR");
+        }
+      }
+      if (o.heads.empty()) throw std::invalid_argument("--heads needs a value");
     } else if (a == "--csv") {
       o.csv = value();
     } else if (a == "--svg") {
@@ -140,7 +167,8 @@ Options parse(int argc, char** argv) {
                    "  [--windows N] [--length L] [--prompt P] [--budgets 32,64,128,256]\n"
                    "  [--methods squeeze,squeeze_uniform,h2o,pyramidkv,tova,streaming_llm,snapkv]\n"
                    "  [--scoring proxy,queries] [--widths 16/16,8/8,8/4,4/4] [--group G]\n"
-                   "  [--range FROM:TO] [--set FIELD=VALUE,...] [--csv FILE] [--svg FILE]\n";
+                   "  [--range FROM:TO] [--set FIELD=VALUE,...] [--heads uniform,adaptive:F,...]\n"
+                   "  [--csv FILE] [--svg FILE]\n";
       std::exit(0);
     } else {
       throw std::invalid_argument("unknown argument '" + a + "' (see --help)");
@@ -246,11 +274,19 @@ void set_field(vc::KVCacheConfig& c, const std::string& name, const std::string&
   if (!found) throw std::invalid_argument("--set: no KVCacheConfig field '" + name + "'");
 }
 
+// Whether `method` (a harness method name) has per-head budgets (SPEC 14).
+bool has_head_budgets(const std::string& method) {
+  return method == "squeeze" || method == "squeeze_uniform" || method == "h2o" ||
+         method == "pyramidkv";
+}
+
 // "squeeze_uniform" is SqueezeAttention with strength 0: every layer gets the average budget, so
-// comparing it with "squeeze" isolates the data-driven per-layer budget. `set`: field overrides.
+// comparing it with "squeeze" isolates the data-driven per-layer budget. `set`: field overrides;
+// `heads` (see Options::heads), applied after them.
 vc::KVCacheConfig config_for(const std::string& method, int budget, std::pair<int, int> widths,
                              int group,
-                             const std::vector<std::pair<std::string, std::string>>& set = {}) {
+                             const std::vector<std::pair<std::string, std::string>>& set = {},
+                             const std::string& heads = "") {
   vc::KVCacheConfig c;
   c.key_bits = widths.first;
   c.value_bits = widths.second;
@@ -261,8 +297,19 @@ vc::KVCacheConfig config_for(const std::string& method, int budget, std::pair<in
   c.stream_window_size = budget - c.stream_n_sink;
   c.snap_obs_window = std::min(c.snap_obs_window, budget);
   for (const auto& [name, value] : set) set_field(c, name, value);
+  if (!heads.empty()) c.head_budgets = heads.substr(0, heads.find(':'));
+  if (heads.rfind("adaptive:", 0) == 0) set_field(c, "head_budget_floor", heads.substr(9));
   c.validate();
   return c;
+}
+
+// The series a run belongs to: the method, and for adaptive heads `_adaptive` and the floor
+// (`squeeze_adaptive0.2`).
+std::string series_name(const std::string& method, const vc::KVCacheConfig& c) {
+  if (!has_head_budgets(method) || c.head_budgets != "adaptive") return method;
+  std::ostringstream s;
+  s << method << "_adaptive" << c.head_budget_floor;
+  return s.str();
 }
 
 // log-softmax of a logit row, in double. logits: [V]
@@ -308,6 +355,8 @@ struct Run {
   std::string method, scoring;
   int budget = 0;  // 0: the full cache
   std::pair<int, int> widths{16, 16};
+  std::string heads;   // Options::heads entry ("" for the full cache)
+  std::string series;  // the name shown: method, or e.g. squeeze_adaptive0.2
   std::string width_name() const {
     return std::to_string(widths.first) + "/" + std::to_string(widths.second);
   }
@@ -418,14 +467,18 @@ std::string svg_plot(const std::vector<Run>& runs, const std::string& subtitle) 
     << "\" text-anchor=\"middle\">KV memory kept (share of the full cache, end of window)</text>\n"
     << "<text transform=\"translate(18," << top + ph / 2
     << ") rotate(-90)\" text-anchor=\"middle\">mean KL(full || evicted), nats</text>\n";
-  const char* colors[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd",
-                          "#ff7f0e", "#8c564b", "#e377c2", "#17becf"};
+  // Eight colours, then twelve more for runs with many series (e.g. --heads with several floors).
+  const char* colors[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e",
+                          "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f",
+                          "#393b79", "#ff9896", "#98df8a", "#c5b0d5", "#ffbb78",
+                          "#c49c94", "#f7b6d2", "#9edae5", "#637939", "#aec7e8"};
+  constexpr int n_colors = static_cast<int>(sizeof colors / sizeof colors[0]);
   std::map<std::string, std::vector<const Run*>> lines;  // "method (scoring)" -> runs by budget
   std::vector<std::string> order;
   for (const auto& r : runs) {
     if (r.budget == 0) continue;
     const std::string key =
-        r.method + " (" + r.scoring +
+        r.series + " (" + r.scoring +
         (r.widths == std::make_pair(16, 16) ? std::string() : ", " + r.width_name()) + ")";
     if (!lines.count(key)) order.push_back(key);
     lines[key].push_back(&r);
@@ -434,7 +487,7 @@ std::string svg_plot(const std::vector<Run>& runs, const std::string& subtitle) 
   int legend = 0;
   for (const auto& key : order) {
     const std::string method = key.substr(0, key.find(' '));
-    if (!color_of.count(method)) color_of[method] = static_cast<int>(color_of.size()) % 8;
+    if (!color_of.count(method)) color_of[method] = static_cast<int>(color_of.size()) % n_colors;
     const bool dashed = key.find("(proxy") != std::string::npos;
     const char* color = colors[color_of[method]];
     s << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"2\""
@@ -474,13 +527,20 @@ int main(int argc, char** argv) {
 
     // Every run: the full cache first, then method x budget x scoring.
     std::vector<Run> runs;
-    runs.push_back(Run{"full", "-", 0, {16, 16}, {}});
+    runs.push_back(Run{"full", "-", 0, {16, 16}, "", "full", {}});
     for (const auto& wd : o.widths) {
       for (const auto& m : o.methods) {
-        for (int b : o.budgets) {
-          for (const auto& sc : o.scorings) {
-            if (m == "streaming_llm" && sc == "queries") continue;  // does not score rows
-            runs.push_back(Run{m, m == "streaming_llm" ? "-" : sc, b, wd, {}});
+        for (std::size_t hi = 0; hi < o.heads.size(); ++hi) {
+          // Methods without per-head budgets run once (they ignore the field).
+          if (hi > 0 && !has_head_budgets(m)) break;
+          const std::string& heads = o.heads[hi];
+          for (int b : o.budgets) {
+            for (const auto& sc : o.scorings) {
+              if (m == "streaming_llm" && sc == "queries") continue;  // does not score rows
+              const std::string series =
+                  series_name(m, config_for(m, b, wd, o.group, o.set, heads));
+              runs.push_back(Run{m, m == "streaming_llm" ? "-" : sc, b, wd, heads, series, {}});
+            }
           }
         }
       }
@@ -493,12 +553,13 @@ int main(int argc, char** argv) {
         Run& run = runs[ri];
         std::fprintf(
             stderr, "\r[window %zu/%zu] %-14s %-8s %-5s budget %-4d (%zu/%zu) %6.1f s", wi + 1,
-            windows.size(), run.method.c_str(), run.scoring.c_str(), run.width_name().c_str(),
+            windows.size(), run.series.c_str(), run.scoring.c_str(), run.width_name().c_str(),
             run.budget, ri + 1, runs.size(),
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count());
         const vc::KVCacheConfig cfg =
-            run.budget == 0 ? config_for("standard", 512, {16, 16}, o.group)
-                            : config_for(run.method, run.budget, run.widths, o.group, o.set);
+            run.budget == 0
+                ? config_for("standard", 512, {16, 16}, o.group)
+                : config_for(run.method, run.budget, run.widths, o.group, o.set, run.heads);
         ll::Engine<float> engine(model, vc::KVCacheBuilder::for_model<float>(n_layers, cfg),
                                  run.scoring == "queries");
         double secs = 0;
@@ -519,15 +580,17 @@ int main(int argc, char** argv) {
         "one-token calls; means over windows (KL spread over windows: std, and the\n"
         "10th, 50th and 90th percentiles).\n\n",
         text_desc.c_str(), o.prompt, o.length - o.prompt);
-    std::printf("%-14s %-8s %5s %6s %7s %6s %9s %9s %22s %7s %9s %6s %9s\n", "method", "scoring",
-                "bits", "budget", "NLL", "PPL", "KL", "KL std", "KL p10/p50/p90", "top-1",
-                "kept KiB", "ratio", "tok/s");
+    int name_width = 14;  // the method column: as wide as the longest series name
+    for (const auto& r : runs) name_width = std::max(name_width, static_cast<int>(r.series.size()));
+    std::printf("%-*s %-8s %5s %6s %7s %6s %9s %9s %22s %7s %9s %6s %9s\n", name_width, "method",
+                "scoring", "bits", "budget", "NLL", "PPL", "KL", "KL std", "KL p10/p50/p90",
+                "top-1", "kept KiB", "ratio", "tok/s");
     for (const auto& r : runs) {
       char range[64];
       std::snprintf(range, sizeof range, "%.4f/%.4f/%.4f", r.quantile(&WindowResult::kl, 0.1),
                     r.quantile(&WindowResult::kl, 0.5), r.quantile(&WindowResult::kl, 0.9));
-      std::printf("%-14s %-8s %5s %6s %7.4f %6.3f %9.5f %9.5f %22s %6.1f%% %9.1f %6.2f %9.0f\n",
-                  r.method.c_str(), r.scoring.c_str(), r.width_name().c_str(),
+      std::printf("%-*s %-8s %5s %6s %7.4f %6.3f %9.5f %9.5f %22s %6.1f%% %9.1f %6.2f %9.0f\n",
+                  name_width, r.series.c_str(), r.scoring.c_str(), r.width_name().c_str(),
                   r.budget ? std::to_string(r.budget).c_str() : "full", r.mean(&WindowResult::nll),
                   std::exp(r.mean(&WindowResult::nll)), r.mean(&WindowResult::kl),
                   r.stdev(&WindowResult::kl), range, 100.0 * r.mean(&WindowResult::top1),
@@ -543,7 +606,7 @@ int main(int argc, char** argv) {
            "full_bytes,compression,tokens_per_s\n";
     for (const auto& r : runs) {
       const auto row = [&](const std::string& win, const WindowResult& x) {
-        csv << r.method << ',' << r.scoring << ',' << r.widths.first << ',' << r.widths.second
+        csv << r.series << ',' << r.scoring << ',' << r.widths.first << ',' << r.widths.second
             << ',' << (r.budget ? std::to_string(r.budget) : "full") << ',' << win << ',' << x.nll
             << ',' << std::exp(x.nll) << ',' << x.kl << ',' << x.top1 << ',' << x.kept << ','
             << x.full << ',' << x.full / std::max(x.kept, 1.0) << ',' << x.tok_s << '\n';

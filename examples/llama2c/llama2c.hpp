@@ -471,11 +471,13 @@ class Engine {
       kv_cache.attend(qr, kr, vr, out.data(), cache::Layout::token_major);
     } else {
       // The rows retained before the call (any order), then this call's S rows: [rows, hd] each.
+      // Each head has its own count: under adaptive head budgets (head_budgets = "adaptive")
+      // heads hold different numbers of rows and view.rows() would throw.
       const cache::KVView<T> view =
           pass_queries_ ? kv_cache.update_and_view(kr, vr, qr) : kv_cache.update_and_view(kr, vr);
-      const Eigen::Index n = view.rows();
       const float sqrt_hd = std::sqrt(static_cast<float>(hd));
       for (int g = 0; g < c.n_kv_heads; ++g) {
+        const Eigen::Index n = view.rows(0, g);
         const RowMatrix K = view.keys(0, g).template cast<float>();    // [n, hd]
         const RowMatrix V = view.values(0, g).template cast<float>();  // [n, hd]
         for (int j = g * group; j < (g + 1) * group; ++j) {  // the query heads reading kv head g
