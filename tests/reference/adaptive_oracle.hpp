@@ -18,6 +18,11 @@
 //    so comparable across heads; H2OHeadOracle::rank() leaves the division by |m| out, which
 //    changes no order within one head but does across heads).
 //
+// The budget may be unknown (nothing is evicted) and may change between calls (set_budget: the
+// pending re-budget at the start of the next call, docs/design.md 4.5 and 4.9; g and floor_rows
+// follow the new budget): the heads then give up their excess to the pool the same way, before
+// they take that call, ranked as that call ranks.
+//
 // Calls without queries are absorbed token by token by H2OHeadOracle::absorb (the proxy or the
 // query-free scorer), with no eviction between tokens: adaptive heads score the whole call first.
 // Calls with queries go through H2OHeadOracle::absorb_call.
@@ -31,6 +36,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -62,27 +68,26 @@ class AdaptiveSequenceOracle {
   using Queries = std::vector<Rows>;              // [S][G][D]
 
   /// `grace_for_budget` maps the budget to g before the clamp to [0, budget - n_sink - 1];
-  /// `floor` is head_budget_floor, in (0, 1].
+  /// `budget`: rows per head of the pool (empty: unknown, nothing is evicted); `floor` is
+  /// head_budget_floor, in (0, 1].
   AdaptiveSequenceOracle(std::size_t heads, int n_sink, double decay,
-                         std::function<int(int)> grace_for_budget, int budget, double floor,
-                         Scorer scorer = Scorer::key_as_query, double value_power = 0.0)
+                         std::function<int(int)> grace_for_budget, std::optional<int> budget,
+                         double floor, Scorer scorer = Scorer::key_as_query,
+                         double value_power = 0.0)
       : n_sink_(n_sink),
-        budget_(budget),
         floor_(floor),
         scorer_(scorer),
-        value_power_(value_power) {
+        value_power_(value_power),
+        grace_for_budget_(std::move(grace_for_budget)) {
     if (heads < 1) throw std::invalid_argument("AdaptiveSequenceOracle: heads must be >= 1");
-    if (budget < 1) throw std::invalid_argument("AdaptiveSequenceOracle: budget must be >= 1");
     if (!(floor > 0.0 && floor <= 1.0)) {
       throw std::invalid_argument("AdaptiveSequenceOracle: floor must be in (0, 1]");
     }
-    if (!grace_for_budget)
+    if (!grace_for_budget_)
       throw std::invalid_argument("AdaptiveSequenceOracle: grace_for_budget is empty");
-    g_ = clamp_recent(grace_for_budget(budget), budget, n_sink);
-    const double f = std::ceil(floor * static_cast<double>(budget));
-    floor_rows_ = std::min(static_cast<std::size_t>(budget), static_cast<std::size_t>(f));
+    if (budget) stamp_budget(*budget);
     for (std::size_t h = 0; h < heads; ++h) {
-      heads_.emplace_back(n_sink, decay, grace_for_budget);
+      heads_.emplace_back(n_sink, decay, grace_for_budget_);
       heads_.back().set_scorer(scorer);
       heads_.back().set_value_power(value_power);
     }
@@ -97,6 +102,11 @@ class AdaptiveSequenceOracle {
       throw std::invalid_argument(
           "AdaptiveSequenceOracle::absorb_call: one entry per head expected");
     }
+    if (!rebudgeted_) {
+      evicted_ = 0;
+      margin_ = std::numeric_limits<double>::infinity();
+    }
+    rebudgeted_ = false;
     for (std::size_t h = 0; h < heads_.size(); ++h) {
       if (queries) {
         heads_[h].absorb_call(keys[h], values[h], (*queries)[h]);
@@ -105,6 +115,17 @@ class AdaptiveSequenceOracle {
       }
     }
     pooled_eviction(queries != nullptr);
+  }
+
+  /// The budget becomes known or changes before the next call (with queries or not: how that
+  /// call ranks): the heads give up their excess over the new pool now, before that call's rows
+  /// arrive. evicted_last_call() and last_margin() then count this eviction and the next call's.
+  void set_budget(int budget, bool next_call_has_queries) {
+    stamp_budget(budget);
+    evicted_ = 0;
+    margin_ = std::numeric_limits<double>::infinity();
+    rebudgeted_ = true;
+    pooled_eviction(next_call_has_queries);
   }
 
   std::size_t heads() const { return heads_.size(); }
@@ -121,7 +142,7 @@ class AdaptiveSequenceOracle {
   std::size_t floor_rows() const { return floor_rows_; }
   /// The protected recent rows per head.
   int protected_recent() const { return g_; }
-  int budget() const { return budget_; }
+  std::optional<int> budget() const { return budget_; }
   /// head_budget_floor.
   double floor() const { return floor_; }
   /// Rows the last call's pooled eviction removed.
@@ -172,10 +193,19 @@ class AdaptiveSequenceOracle {
     return out;
   }
 
+  void stamp_budget(int budget) {
+    if (budget < 1) throw std::invalid_argument("AdaptiveSequenceOracle: budget must be >= 1");
+    budget_ = budget;
+    g_ = clamp_recent(grace_for_budget_(budget), budget, n_sink_);
+    const double f = std::ceil(floor_ * static_cast<double>(budget));
+    floor_rows_ = std::min(static_cast<std::size_t>(budget), static_cast<std::size_t>(f));
+  }
+
+  /// Removes the lowest candidate, one at a time, while the heads hold more than the pool
+  /// (adds to evicted_ and margin_).
   void pooled_eviction(bool with_queries) {
-    evicted_ = 0;
-    margin_ = std::numeric_limits<double>::infinity();
-    const std::size_t pool = heads_.size() * static_cast<std::size_t>(budget_);
+    if (!budget_) return;
+    const std::size_t pool = heads_.size() * static_cast<std::size_t>(*budget_);
     if (total_rows() <= pool) return;
     // Ranks are fixed for the whole eviction: computed before any row goes.
     std::vector<std::vector<double>> rank;
@@ -224,10 +254,12 @@ class AdaptiveSequenceOracle {
 
   std::vector<PooledHeadOracle> heads_;
   int n_sink_;
-  int budget_;
+  std::optional<int> budget_;
   double floor_;
   Scorer scorer_;
   double value_power_;
+  std::function<int(int)> grace_for_budget_;
+  bool rebudgeted_ = false;
   int g_ = 0;
   std::size_t floor_rows_ = 0;
   std::size_t evicted_ = 0;
