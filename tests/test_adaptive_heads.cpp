@@ -470,7 +470,7 @@ std::string compare_with_oracle(const vc::KVCache<T>& c, const std::vector<SeqOr
       }
       held += got.size();
     }
-    const std::size_t pool = o.heads() * static_cast<std::size_t>(o.budget());
+    const std::size_t pool = o.budget() ? o.heads() * static_cast<std::size_t>(*o.budget()) : held;
     if (o.evicted_last_call() > 0 ? held != pool : held > pool) {
       err << "sequence " << b << " holds " << held << " rows, its pool " << pool;
       return err.str();
@@ -797,6 +797,52 @@ TEST(AdaptiveOracleSelfTest, TakesTheLowestRowsOfThePoolOneAtATime) {
   EXPECT_EQ(tie.positions(0), (Positions{1, 2, 3}));
   EXPECT_EQ(tie.positions(1), (Positions{0, 1, 2, 3}));
   EXPECT_EQ(tie.positions(2), (Positions{0, 1}));
+}
+
+/// Exact ties through the library: three heads, budget 3, floor 0.2 (one row), no sinks, g = 0,
+/// one call of four tokens with queries. Keys M e_r (M = 100, D = 4); heads 0 and 1 query with
+/// M e_r (logits 5000 on the own row, 0 elsewhere: every row gets exactly 1 in float32 too),
+/// head 2 with zero queries (uniform: 25/12, 13/12, 7/12, 1/4). The pool of 9 takes head 2's
+/// positions 3 and 2, then the first of the rows tied at 1: the earliest position (0), of the
+/// lower head (0, not 1).
+TEST(AdaptiveHeadsTest, TiesGoToTheEarlierPositionThenTheLowerHead) {
+  using T = float;
+  for (const Method method : kMethods) {
+    AdaRun r;
+    r.method = method;
+    r.budget = 3;
+    r.recent = 0.0;
+    r.floor = 0.2;
+    r.B = 1;
+    r.H = 3;
+    r.G = 1;
+    r.Dk = 4;
+    r.Dv = 2;
+    const std::string ctx = r.describe();
+    CachePtr<T> cache = make_cache<T>(r);
+    Call<T> c;
+    c.kd = vc::Tensor4<double>(1, 3, 4, 4);
+    c.kd.setZero();
+    c.q = vc::Tensor4<float>(1, 3, 4, 4);
+    c.q.setZero();
+    for (Index h = 0; h < 3; ++h)
+      for (Index s = 0; s < 4; ++s) {
+        c.kd(0, h, s, s) = 100.0;
+        if (h < 2) c.q(0, h, s, s) = 100.0f;
+      }
+    std::mt19937 rng(2u);
+    c.vd = random_doubles(rng, 1, 3, 4, 2);
+    finish(c);
+    (void)cache->attend(c.q, c.k, c.v);
+    EXPECT_EQ(cache->positions(0, 0), (Positions{1, 2, 3})) << ctx;
+    EXPECT_EQ(cache->positions(0, 1), (Positions{0, 1, 2, 3})) << ctx;
+    EXPECT_EQ(cache->positions(0, 2), (Positions{0, 1})) << ctx;
+    EXPECT_EQ(cache->scores(0, 1), (std::vector<float>{1.0f, 1.0f, 1.0f, 1.0f})) << ctx;
+    // The oracle agrees.
+    std::vector<SeqOracle> oracle = make_oracle(r);
+    (void)feed_oracle(oracle, c, true);
+    EXPECT_EQ(compare_with_oracle(*cache, oracle, 4, false), "") << ctx;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1450,12 +1496,23 @@ TEST(AdaptiveHeadsParallelTest, ParallelHeadsAreBitIdenticalToSerial) {
 // Fork, checkpoint / rollback, prompt caches
 // ---------------------------------------------------------------------------------------------
 
+/// The calls of the runs below: ragged_run's, over quantized rows (8-bit keys, 4-bit values,
+/// Dv 8) when bits < 16.
+AdaRun serving_run(Method method, int bits) {
+  AdaRun r = ragged_run<float>(method);
+  if (bits < 16) {
+    r.key_bits = 8;
+    r.value_bits = 4;
+    r.Dv = 8;
+  }
+  return r;
+}
+
 /// A model of two layers of `method` (squeeze: with the coordinator the builder wires, which
 /// gives each layer its budget after the first call: a pending re-budget of the pools),
 /// adaptive heads, floor 0.25.
-vc::KVCacheConfig model_config(Method method) {
-  AdaRun r = ragged_run<float>(method);
-  r.recent = method == Method::kH2O ? 1.0 : 0.25;
+vc::KVCacheConfig model_config(Method method, int bits) {
+  const AdaRun r = serving_run(method, bits);
   vc::KVCacheConfig c = config_of(r);
   c.squeeze_calibration_tokens = 16;
   return c;
@@ -1470,9 +1527,9 @@ const std::vector<Index>& run_sizes() {
   return sizes;
 }
 template <class T>
-std::vector<unsigned char> model_step(Caches<T>& set, Method method, std::size_t i,
+std::vector<unsigned char> model_step(Caches<T>& set, Method method, int bits, std::size_t i,
                                       unsigned seed = 0) {
-  AdaRun r = ragged_run<T>(method);
+  const AdaRun r = serving_run(method, bits);
   std::vector<unsigned char> out;
   for (std::size_t l = 0; l < set.size(); ++l) {
     std::mt19937 rng(1000u * static_cast<unsigned>(i) + 7u * static_cast<unsigned>(l) + seed);
@@ -1533,65 +1590,178 @@ bool any_ragged(const Caches<T>& set) {
 /// A set forked, checkpointed and rolled back, or saved and loaded in the middle of a run (after
 /// `at` calls, on ragged heads) continues bit for bit like the uninterrupted run: the outputs of
 /// every later call, the heads' positions and scores; the source of a fork too; the loaded set
-/// holds the saved per-head positions and scores.
+/// holds the saved per-head positions and scores. Unquantized and over quantized rows.
 TEST(AdaptiveHeadsServingTest, ForkRollbackAndPromptCachesContinueBitIdentically) {
   using T = Eigen::half;
-  for (const Method method : kMethods) {
-    const std::string name = method_name(method);
-    const vc::KVCacheConfig config = model_config(method);
-    const std::size_t n = run_sizes().size();
-    // The uninterrupted run.
-    Caches<T> whole = vc::KVCacheBuilder::for_model<T>(2, config);
-    std::vector<std::vector<unsigned char>> want;
-    std::vector<ModelState<T>> states;
-    for (std::size_t i = 0; i < n; ++i) {
-      want.push_back(model_step(whole, method, i));
-      states.push_back(model_state(whole));
+  for (const int bits : {16, 8})
+    for (const Method method : kMethods) {
+      const std::string name = std::string(method_name(method)) + (bits < 16 ? " quantized" : "");
+      const vc::KVCacheConfig config = model_config(method, bits);
+      const std::size_t n = run_sizes().size();
+      // The uninterrupted run.
+      Caches<T> whole = vc::KVCacheBuilder::for_model<T>(2, config);
+      std::vector<std::vector<unsigned char>> want;
+      std::vector<ModelState<T>> states;
+      for (std::size_t i = 0; i < n; ++i) {
+        want.push_back(model_step(whole, method, bits, i));
+        states.push_back(model_state(whole));
+      }
+      EXPECT_TRUE(any_ragged(whole)) << name;
+      EXPECT_EQ(whole[0]->config().key_bits, bits) << name;
+      for (const std::size_t at : {std::size_t{1}, std::size_t{4}, std::size_t{10}}) {
+        const std::string ctx = name + ", interrupted after " + std::to_string(at) + " calls";
+        Caches<T> source = vc::KVCacheBuilder::for_model<T>(2, config);
+        Caches<T> marked = vc::KVCacheBuilder::for_model<T>(2, config);
+        Caches<T> saved = vc::KVCacheBuilder::for_model<T>(2, config);
+        for (std::size_t i = 0; i < at; ++i) {
+          (void)model_step(source, method, bits, i);
+          (void)model_step(marked, method, bits, i);
+          (void)model_step(saved, method, bits, i);
+        }
+        ASSERT_TRUE(any_ragged(source)) << ctx << ": the heads should be ragged here";
+        // Fork.
+        Caches<T> copy = vc::KVCacheBuilder::fork(source);
+        EXPECT_TRUE(model_state(copy) == states[at - 1]) << ctx << ": the fork";
+        // Checkpoint, a draft of other calls, rollback.
+        vc::KVCacheBuilder::checkpoint(marked);
+        for (std::size_t i = at; i < std::min(n, at + 3); ++i)
+          (void)model_step(marked, method, bits, i, 55u);
+        EXPECT_FALSE(model_state(marked) == states[at - 1]) << ctx << ": the draft changed nothing";
+        vc::KVCacheBuilder::rollback(marked);
+        EXPECT_TRUE(model_state(marked) == states[at - 1]) << ctx << ": the rollback";
+        // Save and load.
+        std::stringstream file;
+        vc::save_prompt_cache(file, saved);
+        vc::PromptCache<T> loaded = vc::load_prompt_cache<T>(file);
+        EXPECT_TRUE(model_state(loaded.caches) == states[at - 1]) << ctx << ": the loaded set";
+        for (const auto& c : loaded.caches) {
+          EXPECT_EQ(c->config().head_budgets, "adaptive") << ctx;
+          EXPECT_EQ(c->config().head_budget_floor, 0.25) << ctx;
+        }
+        for (std::size_t i = at; i < n; ++i) {
+          const std::string step = ctx + ", call " + std::to_string(i);
+          EXPECT_EQ(model_step(copy, method, bits, i), want[i]) << step << ": the fork";
+          EXPECT_EQ(model_step(source, method, bits, i), want[i]) << step << ": the fork's source";
+          EXPECT_EQ(model_step(marked, method, bits, i), want[i]) << step << ": after the rollback";
+          EXPECT_EQ(model_step(loaded.caches, method, bits, i), want[i])
+              << step << ": the loaded set";
+          EXPECT_TRUE(model_state(copy) == states[i]) << step;
+          EXPECT_TRUE(model_state(source) == states[i]) << step;
+          EXPECT_TRUE(model_state(marked) == states[i]) << step;
+          EXPECT_TRUE(model_state(loaded.caches) == states[i]) << step;
+        }
+      }
     }
-    EXPECT_TRUE(any_ragged(whole)) << name;
-    for (const std::size_t at : {std::size_t{1}, std::size_t{4}, std::size_t{10}}) {
-      const std::string ctx = name + ", interrupted after " + std::to_string(at) + " calls";
-      Caches<T> source = vc::KVCacheBuilder::for_model<T>(2, config);
-      Caches<T> marked = vc::KVCacheBuilder::for_model<T>(2, config);
-      Caches<T> saved = vc::KVCacheBuilder::for_model<T>(2, config);
-      for (std::size_t i = 0; i < at; ++i) {
-        (void)model_step(source, method, i);
-        (void)model_step(marked, method, i);
-        (void)model_step(saved, method, i);
-      }
-      ASSERT_TRUE(any_ragged(source)) << ctx << ": the heads should be ragged here";
-      // Fork.
-      Caches<T> copy = vc::KVCacheBuilder::fork(source);
-      EXPECT_TRUE(model_state(copy) == states[at - 1]) << ctx << ": the fork";
-      // Checkpoint, a draft of other calls, rollback.
-      vc::KVCacheBuilder::checkpoint(marked);
-      for (std::size_t i = at; i < std::min(n, at + 3); ++i)
-        (void)model_step(marked, method, i, 55u);
-      EXPECT_FALSE(model_state(marked) == states[at - 1]) << ctx << ": the draft changed nothing";
-      vc::KVCacheBuilder::rollback(marked);
-      EXPECT_TRUE(model_state(marked) == states[at - 1]) << ctx << ": the rollback";
-      // Save and load.
-      std::stringstream file;
-      vc::save_prompt_cache(file, saved);
-      vc::PromptCache<T> loaded = vc::load_prompt_cache<T>(file);
-      EXPECT_TRUE(model_state(loaded.caches) == states[at - 1]) << ctx << ": the loaded set";
-      for (const auto& c : loaded.caches) {
-        EXPECT_EQ(c->config().head_budgets, "adaptive") << ctx;
-        EXPECT_EQ(c->config().head_budget_floor, 0.25) << ctx;
-      }
-      for (std::size_t i = at; i < n; ++i) {
-        const std::string step = ctx + ", call " + std::to_string(i);
-        EXPECT_EQ(model_step(copy, method, i), want[i]) << step << ": the fork";
-        EXPECT_EQ(model_step(source, method, i), want[i]) << step << ": the fork's source";
-        EXPECT_EQ(model_step(marked, method, i), want[i]) << step << ": after the rollback";
-        EXPECT_EQ(model_step(loaded.caches, method, i), want[i]) << step << ": the loaded set";
-        EXPECT_TRUE(model_state(copy) == states[i]) << step;
-        EXPECT_TRUE(model_state(source) == states[i]) << step;
-        EXPECT_TRUE(model_state(marked) == states[i]) << step;
-        EXPECT_TRUE(model_state(loaded.caches) == states[i]) << step;
+}
+
+// ---------------------------------------------------------------------------------------------
+// SqueezeAttention with its coordinator: a pending re-budget of the pools
+// ---------------------------------------------------------------------------------------------
+
+/// SqueezeAttention in a model's set (three layers sharing the builder's coordinator, calibrating
+/// on 12 tokens, deferring or not): the layers report after their second call and adopt budgets
+/// of their own at the start of the third, where each sequence's heads give up their excess over
+/// the new pool before they take the call, ranked as that call ranks (with queries, by score x
+/// |v|^2; without, the scores or KeyDiff's ranking), with the new budget's g and floor; against
+/// the oracle, whose budget changes at that call. The layers' keys lean along a direction by
+/// different amounts, so that their concentrations, hence their budgets, differ.
+TEST(AdaptiveHeadsCoordinatorTest, AdoptedBudgetsRebudgetThePoolsAtTheNextCall) {
+  using T = Eigen::half;
+  struct Mode {
+    Index G;
+    Scorer scorer;
+    double power;
+  };
+  const Mode modes[] = {{1, Scorer::key_as_query, 2.0},
+                        {2, Scorer::key_as_query, 0.0},
+                        {0, Scorer::key_as_query, 0.0},
+                        {0, Scorer::keydiff, 0.0}};
+  const double lean[] = {0.0, 3.0, 1.0};
+  int runs = 0, tie_divergences = 0, pending_evictions = 0, budgets_changed = 0;
+  for (const bool defer : {false, true}) {
+    for (const Mode& mode : modes) {
+      for (const double floor : {0.25, 0.5}) {
+        AdaRun r;
+        r.method = Method::kSqueeze;
+        r.budget = 8;
+        r.n_sink = 1;
+        r.recent = 0.25;
+        r.decay = 0.95;
+        r.floor = floor;
+        r.value_power = mode.power;
+        r.scorer = mode.scorer;
+        r.B = 2;
+        r.H = 3;
+        r.G = mode.G;
+        r.Dk = 4;
+        r.Dv = 3;
+        vc::KVCacheConfig config = config_of(r);
+        config.squeeze_calibration_tokens = 12;
+        config.squeeze_defer = defer;
+        const std::string ctx = r.describe() + " defer=" + std::to_string(defer);
+        Caches<T> model = vc::KVCacheBuilder::for_model<T>(3, config);
+        std::vector<std::vector<SeqOracle>> oracle;
+        for (std::size_t l = 0; l < model.size(); ++l) {
+          std::vector<SeqOracle> o;
+          for (Index b = 0; b < r.B; ++b) {
+            o.emplace_back(static_cast<std::size_t>(r.H), r.n_sink, r.decay, grace_rule(r),
+                           defer ? std::nullopt : std::optional<int>(r.budget), r.floor, r.scorer,
+                           r.value_power);
+          }
+          oracle.push_back(std::move(o));
+        }
+        ++runs;
+        std::mt19937 rng(400u + static_cast<unsigned>(runs));
+        const std::vector<double> scale = {0.4, 1.0, 2.5};
+        std::int64_t offset = 0;
+        bool stop = false;
+        for (const Index S : {5, 7, 1, 1, 4, 1, 1, 1, 9, 1, 1, 1, 1}) {
+          for (std::size_t l = 0; l < model.size() && !stop; ++l) {
+            Call<T> c = random_call<T>(rng, r, S, scale);
+            for (Index b = 0; b < r.B; ++b)
+              for (Index h = 0; h < r.H; ++h)
+                for (Index s = 0; s < S; ++s) c.kd(b, h, s, 0) += lean[l];
+            finish(c);
+            if (mode.G > 0) {
+              (void)model[l]->attend(c.q, c.k, c.v);
+            } else {
+              (void)model[l]->update_and_view(c.k, c.v);
+            }
+            // The budget this call found (adopted at its start; empty while deferring).
+            const std::optional<int> now = core_budget(*model[l]);
+            bool tie = false;
+            for (SeqOracle& o : oracle[l]) {
+              if (now && o.budget() != now) {
+                ++budgets_changed;
+                o.set_budget(*now, mode.G > 0);
+                if (o.evicted_last_call() > 0) ++pending_evictions;
+              }
+            }
+            tie = feed_oracle(oracle[l], c, mode.G > 0);
+            const std::string err = compare_with_oracle(*model[l], oracle[l], offset + S, false);
+            if (!err.empty()) {
+              if (tie) {
+                ++tie_divergences;
+                stop = true;
+                break;
+              }
+              ADD_FAILURE() << ctx << ", layer " << l << ", offset " << offset << ": " << err;
+              stop = true;
+            }
+          }
+          if (stop) break;
+          offset += S;
+        }
       }
     }
   }
+  std::printf(
+      "[ stats    ] %d runs, %d sequences re-budgeted (%d evicting at once), %d diverged "
+      "after a near-tie\n",
+      runs, budgets_changed, pending_evictions, tie_divergences);
+  EXPECT_LE(tie_divergences * 10, runs);
+  EXPECT_GT(budgets_changed, runs * 3);  // every run adopts budgets (and a deferring one its first)
+  EXPECT_GT(pending_evictions, runs);    // ... which made pools give up rows at once
 }
 
 }  // namespace
