@@ -1177,6 +1177,48 @@ TEST(AdaptiveHeadsConfigTest, FloorOneAndTinyFloorsAreAccepted) {
   }
 }
 
+/// The other methods ignore head_budgets (SPEC 14): TOVA, SnapKV, StreamingLLM and the standard
+/// cache built with "adaptive" (floor 0.2) give the uniform configuration's outputs, fetched rows
+/// and state(), bit for bit, on calls past their budgets.
+TEST(AdaptiveHeadsConfigTest, OtherMethodsIgnoreHeadBudgets) {
+  using T = Eigen::half;
+  vc::KVCacheConfig standard;
+  standard.method = "standard";
+  const std::vector<vc::KVCacheConfig> configs = {tova_config(6, 1), snap_config(6, 1, 2),
+                                                  stream_config(1, 5), standard};
+  for (vc::KVCacheConfig uniform : configs) {
+    vc::KVCacheConfig adaptive = uniform;
+    adaptive.head_budgets = "adaptive";
+    adaptive.head_budget_floor = 0.2;
+    const std::string ctx = uniform.method;
+    CachePtr<T> u = vc::KVCacheFactory::create<T>(uniform);
+    CachePtr<T> a = vc::KVCacheFactory::create<T>(adaptive);
+    AdaRun r;
+    r.B = 2;
+    r.H = 3;
+    r.G = 2;
+    r.Dk = 8;
+    std::mt19937 rng(31u);
+    for (const Index S : {9, 1, 1, 4, 1, 7, 1}) {
+      const Call<T> c = random_call<T>(rng, r, S, {0.4, 1.0, 2.5});
+      if (S > 1) {
+        const vc::KVPair<T> fu = u->update_and_fetch(c.k, c.v, c.q);
+        const vc::KVPair<T> fa = a->update_and_fetch(c.k, c.v, c.q);
+        EXPECT_TRUE(bitwise_equal(fu.first, fa.first) && bitwise_equal(fu.second, fa.second))
+            << ctx;
+      } else {
+        EXPECT_EQ(out_bytes(u->attend(c.q, c.k, c.v)), out_bytes(a->attend(c.q, c.k, c.v))) << ctx;
+      }
+      const vc::KVPair<T> su = u->state(), sa = a->state();
+      EXPECT_TRUE(bitwise_equal(su.first, sa.first) && bitwise_equal(su.second, sa.second)) << ctx;
+      EXPECT_EQ(u->kept_bytes(), a->kept_bytes()) << ctx;
+    }
+    if (uniform.method != "standard") {
+      EXPECT_LT(a->tokens_kept(), a->offset()) << ctx << ": nothing was evicted";
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Fetch and state() refuse ragged heads
 // ---------------------------------------------------------------------------------------------
