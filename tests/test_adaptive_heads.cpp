@@ -504,11 +504,12 @@ struct Outcome {
 };
 
 /// One run of `calls` calls: a prompt (of 1 to 2 x budget + 4 tokens), then decode steps mixed
-/// with chunks of 2 to budget + 4 tokens and empty calls, through update_and_view, attend (with
-/// queries), the double-input view (without) or update_and_fetch(_into) (refused, and checked
-/// to be, once the heads differ; the call then goes through update_and_view). Keys and queries of
-/// each head scaled by 0.4, 1 or 2.5 (drawn per head) so that heads attend differently. After
-/// every call: the retained rows against the oracle, and what the call returned.
+/// with chunks of 2 to budget + 4 tokens, of 65-100 (the blocked paths) and empty calls, through
+/// update_and_view, attend (with queries), the double-input view (without) or
+/// update_and_fetch(_into) (refused, and checked to be, once the heads differ; the call then goes
+/// through update_and_view). Keys and queries of each head scaled by 0.4, 1 or 2.5 (drawn per head)
+/// so that heads attend differently. After every call: the retained rows against the oracle, and
+/// what the call returned.
 template <class T>
 Outcome run_against_oracle(const AdaRun& r, int calls) {
   Outcome o;
@@ -539,6 +540,8 @@ Outcome run_against_oracle(const AdaRun& r, int calls) {
         S = 0;
       } else if (u < 0.22) {
         S = std::uniform_int_distribution<Index>(2, budget + 4)(rng);
+      } else if (u < 0.25) {
+        S = std::uniform_int_distribution<Index>(65, 100)(rng);  // more than one block of tokens
       }
     }
     const Call<T> c = random_call<T>(rng, r, S, scale);
@@ -687,8 +690,9 @@ struct SweepStats {
 };
 
 /// The sweep of one method: with queries (G 1 and 2), the key-as-query proxy, KeyDiff and
-/// K-norm, floors 0.1 / 0.25 / 0.5 / 1, B 1 and 2, H 2-4, budgets 4-12, 0-2 sinks, recent ratio
-/// (or grace) and decay drawn; value_norm_power 0, 2 or 1.5 (ignored by calls without queries).
+/// K-norm, floors 0.1 / 0.25 / 0.5 / 1, B 1 and 2, H 2-4, Dk 4 / 8 / 20, budgets 4-12, 0-2 sinks,
+/// recent ratio (or grace) and decay drawn; value_norm_power 0, 2 or 1.5 (ignored by calls without
+/// queries).
 template <class T>
 void sweep(Method method, unsigned seed) {
   std::mt19937 rng(seed);
@@ -722,7 +726,7 @@ void sweep(Method method, unsigned seed) {
         r.recent = method == Method::kH2O ? pick(0, 3) : ratios[pick(0, 2)];
         r.decay = pick(0, 1) ? 1.0 : 0.9;
         r.value_power = powers[stats.runs % 3];
-        r.Dk = pick(0, 1) ? 4 : 8;
+        r.Dk = std::vector<Index>{4, 8, 20}[static_cast<std::size_t>(pick(0, 2))];
         r.Dv = pick(1, 4);
         if (method == Method::kPyramid && stats.runs % 2 == 1) r.pyramid_layer = pick(0, 2);
         if (expected_budget(r) <= r.n_sink) r.n_sink = 0;
