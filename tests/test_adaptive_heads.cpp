@@ -612,13 +612,24 @@ Outcome run_against_oracle(const AdaRun& r, int calls) {
         returned = "fetch returned the wrong shape";
       } else {
         for (Index b = 0; b < r.B && returned.empty(); ++b)
-          for (Index h = 0; h < r.H && returned.empty(); ++h)
-            for (Index s = 0; s < S; ++s)
+          for (Index h = 0; h < r.H && returned.empty(); ++h) {
+            // The rows held before, in ascending position, then the call's.
+            const Positions was =
+                before.empty() ? Positions{} : before[static_cast<std::size_t>(b * r.H + h)];
+            for (Index i = 0; i < n - S; ++i) {
+              const auto& fed = held.at({b, h, was[static_cast<std::size_t>(i)]});
+              if (row_of(got.first, b, h, i) != fed.first ||
+                  row_of(got.second, b, h, i) != fed.second) {
+                returned = "fetch did not return the rows held before first";
+                break;
+              }
+            }
+            for (Index s = 0; s < S && returned.empty(); ++s)
               if (row_of(got.first, b, h, n - S + s) != row_of(c.k, b, h, s) ||
                   row_of(got.second, b, h, n - S + s) != row_of(c.v, b, h, s)) {
                 returned = "fetch did not return the call's rows last";
-                break;
               }
+          }
       }
     }
     remember(held, c, offset);
