@@ -143,6 +143,11 @@ void pooled_rebudget(HeadStore<T>* heads, Index n, int budget, Index floor_rows,
   }
   const Index take = std::min(excess, n_pool);
   if (take < n_pool) std::nth_element(pool, pool + take, pool + n_pool, before);
+  // Marked head by head in ascending slot order, as a uniform head's re-budget marks its rows
+  // (order_worst_first): the order decides where compaction moves rows (docs/design.md E).
+  std::sort(pool, pool + take, [](const PoolPick& a, const PoolPick& b) {
+    return a.head != b.head ? a.head < b.head : a.slot < b.slot;
+  });
   for (Index i = 0; i < take; ++i) mark_dead(static_cast<Index>(pool[i].head), pool[i].slot);
   for (Index h = 0; h < n; ++h) {
     if (!heads[h].holes().empty()) heads[h].drop_dead();

@@ -73,13 +73,19 @@ inline Index worst_in_order(const std::int32_t* order, Index lo, Index hi, const
 #endif
 
 /// Moves the `k` rows to evict first among the `n` candidates (indices into score and pos) to the
-/// front of `candidates`, by the order above (the rest in any order). Does nothing when k >= n.
+/// front of `candidates`, by the order above, in ascending index (slot) order there (the rest in
+/// any order): the order a caller marks them dead in decides which rows compaction moves where,
+/// so it must not depend on the standard library's nth_element (docs/design.md E).
 inline void order_worst_first(std::int32_t* candidates, Index n, Index k, const float* score,
                               const std::int64_t* pos, Tie tie) {
-  if (k <= 0 || k >= n) return;
-  std::nth_element(candidates, candidates + k, candidates + n, [&](std::int32_t a, std::int32_t b) {
-    return evicts_before(score[a], pos[a], score[b], pos[b], tie);
-  });
+  if (k <= 0) return;
+  if (k < n) {
+    std::nth_element(candidates, candidates + k, candidates + n,
+                     [&](std::int32_t a, std::int32_t b) {
+                       return evicts_before(score[a], pos[a], score[b], pos[b], tie);
+                     });
+  }
+  std::sort(candidates, candidates + std::min(k, n));
 }
 
 }  // namespace veloxquant::cache::detail
