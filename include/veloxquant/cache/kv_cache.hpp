@@ -767,12 +767,13 @@ class KVCache {
     const auto workers =
         static_cast<std::size_t>(tasks_for(keys.batch * keys.heads, scratch_size(keys, plan)));
     if (scratch_.size() < workers) scratch_.resize(workers);
-    for (auto& s : scratch_) s.fit(scratch_size(keys, plan));
-    if (rule_.adaptive) {
-      // The pooled eviction runs on the first worker's scratch, after the heads.
-      detail::ScratchSize z = scratch_size(keys, plan);
-      z.pooled = keys.heads * z.columns;
-      scratch_.front().fit(z);
+    const detail::ScratchSize size = scratch_size(keys, plan);
+    for (std::size_t i = 0; i < scratch_.size(); ++i) {
+      // Adaptive heads: the pooled eviction runs on the first worker's scratch, after the heads
+      // (sized here once: fitting it twice released and reallocated the pool every call).
+      detail::ScratchSize z = size;
+      if (rule_.adaptive && i == 0) z.pooled = keys.heads * z.columns;
+      scratch_[i].fit(z);
     }
     return fresh;
   }
