@@ -18,6 +18,10 @@
 //   * a small valid configuration (budgets 1..24, n_sink 0..5, grace, recent ratio, decay, beta,
 //     window, obs window), or, 1 time in 12, a configuration with exactly one invalid field (counts
 //     down to INT_MIN), which must throw std::invalid_argument naming that field at construction;
+//   * adaptive head budgets (SPEC 14; flag bits 2-3 = 2): head_budgets = "adaptive" on any policy
+//     (the others must ignore it), and for the H2O core a floor in {0.05 .. 1} and optionally a
+//     resolved budget (one more byte); an adaptive run's invalid field may be head_budgets or
+//     head_budget_floor;
 //   * per sequence (at the start and after every reset): B 1..2, H 1..3, Dk and Dv 1..8, and the
 //     query mode (no queries / every call with queries / mixed per call);
 //   * then up to kMaxOps operations: calls with S in 0..40 through update_and_fetch,
@@ -63,7 +67,20 @@
 //     relative of the oracle's (H2O core, TOVA; SnapKV);
 //   * budget(), n_sink(), protected_recent(), layer_budget(), compressed(), concentration()
 //     (against the Gram-matrix reference, 1e-9), budget_adopted(), and the coordinator's reports,
-//     finalisation and resolved budget against a model of docs/design.md 5.4.
+//     finalisation and resolved budget against a model of docs/design.md 5.4;
+//   * adaptive heads (SPEC 14, docs/design.md 4.9) instead of a count per head: each sequence's
+//     heads hold exactly min(every row fed, H x budget) (the pool bound), each head at least
+//     min(its rows before + S, ceil(floor x budget)) (its floor), kept_bytes() = the rows held x
+//     (Dk + Dv) x sizeof(T), tokens_kept() head (0, 0)'s rows; a returned window per head (its
+//     rows before the call, then the call's), a view's ragged() and rows() (std::logic_error) when
+//     its heads differ; state() on ragged heads throws std::invalid_argument naming attend and
+//     update_and_view and changes nothing, else holds what an empty call's view shows; every
+//     valid fetch (update_and_fetch, update_and_fetch_into, empty or not) on ragged heads throws
+//     the same, changing neither the cache nor the reused output (and a draft of a checkpoint
+//     is then made as a view); positions and scores against per-head oracles fed without a budget
+//     and a pooled eviction modelled one row at a time (ops_oracle.hpp pool_evict: lowest rank
+//     among the heads above their floor, sinks and the newest g protected, ties to the earlier
+//     position then the lower head), a near-tie in a pooled decision excusing the whole sequence.
 // Checks after every rejected call: it threw std::invalid_argument (nothing else), and state(),
 // offset(), the accounting, heap_bytes(), dims, scores, positions, budget(), protected_recent(),
 // layer_budget(), compressed(), concentration(), budget_adopted() and the coordinator (reports,

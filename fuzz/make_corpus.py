@@ -37,20 +37,34 @@ def rng(lo, hi, v):
     return v - lo
 
 
+FLOOR = [0.2, 0.25, 0.5, 0.75, 1.0, 0.1, 0.34, 0.05]  # head_budget_floor, adaptive byte bits 0-2
+CORE = ("squeeze", "squeeze_builder", "h2o", "pyramid", "pyramid_builder")
+
+
 class Seed:
     def __init__(self, storage, policy, budget=8, n_sink=2, ratio=0.5, decay=0.98, direct=False,
                  defer=False, resolved=None, strength=1.0, layers=1, layer=0, grace=4, beta=2.0,
-                 window=6, obs=4, invalid=None, proxy="key_as_query"):
+                 window=6, obs=4, invalid=None, proxy="key_as_query", value_power=None,
+                 adaptive=None):
+        """adaptive: the head_budget_floor of adaptive head budgets (SPEC 14; flag bits 2-3 = 2,
+        then for an H2O-core policy one byte: the floor, and with `resolved` its resolved budget);
+        value_power: value_norm_power (flag bit 7: 2.0, or 0.5 with bit 4)."""
         b = [STORAGE[storage], POLICY[policy], rng(1, 24, budget),
              rng(0, min(budget - 1, 5), n_sink), RATIO.index(ratio), DECAY.index(decay)]
-        flags = (1 if direct else 0) | (2 if defer else 0) | (4 if resolved is not None else 0)
+        flags = (1 if direct else 0) | (2 if defer else 0)
+        if adaptive is not None:
+            flags |= 8
+        elif resolved is not None:
+            flags |= 4
+        if value_power is not None:
+            flags |= 128 | (16 if value_power == 0.5 else 0)
         if policy == "snapkv" and obs > 8:
             flags |= 16
         flags |= {"key_as_query": 0, "keydiff": 32, "knorm": 64}[proxy]  # bits 5-6
         b.append(flags)
         if policy in ("squeeze", "squeeze_builder"):
             b.append(STRENGTH.index(strength))
-            if resolved is not None:
+            if resolved is not None and adaptive is None:
                 b.append(rng(n_sink + 1, 24, resolved))
             if policy == "squeeze_builder":
                 b += [rng(1, 3, layers), rng(0, layers - 1, layer)]
@@ -58,7 +72,7 @@ class Seed:
             b.append(rng(0, 10, grace))
         elif policy in ("pyramid", "pyramid_builder"):
             b.append(BETA.index(beta))
-            if policy == "pyramid" and resolved is not None:
+            if policy == "pyramid" and resolved is not None and adaptive is None:
                 b.append(rng(n_sink + 1, 24, resolved))
             if policy == "pyramid_builder":
                 b += [rng(1, 4, layers), rng(0, layers - 1, layer)]
@@ -66,6 +80,10 @@ class Seed:
             b += [rng(0, 5, n_sink), rng(1, 16, window)]
         elif policy == "snapkv":
             b.append(rng(1, 40, obs) if obs > 8 else rng(1, 8, obs))
+        if adaptive is not None and policy in CORE:
+            b.append(FLOOR.index(adaptive) | (8 if resolved is not None else 0))
+            if resolved is not None:
+                b.append(rng(n_sink + 1, 24, resolved))
         if invalid is None:
             b.append(1)  # pick(12) != 0: a valid config
         else:
@@ -316,6 +334,61 @@ def seeds():
     s["speculate-standard-trim"] = (Seed("float", "standard").sequence(B=2, H=2, Dk=3, Dv=5)
                                     .call(7).speculate(2, 1).trim(3).fork().call(2, api="into")
                                     .speculate(1))
+    # Adaptive head budgets (SPEC 14): heads that turn ragged, fetches refused on them (S > 0 and
+    # empty), pooled evictions against the harness's pool oracle (ops_oracle.hpp pool_evict) with
+    # and without queries, value-weighted, KeyDiff and K-norm ranks, a pooled re-budget at the start
+    # of a call (a deferring builder layer adopting its coordinator's budget), one-hot ties across
+    # heads, save / fork / rollback of ragged heads, floor 1, a policy that ignores the mode, and
+    # invalid fields.
+    s["adaptive-h2o-decode"] = (Seed("float", "h2o", budget=6, n_sink=1, grace=1, adaptive=0.25)
+                                .sequence(B=2, H=3, Dk=4, Dv=3).call(12).call(1, api="view")
+                                .call(1).call(1, api="into").call(1, api="view").call(0)
+                                .call(0, api="into").call(5, api="view").call(1).reload()
+                                .call(1, api="view").fork().call(2).speculate(1, 3)
+                                .call(1, api="view"))
+    s["adaptive-squeeze-queries-vnorm"] = (Seed("half", "squeeze", budget=8, n_sink=2,
+                                                adaptive=0.75, value_power=2.0)
+                                           .sequence(B=1, H=3, Dk=6, queries="always")
+                                           .call(20, G=2).call(1, G=2, api="view")
+                                           .call(1, G=1, api="view", qtype=1)
+                                           .call(3, G=3, api="view").call(1, G=2)
+                                           .call(1, G=2, api="into").call(6, G=2, api="view"))
+    s["adaptive-squeeze-builder-defer-keydiff"] = (Seed("float", "squeeze_builder", budget=6,
+                                                        n_sink=1, defer=True, layers=2, layer=0,
+                                                        proxy="keydiff", adaptive=0.2)
+                                                   .sequence(B=2, H=2, Dk=4).call(14, api="view")
+                                                   .report(1, 3).call(1, api="view").call(1)
+                                                   .call(5, api="view").reload()
+                                                   .call(1, api="view").call(1, api="view"))
+    s["adaptive-pyramid-onehot"] = (Seed("bf16", "pyramid", budget=9, n_sink=1, resolved=5,
+                                         ratio=0.25, decay=1.0, adaptive=0.5)
+                                    .sequence(H=3, Dk=2, one_hot=True).call(10, api="view")
+                                    .call(1, api="view").call(1, api="view").call(4, api="view")
+                                    .call(1).call(1, api="view"))
+    s["adaptive-knorm-pyramid-builder-mixed"] = (Seed("float", "pyramid_builder", budget=8,
+                                                      n_sink=1, layers=2, layer=1, proxy="knorm",
+                                                      adaptive=0.34)
+                                                 .sequence(B=2, H=2, Dk=3, queries="mixed")
+                                                 .call(12, with_q=False, api="view")
+                                                 .call(1, with_q=True, api="view")
+                                                 .call(1, with_q=False).call(3, api="view"))
+    s["adaptive-h2o-queries-speculate"] = (Seed("half", "h2o", budget=7, n_sink=1, grace=2,
+                                                adaptive=0.1)
+                                           .sequence(B=2, H=2, Dk=5, queries="always")
+                                           .call(11, G=3).speculate(2, 1, G=3)
+                                           .call(1, G=3, api="view").fork(False)
+                                           .call(2, G=1, api="view")
+                                           .reset(B=1, H=3, Dk=2, queries="always")
+                                           .call(9, G=2, api="view").call(1, G=2))
+    s["adaptive-floor-one"] = (Seed("float", "squeeze", budget=5, n_sink=1, adaptive=1.0)
+                               .sequence(B=1, H=2, Dk=3, queries="always").call(9, G=2)
+                               .call(1, G=2).call(1, G=2, api="into"))
+    s["adaptive-ignored-snapkv"] = (Seed("float", "snapkv", budget=5, n_sink=1, obs=3,
+                                         adaptive=0.25)
+                                    .sequence(H=2, Dk=3).call(9).call(1).call(4, api="view"))
+    s["adaptive-invalid-floor"] = Seed("half", "h2o", adaptive=0.25, invalid=[0, 1, 3])  # NaN
+    s["adaptive-invalid-head-budgets"] = Seed("float", "squeeze", adaptive=0.5,
+                                              invalid=[0, 0, 1])  # "Adaptive"
     s["invalid-config-field"] = Seed("float", "h2o", invalid=[8, 1])         # h2o_grace < 0
     s["invalid-config-sink"] = Seed("half", "snapkv", budget=3, n_sink=2, invalid=[23, 1])
     s["invalid-config-method"] = Seed("float", "tova", invalid=[24, 0])      # factory, "SQUEEZE"

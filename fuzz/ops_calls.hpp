@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <limits>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -230,13 +231,20 @@ inline std::string describe_call(const CallPlan& p, Index S, const CallDims& d, 
   return os.str();
 }
 
-/// The window a call returned, copied out of the tensors or the view: per head n rows.
+/// The window a call returned, copied out of the tensors or the view: per head n rows, or under
+/// adaptive head budgets (SPEC 14) each view head its own rows (n = -1 then: ragged).
 template <class T>
 struct Window {
   Index B = 0, H = 0, n = 0, S = 0, Dk = 0, Dv = 0;
-  std::vector<T> keys, values;  // [B, H, n, Dk], [B, H, n, Dv]
-  Positions positions;          // [B, H, n] (views only)
+  std::vector<T> keys, values;  // head after head: [rows[i], Dk], [rows[i], Dv]
+  Positions positions;          // head after head: [rows[i]] (views only)
+  std::vector<Index> rows;      // per head (b-major)
+  std::vector<Index> first;     // per head: the index of its first row in keys / values
   bool is_view = false;
+  bool ragged = false;      ///< the view said ragged()
+  bool rows_threw = false;  ///< the view's rows() threw std::logic_error
+  /// The row index of row r of head i in keys / values / positions.
+  Index at(Index i, Index r) const { return first[static_cast<std::size_t>(i)] + r; }
 };
 
 template <class T>
@@ -255,6 +263,10 @@ Window<T> from_pair(const vc::KVPair<T>& kv) {
   }
   w.keys.assign(kv.first.data(), kv.first.data() + kv.first.size());
   w.values.assign(kv.second.data(), kv.second.data() + kv.second.size());
+  for (Index i = 0; i < w.B * w.H; ++i) {
+    w.rows.push_back(w.n);
+    w.first.push_back(i * w.n);
+  }
   return w;
 }
 
@@ -264,17 +276,26 @@ Window<T> from_view(const vc::KVView<T>& v) {
   w.is_view = true;
   w.B = v.batch();
   w.H = v.heads();
-  w.n = v.rows();
+  w.ragged = v.ragged();
+  try {
+    w.n = v.rows();
+  } catch (const std::logic_error&) {
+    w.rows_threw = true;
+    w.n = -1;
+  }
   w.S = v.new_rows();
   w.Dk = v.key_dim();
   w.Dv = v.value_dim();
-  if (w.n == 0) return w;
   for (Index b = 0; b < w.B; ++b) {
     for (Index h = 0; h < w.H; ++h) {
+      const Index n = v.rows(b, h);
+      w.first.push_back(static_cast<Index>(w.positions.size()));
+      w.rows.push_back(n);
+      if (n == 0) continue;
       const auto k = v.keys(b, h);
       const auto val = v.values(b, h);
       const auto pos = v.positions(b, h);
-      for (Index r = 0; r < w.n; ++r) {
+      for (Index r = 0; r < n; ++r) {
         for (Index d = 0; d < w.Dk; ++d) w.keys.push_back(k(r, d));
         for (Index d = 0; d < w.Dv; ++d) w.values.push_back(val(r, d));
         w.positions.push_back(pos(r));

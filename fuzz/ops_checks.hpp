@@ -46,6 +46,8 @@ inline std::string diff(const Snapshot& a, const Snapshot& b) {
   if (a.batch != b.batch || a.heads != b.heads || a.key_dim != b.key_dim ||
       a.value_dim != b.value_dim)
     os << " dims";
+  if (a.ragged != b.ragged || a.head_keys != b.head_keys || a.head_values != b.head_values)
+    os << " ragged heads' rows";
   if (a.scores != b.scores) os << " scores";
   if (a.positions != b.positions) os << " positions";
   if (a.budget != b.budget) os << " budget";
@@ -84,9 +86,15 @@ class Checks {
   }
 
   /// The returned window (docs/design.md 4.4 / 2.3): the rows retained before the call (from
-  /// `before`, at `pos_before`) then the call's rows; (B, H, Dk, Dv): the call's dims.
+  /// `before`, at `pos_before`) then the call's rows; (B, H, Dk, Dv): the call's dims. Adaptive
+  /// heads (SPEC 14) may hold different numbers of rows before the call: head (b, h) returns its
+  /// own and the call's, and a view whose heads differ says ragged() and refuses rows().
   void window(const Window<T>& w, const Snapshot& before, const std::vector<Positions>& pos_before,
               const CallInputs<T>& in, Index S, const CallDims& d, bool dims_were_known) const {
+    if (spec_.adaptive) {
+      adaptive_window(w, before, pos_before, in, S, d, dims_were_known);
+      return;
+    }
     const Index n_before = dims_were_known ? static_cast<Index>(seq_.count) : 0;
     const Index n = n_before + S;
     std::ostringstream os;
@@ -97,12 +105,69 @@ class Checks {
     if (w.is_view) report_.expect(w.S == S, "view new_rows() " + std::to_string(w.S) + " != S");
     if (n == 0) return;
     for (Index b = 0; b < d.B; ++b) {
-      for (Index h = 0; h < d.H; ++h) window_head(w, before, pos_before, in, S, d, n_before, b, h);
+      for (Index h = 0; h < d.H; ++h) {
+        window_head(w, before, pos_before, in, S, d, n_before, n_before, b, h);
+      }
     }
   }
 
-  /// Everything after an accepted call (or a trim) against the models.
-  void after_call() {
+  /// window() for adaptive heads: each head's rows before the call are its positions before it.
+  void adaptive_window(const Window<T>& w, const Snapshot& before,
+                       const std::vector<Positions>& pos_before, const CallInputs<T>& in, Index S,
+                       const CallDims& d, bool dims_were_known) const {
+    const Index heads = d.B * d.H;
+    std::vector<Index> n_before(static_cast<std::size_t>(heads), 0);
+    if (dims_were_known) {
+      for (Index i = 0; i < heads; ++i) {
+        n_before[static_cast<std::size_t>(i)] =
+            static_cast<Index>(pos_before[static_cast<std::size_t>(i)].size());
+      }
+    }
+    const bool differ = std::adjacent_find(n_before.begin(), n_before.end(),
+                                           std::not_equal_to<>()) != n_before.end();
+    report_.expect(w.B == d.B && w.H == d.H && w.Dk == d.Dk && w.Dv == d.Dv &&
+                       static_cast<Index>(w.rows.size()) == heads,
+                   "returned window: [" + std::to_string(w.B) + ", " + std::to_string(w.H) +
+                       ", ., " + std::to_string(w.Dk) + "/" + std::to_string(w.Dv) +
+                       "], expected [" + std::to_string(d.B) + ", " + std::to_string(d.H) +
+                       ", ., " + std::to_string(d.Dk) + "/" + std::to_string(d.Dv) + "]");
+    report_.expect(w.is_view || !differ, "a fetch returned ragged heads " + fmt_vec(n_before));
+    if (w.is_view) {
+      report_.expect(w.S == S, "view new_rows() " + std::to_string(w.S) + " != S");
+      report_.expect(w.ragged == differ && w.rows_threw == differ,
+                     std::string("a view of heads holding ") + fmt_vec(n_before) + " + S rows " +
+                         (w.ragged ? "says" : "does not say") + " ragged() and rows() " +
+                         (w.rows_threw ? "throws" : "does not throw"));
+    }
+    for (Index i = 0; i < heads; ++i) {
+      const Index want = n_before[static_cast<std::size_t>(i)] + S;
+      const Index got = w.rows[static_cast<std::size_t>(i)];
+      report_.expect(got == want, "returned window: head " + std::to_string(i) + " holds " +
+                                      std::to_string(got) + " rows, expected " +
+                                      std::to_string(want) + " = " +
+                                      std::to_string(n_before[static_cast<std::size_t>(i)]) +
+                                      " + " + std::to_string(S));
+      if (!w.is_view && w.n != want) report_.fail("fetched window of the wrong row count");
+    }
+    for (Index b = 0; b < d.B; ++b) {
+      for (Index h = 0; h < d.H; ++h) {
+        // The state before: per head when ragged (Snapshot::head_keys), else state()'s tensors.
+        // (A head with no rows has nothing to compare: an empty call before the first call may
+        // claim other dims than the sequence's.)
+        const Index nb = n_before[static_cast<std::size_t>(b * d.H + h)];
+        if (nb + S == 0) continue;
+        window_head(w, before, pos_before, in, S, d, nb, before.ragged ? -1 : nb, b, h);
+      }
+    }
+  }
+
+  /// Everything after an accepted call (or a trim) against the models; `pos_before`: each
+  /// head's positions before the call, `S`: its tokens (adaptive heads' floors need them).
+  void after_call(const std::vector<Positions>& pos_before = {}, Index S = 0) {
+    if (spec_.adaptive) {
+      adaptive_after_call(pos_before, S);
+      return;
+    }
     const vc::KVPair<T> st = accounting();
     const Index n = st.first.dimension(2);
     if (cache_.core && budget_.budget) {
@@ -118,6 +183,138 @@ class Checks {
 
     for (Index b = 0; b < seq_.B; ++b) {
       for (Index h = 0; h < seq_.H; ++h) head(st, b, h, n);
+    }
+  }
+
+  /// after_call for adaptive heads (SPEC 14, docs/design.md 4.9), whose heads may hold
+  /// different numbers of rows: each sequence's heads hold exactly the pool model's rows (all of
+  /// them, or H x budget: never more), each head at least min(its rows before + S, ceil(floor x
+  /// budget)); kept_bytes() is the sum of the rows held, tokens_kept() head (0, 0)'s; ragged heads
+  /// make state() throw std::invalid_argument naming attend and update_and_view, changing nothing,
+  /// and else state() holds what an empty call's view shows; then every head as after_call does
+  /// (positions, the rows fed at them, sinks, the protected recent rows, the oracle), an excused
+  /// divergence of one head ending the comparison of its whole sequence (the pool couples them).
+  void adaptive_after_call(const std::vector<Positions>& pos_before, Index S) {
+    vc::KVCache<T>& c = *cache_.layer;
+    const Index B = seq_.B, H = seq_.H;
+    counters();
+    std::vector<Positions> pos;
+    std::vector<Index> rows;
+    for (Index i = 0; i < B * H; ++i) {
+      pos.push_back(positions(static_cast<std::size_t>(i)));
+      rows.push_back(static_cast<Index>(pos.back().size()));
+    }
+    const std::optional<int>& budget = budget_.budget;
+    const Index floor_rows =
+        budget
+            ? std::min<Index>(*budget, static_cast<Index>(std::ceil(spec_.cfg.head_budget_floor *
+                                                                    static_cast<double>(*budget))))
+            : 0;
+    std::size_t total = 0;
+    for (Index b = 0; b < B; ++b) {
+      Index held = 0;
+      for (Index h = 0; h < H; ++h) held += rows[static_cast<std::size_t>(b * H + h)];
+      total += static_cast<std::size_t>(held);
+      report_.expect(held == seq_.pooled, "sequence " + std::to_string(b) + "'s heads hold " +
+                                              std::to_string(held) + " rows " + fmt_vec(rows) +
+                                              ", the pool model " + std::to_string(seq_.pooled));
+      if (budget) {
+        report_.expect(held <= H * *budget, "sequence " + std::to_string(b) + " holds " +
+                                                std::to_string(held) + " rows, over its pool of " +
+                                                std::to_string(H) + " x " +
+                                                std::to_string(*budget));
+      }
+    }
+    for (Index i = 0; i < B * H && budget; ++i) {
+      const Index was = pos_before.empty()
+                            ? 0
+                            : static_cast<Index>(pos_before[static_cast<std::size_t>(i)].size());
+      report_.expect(rows[static_cast<std::size_t>(i)] >= std::min(was + S, floor_rows),
+                     "head " + std::to_string(i) + " holds " +
+                         std::to_string(rows[static_cast<std::size_t>(i)]) +
+                         " rows, below its floor " + std::to_string(floor_rows) + " (it held " +
+                         std::to_string(was) + " + " + std::to_string(S) + ")");
+    }
+    const std::size_t row_bytes = static_cast<std::size_t>(seq_.Dk + seq_.Dv) * sizeof(T);
+    report_.expect(c.kept_bytes() == total * row_bytes,
+                   "kept_bytes() " + std::to_string(c.kept_bytes()) + " is not the " +
+                       std::to_string(total) + " rows held");
+    report_.expect(c.tokens_kept() == rows.front(), "tokens_kept() is not head (0, 0)'s rows");
+    report_.expect(c.full_seq_bytes() == static_cast<std::size_t>(B * H) *
+                                             static_cast<std::size_t>(seq_.offset) * row_bytes,
+                   "full_seq_bytes() is wrong");
+    if (total > 0) {
+      const double ratio =
+          static_cast<double>(c.full_seq_bytes()) / static_cast<double>(c.kept_bytes());
+      report_.expect(c.compression_ratio() == ratio, "compression_ratio() is wrong");
+    }
+    report_.expect(c.heap_bytes() >= c.kept_bytes(), "heap_bytes() < kept_bytes()");
+    // state() serves equal heads only; an empty call's view serves every head.
+    const bool ragged =
+        std::adjacent_find(rows.begin(), rows.end(), std::not_equal_to<>()) != rows.end();
+    if (ragged) report_.count(&Stats::ragged_calls);
+    const std::vector<vt::HeadRows> held = vt::held_rows(c);
+    if (ragged) {
+      const Snapshot before = cache_.snapshot();
+      std::string what;
+      try {
+        (void)c.state();
+      } catch (const std::invalid_argument& e) {
+        what = e.what();
+      }
+      report_.expect(vt::is_ragged_refusal(what),
+                     "state() on ragged heads " + fmt_vec(rows) +
+                         (what.empty() ? std::string(" did not throw") : " threw: " + what));
+      const Snapshot after = cache_.snapshot();
+      report_.expect(after == before,
+                     "a refused state() changed the cache: " + diff(before, after));
+    } else {
+      const vc::KVPair<T> st = c.state();
+      std::vector<T> keys, values;
+      for (const vt::HeadRows& r : held) {
+        const auto* k = reinterpret_cast<const T*>(r.keys.data());
+        const auto* v = reinterpret_cast<const T*>(r.values.data());
+        keys.insert(keys.end(), k, k + r.keys.size() / sizeof(T));
+        values.insert(values.end(), v, v + r.values.size() / sizeof(T));
+      }
+      report_.expect(
+          st.first.dimension(0) == B && st.first.dimension(1) == H &&
+              st.first.dimension(2) == rows.front() && st.first.dimension(3) == seq_.Dk &&
+              st.second.dimension(2) == rows.front() && st.second.dimension(3) == seq_.Dv,
+          "state() of equal heads has the wrong shape");
+      report_.expect(
+          std::equal(keys.begin(), keys.end(), st.first.data(), st.first.data() + st.first.size(),
+                     [](T a, T b) { return std::memcmp(&a, &b, sizeof(T)) == 0; }) &&
+              std::equal(values.begin(), values.end(), st.second.data(),
+                         st.second.data() + st.second.size(),
+                         [](T a, T b) { return std::memcmp(&a, &b, sizeof(T)) == 0; }),
+          "state() is not the rows an empty call's view shows");
+    }
+    budget_getters();
+    for (Index b = 0; b < B; ++b) {
+      for (Index h = 0; h < H; ++h) {
+        const auto i = static_cast<std::size_t>(b * H + h);
+        const std::string where = "head (" + std::to_string(b) + ", " + std::to_string(h) + ")";
+        const Positions& p = pos[i];
+        report_.expect(vt::policy_scores(c, b, h).size() == p.size(),
+                       where + " scores() size differs");
+        report_.expect(held[i].positions == p, where + " an empty call's view holds " +
+                                                   fmt_vec(held[i].positions) + ", positions() " +
+                                                   fmt_vec(p));
+        for (std::size_t k = 0; k < p.size(); ++k) {
+          report_.expect(p[k] >= 0 && p[k] < seq_.offset && (k == 0 || p[k - 1] < p[k]),
+                         where + " positions are not ascending within [0, offset): " + fmt_vec(p));
+        }
+        held_head_rows(held[i], i, where);
+        head_keeps(p, where);
+        compare_oracle(seq_.heads[i], p, where, b, h);
+      }
+      // The pool couples a sequence's heads: one head's excused divergence ends them all.
+      bool diverged = false;
+      for (Index h = 0; h < H; ++h)
+        diverged = diverged || seq_.heads[static_cast<std::size_t>(b * H + h)].diverged;
+      for (Index h = 0; h < H; ++h)
+        seq_.heads[static_cast<std::size_t>(b * H + h)].diverged = diverged;
     }
   }
 
@@ -204,16 +401,31 @@ class Checks {
   }
 
  private:
-  /// Head (b, h) of the returned window, row by row.
+  /// Head (b, h) of the returned window, row by row. `stride`: the rows per head of the state()
+  /// taken before the call, or -1 when the heads were ragged (their rows then come from the
+  /// snapshot's head_keys / head_values).
   void window_head(const Window<T>& w, const Snapshot& before,
                    const std::vector<Positions>& pos_before, const CallInputs<T>& in, Index S,
-                   const CallDims& d, Index n_before, Index b, Index h) const {
+                   const CallDims& d, Index n_before, Index stride, Index b, Index h) const {
     const Index n = n_before + S;
-    // Rows retained before the call, from state() taken before the call (ascending position).
-    const auto* kb = reinterpret_cast<const T*>(before.keys.data());
-    const auto* vb = reinterpret_cast<const T*>(before.values.data());
     const auto dk = static_cast<std::size_t>(d.Dk), dv = static_cast<std::size_t>(d.Dv);
     const Index head = b * d.H + h;
+    if (static_cast<Index>(w.rows.size()) <= head || w.rows[static_cast<std::size_t>(head)] != n) {
+      return;  // (reported by the caller)
+    }
+    // Rows retained before the call, from state() taken before the call (ascending position), or
+    // from the ragged heads' rows of the snapshot.
+    const T* kb = nullptr;
+    const T* vb = nullptr;
+    if (stride < 0) {
+      kb = reinterpret_cast<const T*>(before.head_keys[static_cast<std::size_t>(head)].data());
+      vb = reinterpret_cast<const T*>(before.head_values[static_cast<std::size_t>(head)].data());
+    } else {
+      kb = reinterpret_cast<const T*>(before.keys.data()) +
+           static_cast<std::size_t>(head * stride) * dk;
+      vb = reinterpret_cast<const T*>(before.values.data()) +
+           static_cast<std::size_t>(head * stride) * dv;
+    }
     const Positions& pb = pos_before[static_cast<std::size_t>(head)];
     report_.expect(static_cast<Index>(pb.size()) == n_before,
                    "internal: positions before the call disagree with the count");
@@ -221,15 +433,15 @@ class Checks {
     for (Index r = 0; r < n_before; ++r) index_of[pb[static_cast<std::size_t>(r)]] = r;
     std::set<std::int64_t> seen;
     for (Index r = 0; r < n; ++r) {
-      const T* gk = w.keys.data() + static_cast<std::size_t>((head * n + r) * d.Dk);
-      const T* gv = w.values.data() + static_cast<std::size_t>((head * n + r) * d.Dv);
+      const T* gk = w.keys.data() + static_cast<std::size_t>(w.at(head, r) * d.Dk);
+      const T* gv = w.values.data() + static_cast<std::size_t>(w.at(head, r) * d.Dv);
       const T* wk = nullptr;
       const T* wv = nullptr;
       std::int64_t want_pos = 0;
       if (r < n_before) {
         Index src = r;
         if (w.is_view) {
-          const std::int64_t p = w.positions[static_cast<std::size_t>(head * n + r)];
+          const std::int64_t p = w.positions[static_cast<std::size_t>(w.at(head, r))];
           const auto it = index_of.find(p);
           report_.expect(it != index_of.end() && seen.insert(p).second,
                          "view row " + std::to_string(r) + " of head (" + std::to_string(b) + ", " +
@@ -237,8 +449,8 @@ class Checks {
                              ", not a distinct row retained before the call " + fmt_vec(pb));
           src = it->second;
         }
-        wk = kb + static_cast<std::size_t>((head * n_before + src)) * dk;
-        wv = vb + static_cast<std::size_t>((head * n_before + src)) * dv;
+        wk = kb + static_cast<std::size_t>(src) * dk;
+        wv = vb + static_cast<std::size_t>(src) * dv;
         want_pos = pb[static_cast<std::size_t>(src)];
       } else {
         const Index s = r - n_before;
@@ -246,7 +458,7 @@ class Checks {
         wv = in.vt.data() + static_cast<std::size_t>((head * S + s)) * dv;
         want_pos = seq_.offset + s;
         if (w.is_view) {
-          const std::int64_t p = w.positions[static_cast<std::size_t>(head * n + r)];
+          const std::int64_t p = w.positions[static_cast<std::size_t>(w.at(head, r))];
           report_.expect(p == want_pos, "view row " + std::to_string(r) + " (new row " +
                                             std::to_string(s) + ") has position " +
                                             std::to_string(p) + ", expected " +
@@ -262,19 +474,42 @@ class Checks {
     }
   }
 
+  /// offset(), tokens_seen() and the dims against the sequence model.
+  void counters() const {
+    const vc::KVCache<T>& c = *cache_.layer;
+    report_.expect(c.offset() == seq_.offset, "offset() " + std::to_string(c.offset()) +
+                                                  ", expected " + std::to_string(seq_.offset));
+    report_.expect(c.tokens_seen() == seq_.tokens_seen,
+                   "tokens_seen() " + std::to_string(c.tokens_seen()) + ", expected " +
+                       std::to_string(seq_.tokens_seen));
+    report_.expect(c.batch() == seq_.B && c.heads() == seq_.H && c.key_dim() == seq_.Dk &&
+                       c.value_dim() == seq_.Dv,
+                   "batch()/heads()/key_dim()/value_dim() differ from the first call's");
+  }
+
+  /// Adaptive heads: the rows an empty call's view shows for head i are the rows fed at their
+  /// positions.
+  void held_head_rows(const vt::HeadRows& r, std::size_t i, const std::string& where) const {
+    const HeadModel<T>& hm = seq_.heads[i];
+    const auto kb = static_cast<std::size_t>(seq_.Dk) * sizeof(T);
+    const auto vb = static_cast<std::size_t>(seq_.Dv) * sizeof(T);
+    for (std::size_t k = 0; k < r.positions.size(); ++k) {
+      const auto p = static_cast<std::size_t>(r.positions[k]);
+      if (std::memcmp(r.keys.data() + k * kb, hm.fed_keys[p].data(), kb) != 0 ||
+          std::memcmp(r.values.data() + k * vb, hm.fed_values[p].data(), vb) != 0) {
+        report_.fail(where + " row " + std::to_string(k) + " of its view is not the row fed at " +
+                     "position " + std::to_string(p));
+      }
+    }
+  }
+
   /// offset(), tokens_seen(), dims, state()'s shape and row count, and the byte accounting;
   /// returns state().
   vc::KVPair<T> accounting() const {
     const vc::KVCache<T>& c = *cache_.layer;
     const std::int64_t offset = seq_.offset;
     const Index B = seq_.B, H = seq_.H, Dk = seq_.Dk, Dv = seq_.Dv;
-    report_.expect(c.offset() == offset, "offset() " + std::to_string(c.offset()) + ", expected " +
-                                             std::to_string(offset));
-    report_.expect(c.tokens_seen() == seq_.tokens_seen,
-                   "tokens_seen() " + std::to_string(c.tokens_seen()) + ", expected " +
-                       std::to_string(seq_.tokens_seen));
-    report_.expect(c.batch() == B && c.heads() == H && c.key_dim() == Dk && c.value_dim() == Dv,
-                   "batch()/heads()/key_dim()/value_dim() differ from the first call's");
+    counters();
     vc::KVPair<T> st = c.state();
     const Index n = st.first.dimension(2);
     report_.expect(st.first.dimension(0) == B && st.first.dimension(1) == H &&

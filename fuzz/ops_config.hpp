@@ -26,6 +26,9 @@ struct RunSpec {
   int layers = 1, layer = 0;  ///< a builder model's layers, and the one under test
   /// The H2O core's query-free scorer (docs/design.md 4.7), as the oracle names it.
   ref::H2OHeadOracle::Scorer scorer = ref::H2OHeadOracle::Scorer::key_as_query;
+  /// Adaptive head budgets (SPEC 14, docs/design.md 4.9) on an H2O-core policy: the heads of a
+  /// sequence share H x budget rows (cfg.head_budget_floor: each keeps its share at least).
+  bool adaptive = false;
 
   bool core() const { return is_core(policy); }
   bool builder() const {
@@ -123,6 +126,24 @@ inline void decode_config(Bytes& in, RunSpec& s) {
     // Flag bit 7: value-weighted eviction in calls with queries (docs/design.md 4.8), p = 2
     // (squared norms) or, with bit 4 (SnapKV's alone otherwise), p = 0.5 (through pow).
     c.value_norm_power = (flags & 128) ? ((flags & 16) ? 0.5 : 2.0) : 0.0;
+  }
+  // Flag bits 2-3 = 2 (no resolved budget; no H2O-core input saved before adaptive heads has
+  // them, so those keep their runs): adaptive head budgets (SPEC 14). Every policy takes the field
+  // (the others must ignore it); an H2O-core policy reads one more byte: its floor (bits 0-2)
+  // and, with bit 3, a resolved budget (squeeze, single pyramidkv).
+  if ((flags & 12) == 8) {
+    c.head_budgets = "adaptive";
+    if (s.core()) {
+      s.adaptive = true;
+      const std::uint8_t a = in.u8();
+      c.head_budget_floor =
+          std::array<double, 8>{0.2, 0.25, 0.5, 0.75, 1.0, 0.1, 0.34, 0.05}[a & 7];
+      const bool squeeze = s.policy == Policy::SqueezeSingle || s.policy == Policy::SqueezeBuilder;
+      if ((a & 8) && squeeze) c.squeeze_resolved_budget = in.range(n_sink + 1, 24);
+      if ((a & 8) && s.policy == Policy::PyramidSingle) {
+        c.pyramid_resolved_budget = in.range(n_sink + 1, 24);
+      }
+    }
   }
   s.via = s.builder() ? "builder" : s.direct ? "constructor" : "factory";
 }
@@ -294,10 +315,22 @@ inline std::string break_sink_budget(Bytes& in, RunSpec& s) {
   }
 }
 
+/// Adaptive heads' fields (SPEC 14): an unknown head_budgets, or a floor outside (0, 1].
+inline std::string break_head_budgets(Bytes& in, vc::KVCacheConfig& c) {
+  if (in.pick(2) == 0) {
+    c.head_budgets = std::array<const char*, 4>{"bogus", "Adaptive", "", "adaptive "}[in.pick(4)];
+    return "head_budgets";
+  }
+  c.head_budget_floor = pick_from(in, {0.0, -0.25, 1.5, kNaN, kInf, -kInf});
+  return "head_budget_floor";
+}
+
 /// Makes one field invalid; returns the field's name (the message must contain it), or "" when
 /// the chosen breakage does not apply. `direct`: the cache is made by its constructor.
 inline std::string break_config(Bytes& in, RunSpec& s, bool direct) {
   vc::KVCacheConfig& c = s.cfg;
+  // An adaptive run first chooses whether to break its own fields (1 time in 3).
+  if (s.adaptive && in.pick(3) == 0) return break_head_budgets(in, c);
   const int k = in.pick(27);
   if (k <= 5) return break_squeeze(in, c, k);
   if (k <= 9) return break_h2o(in, c, k);
@@ -324,6 +357,9 @@ inline std::string describe_config(const RunSpec& s) {
   std::ostringstream os;
   const auto& c = s.cfg;
   if (s.core() && c.value_norm_power > 0.0) os << " value_norm_power=" << c.value_norm_power;
+  if (c.head_budgets != "uniform") {
+    os << " head_budgets=" << c.head_budgets << " floor=" << c.head_budget_floor;
+  }
   switch (s.policy) {
     case Policy::SqueezeSingle:
     case Policy::SqueezeBuilder:

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <optional>
 #include <sstream>
@@ -43,6 +44,7 @@ class Harness {
     spec_.policy = static_cast<Policy>(in_.pick(static_cast<int>(Policy::kCount)));
     if (Stats* stats = report_.stats()) ++stats->policy_runs[static_cast<int>(spec_.policy)];
     if (!construct()) return;
+    if (spec_.adaptive) report_.count(&Stats::adaptive_runs);
     seq_.start(in_);
     for (report_.op = 0; report_.op < kMaxOps && !in_.exhausted(); ++report_.op) {
       step();
@@ -300,7 +302,22 @@ class Harness {
       if (in.expect_reject) continue;  // a valid plan can still draw dims a known set refuses
       drafted += " " + describe_call(p, S, d, B, H, Dk, Dv);
       try {
-        (void)invoke(*cache_.layer, cache_.out, p, in);
+        if (p.api != Api::View && spec_.adaptive && vt::ragged_heads(*cache_.layer)) {
+          // A fetch on ragged heads (SPEC 14) is refused (checked in execute()); the draft is made
+          // as a view.
+          CallPlan view = p;
+          view.api = Api::View;
+          try {
+            (void)invoke(*cache_.layer, cache_.out, p, in);
+            report_.fail("a draft fetch on ragged heads was accepted");
+          } catch (const std::invalid_argument& e) {
+            report_.expect(vt::is_ragged_refusal(e.what()),
+                           std::string("a draft fetch on ragged heads: ") + e.what());
+          }
+          (void)invoke(*cache_.layer, cache_.out, view, in);
+        } else {
+          (void)invoke(*cache_.layer, cache_.out, p, in);
+        }
       } catch (const std::exception& e) {
         report_.fail(std::string("a draft call threw: ") + e.what());
       }
@@ -431,6 +448,9 @@ class Harness {
                                                   ? std::vector<Positions>(seq_.heads.size())
                                               : cache_.scored ? before.positions
                                                               : retained_positions();
+    // Adaptive heads that hold different numbers of rows (SPEC 14): a fetch must be refused.
+    const bool ragged = spec_.adaptive && vt::ragged_heads(*cache_.layer);
+    const vc::KVPair<T> out_before = cache_.out;
     Window<T> win;
     bool rejected = false;
     std::string reject_msg;
@@ -446,6 +466,10 @@ class Harness {
     if (p.with_queries) report_.count(&Stats::query_calls);
     if (in.expect_reject) {
       expect_rejected(p, rejected, reject_msg, before);
+      return;
+    }
+    if (ragged && p.api != Api::View) {
+      expect_ragged_refusal(rejected, reject_msg, before, out_before);
       return;
     }
     report_.expect(!rejected, "valid call was rejected: " + reject_msg);
@@ -465,7 +489,31 @@ class Harness {
     }
     report_.count(&Stats::tokens, static_cast<std::uint64_t>(S));
     update_models(in, p.with_queries, p.G, S);
-    checks_.after_call();
+    checks_.after_call(pos_before, S);
+  }
+
+  /// A valid fetch on ragged heads (SPEC 14): std::invalid_argument naming attend and
+  /// update_and_view, and nothing changed: the cache (strong guarantee) and the reused output.
+  void expect_ragged_refusal(bool rejected, const std::string& reject_msg, const Snapshot& before,
+                             const vc::KVPair<T>& out_before) {
+    report_.expect(rejected, "a fetch on ragged heads was accepted");
+    report_.expect(vt::is_ragged_refusal(reject_msg),
+                   "a fetch on ragged heads was refused without naming attend and "
+                   "update_and_view: " +
+                       reject_msg);
+    const Snapshot after = cache_.snapshot();
+    report_.expect(after == before,
+                   "a refused fetch on ragged heads changed the cache: " + diff(before, after));
+    const auto same = [](const vc::Tensor4<T>& a, const vc::Tensor4<T>& b) {
+      return a.dimensions() == b.dimensions() &&
+             (a.size() == 0 ||
+              std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(T)) == 0);
+    };
+    report_.expect(
+        same(cache_.out.first, out_before.first) && same(cache_.out.second, out_before.second),
+        "a refused fetch on ragged heads touched the reused output");
+    report_.count(&Stats::ragged_refusals);
+    report_.count(&Stats::rejected);
   }
 
   /// A bad call threw std::invalid_argument with a message and changed nothing (strong

@@ -28,6 +28,9 @@ struct Stats {
   std::uint64_t tokens = 0, decisions = 0, ambiguous = 0, excused = 0, query_calls = 0;
   std::uint64_t reloads = 0, forks = 0, rollbacks = 0;
   std::uint64_t policy_runs[9] = {};
+  /// Adaptive head budgets (SPEC 14): runs, calls that left the heads ragged, fetches refused on
+  /// ragged heads, pooled evictions the oracle decided.
+  std::uint64_t adaptive_runs = 0, ragged_calls = 0, ragged_refusals = 0, pool_decisions = 0;
 };
 
 struct Options {

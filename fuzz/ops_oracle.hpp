@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -22,11 +23,25 @@
 
 namespace veloxquant::fuzz::detail {
 
+/// The H2O core's oracle of one head, which the pooled eviction of adaptive heads (SPEC 14,
+/// docs/design.md 4.9, modelled by SequenceModel::pool_evict) can also take a given row from.
+/// (tests/reference/ has no pooled oracle: the pool is the sequence's, not a head's.)
+class CoreOracle : public ref::H2OHeadOracle {
+ public:
+  using ref::H2OHeadOracle::H2OHeadOracle;
+  /// Removes the row at `position` (it must be held).
+  void erase_position(std::int64_t position) {
+    const auto it = std::find_if(rows_.begin(), rows_.end(),
+                                 [&](const ref::OracleRow& r) { return r.position == position; });
+    if (it != rows_.end()) rows_.erase(it);
+  }
+};
+
 /// One head's oracles (only those of the cache's policy are engaged) and the rows fed to it.
 template <class T>
 struct HeadModel {
-  std::optional<ref::H2OHeadOracle> h2o;   // fed by absorb: key-as-query proxy (docs/design.md 4.2)
-  std::optional<ref::H2OHeadOracle> h2oq;  // fed by absorb_call with queries (docs/design.md 4.6)
+  std::optional<CoreOracle> h2o;   // fed by absorb: key-as-query proxy (docs/design.md 4.2)
+  std::optional<CoreOracle> h2oq;  // fed by absorb_call with queries (docs/design.md 4.6)
   std::optional<ref::TOVAHeadOracle> tova;
   std::optional<ref::TOVAHeadOracle> tovaq;
   std::optional<ref::StreamingLLMHeadOracle> stream;
@@ -56,6 +71,23 @@ inline std::vector<ref::OracleRow> ranked_rows(const ref::H2OHeadOracle& o) {
   return rows;
 }
 
+/// |m|, m the mean of the rows' unit keys k / (|k| + 1e-8) (KeyDiff, docs/design.md 4.7).
+inline double mean_unit_key_norm(const std::vector<ref::OracleRow>& rows) {
+  if (rows.empty()) return 0.0;
+  std::vector<double> mean(rows.front().key.size(), 0.0);
+  for (const ref::OracleRow& r : rows) {
+    double norm = 0.0;
+    for (const double x : r.key) norm += x * x;
+    norm = std::sqrt(norm) + 1e-8;
+    for (std::size_t i = 0; i < mean.size(); ++i) {
+      mean[i] += r.key[i] / norm / static_cast<double>(rows.size());
+    }
+  }
+  double mm = 0.0;
+  for (const double x : mean) mm += x * x;
+  return std::sqrt(mm);
+}
+
 /// The current sequence (from the start of the run or the last reset) as the library must see it.
 template <class T>
 class SequenceModel {
@@ -77,6 +109,7 @@ class SequenceModel {
     offset = 0;
     tokens_seen = 0;
     count = 0;
+    pooled = 0;
     snap_compressed = false;
     snap_end = 0;
     Rng rng(in.u32());
@@ -99,9 +132,15 @@ class SequenceModel {
   }
 
   /// Budget `b` comes into force (set in the budget model by the caller): the count and every
-  /// head's H2O oracles are trimmed to it (docs/design.md 4.5).
+  /// head's H2O oracles are trimmed to it (docs/design.md 4.5); adaptive heads: each sequence's
+  /// pool is brought within H x b (docs/design.md 4.9).
   void rebudget(int b) {
     count = std::min<Index>(count, b);
+    if (spec_.adaptive) {
+      pooled = std::min<Index>(pooled, H * b);
+      if (oracle_on()) pool_evict(b);
+      return;
+    }
     if (!oracle_on()) return;
     for (auto& hm : heads) {
       for (auto* o : {hm.h2o ? &*hm.h2o : nullptr, hm.h2oq ? &*hm.h2oq : nullptr}) {
@@ -141,6 +180,8 @@ class SequenceModel {
       }
       absorb(hm, keys, values, queries, first);
     }
+    // Adaptive heads: the pool gives up its excess once every head has taken the call.
+    if (spec_.adaptive && budget_.budget && oracle_on()) pool_evict(*budget_.budget);
     offset += S;
     tokens_seen += B * H * S;
     count_call(S, first);
@@ -163,6 +204,10 @@ class SequenceModel {
   std::int64_t offset = 0, tokens_seen = 0;
   std::int64_t last_call_first = 0;  ///< the position of the last call's first token
   Index count = 0;  ///< rows per head (a model independent of which rows were evicted)
+  /// Adaptive heads: rows each sequence's heads hold together, min(all of them, H x budget) (the
+  /// pool; its budgets exceed the sinks here, so the protected rows always fit, docs/design.md
+  /// 4.9); which head holds them depends on the evictions.
+  Index pooled = 0;
   bool snap_compressed = false;  ///< SnapKV has compressed a chunk
   std::int64_t snap_end = 0;     ///< the end of the last compressed chunk's positions
   Rows palette_k;  ///< rows that keys (and queries) of Palette/Constant data repeat
@@ -180,15 +225,16 @@ class SequenceModel {
         case Policy::H2O:
         case Policy::PyramidSingle:
         case Policy::PyramidBuilder:
+          // Adaptive heads: no budget of their own (the pool's evictions are pool_evict's).
           if (qmode == QueryMode::None) {
             hm.h2o.emplace(budget_.n_sink, budget_.decay, budget_.grace_fn());
             hm.h2o->set_scorer(spec_.scorer);
-            if (budget_.budget) hm.h2o->set_budget(*budget_.budget);
+            if (budget_.budget && !spec_.adaptive) hm.h2o->set_budget(*budget_.budget);
           } else if (qmode == QueryMode::Always) {
             // Calls with queries ignore the scorer, and so do their re-budgets.
             hm.h2oq.emplace(budget_.n_sink, budget_.decay, budget_.grace_fn());
             hm.h2oq->set_value_power(cfg.value_norm_power);
-            if (budget_.budget) hm.h2oq->set_budget(*budget_.budget);
+            if (budget_.budget && !spec_.adaptive) hm.h2oq->set_budget(*budget_.budget);
           }
           break;
         case Policy::TOVA:
@@ -235,7 +281,113 @@ class SequenceModel {
         break;
       default:  // H2O core
         count = budget_.budget ? std::min<Index>(count + S, *budget_.budget) : count + S;
+        pooled =
+            budget_.budget ? std::min<Index>(pooled + H * S, H * *budget_.budget) : pooled + H * S;
         break;
+    }
+  }
+
+  /// The pooled eviction of adaptive heads under budget b (docs/design.md 4.9), in every
+  /// sequence, one row at a time: while a sequence's heads hold more than H x b rows, the row
+  /// with the lowest rank goes among the candidates (the rows of the heads holding more than
+  /// ceil(floor x b), but a head's sinks and its newest g(b) rows), ties to the earlier position,
+  /// then to the lower head. The rank is what the head's re-budget would rank by (ranked_rows:
+  /// KeyDiff's ranking without queries, score x |v|^p under value_norm_power with them, else the
+  /// score), taken once per head before any row goes. A decision that a near-tie could turn
+  /// (ops_ties.hpp, across the heads: positions are told apart by head) makes every head of the
+  /// sequence ambiguous: a row kept in one head instead of another changes both.
+  void pool_evict(int b) {
+    const Index floor_rows = std::min<Index>(
+        b, static_cast<Index>(std::ceil(spec_.cfg.head_budget_floor * static_cast<double>(b))));
+    const auto g = static_cast<std::size_t>(budget_.grace_for(b));
+    const bool keydiff =
+        spec_.scorer == ref::H2OHeadOracle::Scorer::keydiff && qmode == QueryMode::None;
+    for (Index seq = 0; seq < B; ++seq) {
+      std::vector<CoreOracle*> o;
+      std::vector<std::vector<ref::OracleRow>> ranked;
+      Index held = 0;
+      double least_m = 1.0;  // KeyDiff: the smallest |m| of the sequence's heads
+      for (Index h = 0; h < H; ++h) {
+        HeadModel<T>& hm = heads[static_cast<std::size_t>(seq * H + h)];
+        CoreOracle* x = hm.h2o ? &*hm.h2o : hm.h2oq ? &*hm.h2oq : nullptr;
+        if (x == nullptr) return;
+        o.push_back(x);
+        ranked.push_back(ranked_rows(*x));
+        if (keydiff) {
+          // The oracle's rank() leaves out KeyDiff's division by |m| + 1e-8 (m: the mean unit
+          // key of the head), which orders no row of one head differently; across heads it does:
+          // the pool compares cosines, -(u . m) / (|m| + 1e-8) (docs/design.md 4.7, 4.9).
+          const double m = mean_unit_key_norm(x->rows());
+          least_m = std::min(least_m, m);
+          for (ref::OracleRow& r : ranked.back()) r.score /= m + 1e-8;
+        }
+        held += static_cast<Index>(x->rows().size());
+      }
+      Index excess = held - H * static_cast<Index>(b);
+      if (excess <= 0) continue;
+      // The candidates at the start (for the near-tie rule), positions told apart by head.
+      const auto key = [](Index h, std::int64_t position) {
+        return static_cast<std::int64_t>(h) * (std::int64_t{1} << 40) + position;
+      };
+      const auto candidate = [&](Index h, std::size_t i) {
+        const std::vector<ref::OracleRow>& r = ranked[static_cast<std::size_t>(h)];
+        return static_cast<Index>(r.size()) > floor_rows && r[i].position >= budget_.n_sink &&
+               i + g < r.size();
+      };
+      std::vector<Candidate> cands;
+      for (Index h = 0; h < H; ++h) {
+        for (std::size_t i = 0; i < ranked[static_cast<std::size_t>(h)].size(); ++i) {
+          if (candidate(h, i)) {
+            const ref::OracleRow& r = ranked[static_cast<std::size_t>(h)][i];
+            cands.push_back({r.score, key(h, r.position)});
+          }
+        }
+      }
+      std::set<std::int64_t> evicted;
+      for (; excess > 0; --excess) {
+        Index best_h = -1;
+        std::size_t best_i = 0;
+        for (Index h = 0; h < H; ++h) {
+          const std::vector<ref::OracleRow>& r = ranked[static_cast<std::size_t>(h)];
+          for (std::size_t i = 0; i < r.size(); ++i) {
+            if (!candidate(h, i)) continue;
+            if (best_h < 0) {
+              best_h = h;
+              best_i = i;
+              continue;
+            }
+            const ref::OracleRow& w = ranked[static_cast<std::size_t>(best_h)][best_i];
+            // Strict: among equal ranks the earlier position, then the lower head (scanned first).
+            if (r[i].score < w.score || (r[i].score == w.score && r[i].position < w.position)) {
+              best_h = h;
+              best_i = i;
+            }
+          }
+        }
+        if (best_h < 0) break;
+        std::vector<ref::OracleRow>& r = ranked[static_cast<std::size_t>(best_h)];
+        evicted.insert(key(best_h, r[best_i].position));
+        o[static_cast<std::size_t>(best_h)]->erase_position(r[best_i].position);
+        r.erase(r.begin() + static_cast<std::ptrdiff_t>(best_i));
+      }
+      if (evicted.empty()) continue;
+      report_.count(&Stats::decisions);
+      report_.count(&Stats::pool_decisions);
+      // (KeyDiff: the library's absolute error in u . m, divided by |m| like the ranks.)
+      const double floor = keydiff ? kKeyDiffAbsTol / (least_m + 1e-8) : kTieAbsFloor;
+      if (!near_tie(cands, evicted, nullptr, false, floor)) continue;
+      report_.count(&Stats::ambiguous);
+      for (Index h = 0; h < H; ++h) heads[static_cast<std::size_t>(seq * H + h)].ambiguous = true;
+      std::ostringstream os;
+      os.precision(17);
+      os << "near-tie pooled decision in sequence " << seq << ": evicted (head:position:rank)";
+      for (const Candidate& c : cands) {
+        if (evicted.count(c.position)) {
+          os << " " << (c.position >> 40) << ":" << (c.position & ((std::int64_t{1} << 40) - 1))
+             << ":" << c.score;
+        }
+      }
+      report_.log(os.str());
     }
   }
 

@@ -4,8 +4,9 @@
 
 // The contract every cache keeps, swept over every policy (tests/support/contract.hpp: standard,
 // squeeze without and with a coordinator, deferring squeeze, H2O, PyramidKV, TOVA, StreamingLLM,
-// SnapKV) x storage type (half, bfloat16, float) x update API (fetch, view, fetch_into, each with
-// and without queries, and the converting double overloads), through the public API only; built
+// SnapKV, and H2O, squeeze, deferring squeeze and PyramidKV with adaptive head budgets, SPEC 14)
+// x storage type (half, bfloat16, float) x update API (fetch, view, fetch_into, each with and
+// without queries, and the converting double overloads), through the public API only; built
 // a second time over quantized rows (8-bit keys, 4-bit values; head dims times 8,
 // docs/testing.md):
 //  * a call returns the rows retained before it, then its own rows (docs/design.md 4.4, 2.3);
@@ -20,7 +21,12 @@
 //    after any call (KVCacheBuilder::fork) and its source both do, neither changing the other;
 //    so does a cache checkpointed after any call, driven on and rolled back;
 //  * every bad call throws std::invalid_argument naming the problem and changes nothing
-//    (docs/design.md 8): one snapshot, one list of bad calls, the next call as on a twin.
+//    (docs/design.md 8): one snapshot, one list of bad calls, the next call as on a twin;
+//  * adaptive heads (docs/design.md 4.9) may hold different numbers of rows: the snapshot then
+//    reads each head's rows through an empty view (subjects.hpp), a fetch on ragged heads must be
+//    refused changing nothing (invoke makes the call as a view then, so every sweep goes on), and
+//    what the pool guarantees is checked after every call (expect_adaptive_heads): each sequence
+//    H x budget rows, each head its floor, the accounting of the rows held, ragged views.
 // What is particular to a policy (its semantics against its oracle, hand-computed cases) stays in
 // the policy's own file.
 
@@ -102,7 +108,7 @@ std::vector<std::vector<std::int64_t>> held_positions(vc::KVCache<T>& cache) {
   for (Index b = 0; b < B; ++b) {
     for (Index h = 0; h < H; ++h) {
       std::vector<std::int64_t> p(view.positions(b, h).data(),
-                                  view.positions(b, h).data() + view.rows());
+                                  view.positions(b, h).data() + view.rows(b, h));
       std::sort(p.begin(), p.end());
       out.push_back(std::move(p));
     }
@@ -172,6 +178,193 @@ void expect_returned(const Returned& got, Api api, const vc::KVPair<T>& before,
   EXPECT_EQ(got.view_tail, tail) << ctx << ": the call's rows are not last in arrival order";
 }
 
+// ---------------------------------------------------------------------------------------------
+// Adaptive heads (SPEC 14, docs/design.md 4.9): what the pool guarantees
+// ---------------------------------------------------------------------------------------------
+
+/// The rows every head of an adaptive subject keeps at least under budget b: ceil(floor x b), at
+/// most b.
+Index floor_rows(Kind kind, int budget) {
+  const auto rows = static_cast<Index>(std::ceil(adaptive_floor(kind) * budget));
+  return std::min<Index>(rows, budget);
+}
+
+/// What the heads of an adaptive subject hold after a call of S tokens (`offset`: tokens absorbed
+/// so far, `calls`: calls with tokens made; `before`: each head's rows before the call, empty
+/// before the first), through the public API (docs/design.md 4.9):
+///  * each sequence's heads hold together exactly H x what one uniform head would (the pool,
+///    H x budget once the budget is known; every row is kept before);
+///  * each head keeps at least min(its rows before + S, ceil(floor x budget)): the pool never takes
+///    a head below its floor (a head below it, after a budget rose, loses nothing);
+///  * each head's positions are distinct, ascending, below offset(), with the sink and the newest
+///    max(g, 1) positions of the sequence (no head gives up its protected recent rows);
+///  * positions, scores and an empty call's view agree on every head's rows; kept_bytes() is the
+///    sum of the rows held, tokens_kept() head (0, 0)'s rows;
+///  * the heads are ragged exactly when their rows differ: the view's ragged() says so and its
+///    rows() throws std::logic_error (else it is the rows of every head), and state() throws
+///    std::invalid_argument naming attend and update_and_view, changing nothing; otherwise state()
+///    holds every head's rows as the view does.
+/// Returns whether the heads are ragged.
+template <class T>
+bool expect_adaptive_heads(Subject<T>& s, Kind kind, std::int64_t offset, int calls,
+                           const std::vector<std::size_t>& before, Index S,
+                           const std::string& where) {
+  vc::KVCache<T>& c = *s.cache;
+  const Index B = c.batch(), H = c.heads();
+  const std::vector<std::size_t> rows = core_head_rows(c);
+  EXPECT_EQ(static_cast<Index>(rows.size()), B * H) << where;
+  if (static_cast<Index>(rows.size()) != B * H) return false;
+  const Index per_head = expected_rows(base_kind(kind), offset, calls);
+  const std::optional<int> budget = core_budget(c);
+  const int g = core_protected_recent(c);
+  for (Index b = 0; b < B; ++b) {
+    std::size_t held = 0;
+    for (Index h = 0; h < H; ++h) held += rows[static_cast<std::size_t>(b * H + h)];
+    EXPECT_EQ(static_cast<Index>(held), H * per_head)
+        << where << ": sequence " << b << "'s heads hold " << held << " rows, not H x " << per_head
+        << " (the pool)";
+  }
+  for (Index b = 0; b < B; ++b) {
+    for (Index h = 0; h < H; ++h) {
+      const auto i = static_cast<std::size_t>(b * H + h);
+      const std::string head =
+          where + ", head (" + std::to_string(b) + ", " + std::to_string(h) + ")";
+      if (budget) {
+        const Index was = before.empty() ? 0 : static_cast<Index>(before[i]);
+        EXPECT_GE(static_cast<Index>(rows[i]), std::min(was + S, floor_rows(kind, *budget)))
+            << head << ": below its floor of " << floor_rows(kind, *budget) << " (held " << was
+            << " + " << S << " before the pool)";
+      }
+      const std::vector<std::int64_t> p = policy_positions(c, b, h);
+      EXPECT_EQ(policy_scores(c, b, h).size(), p.size()) << head;
+      EXPECT_TRUE(std::adjacent_find(p.begin(), p.end(), std::greater_equal<>()) == p.end())
+          << head << ": positions not ascending";
+      EXPECT_TRUE(p.empty() || (p.front() >= 0 && p.back() < offset)) << head;
+      if (offset > 0) {
+        EXPECT_TRUE(!p.empty() && p.front() == 0) << head << ": the sink was evicted";
+        const std::int64_t newest = std::min<std::int64_t>(std::max(g, 1), offset);
+        for (std::int64_t q = offset - newest; q < offset; ++q) {
+          EXPECT_TRUE(std::binary_search(p.begin(), p.end(), q))
+              << head << ": protected recent position " << q << " was evicted (g = " << g << ")";
+        }
+      }
+    }
+  }
+  std::size_t total = 0;
+  for (const std::size_t r : rows) total += r;
+  EXPECT_EQ(c.kept_bytes(), total * stored_row_bytes<T>()) << where << ": kept_bytes()";
+  EXPECT_EQ(c.tokens_kept(), static_cast<std::int64_t>(rows.front())) << where;
+  const auto t_row_bytes = static_cast<std::size_t>(kKeys[3] + kValues[3]) * sizeof(T);
+  EXPECT_EQ(c.full_seq_bytes(), static_cast<std::size_t>(B * H * offset) * t_row_bytes) << where;
+  if (total > 0) {
+    EXPECT_DOUBLE_EQ(c.compression_ratio(),
+                     static_cast<double>(c.full_seq_bytes()) / static_cast<double>(c.kept_bytes()))
+        << where;
+  }
+  const bool ragged =
+      std::adjacent_find(rows.begin(), rows.end(), std::not_equal_to<>()) != rows.end();
+  // The rows as an empty call's view shows them (held_rows), and that view's own shape.
+  const std::vector<HeadRows> held = held_rows(c);
+  {
+    const vc::Tensor4<T> k0(B, H, 0, c.key_dim()), v0(B, H, 0, c.value_dim());
+    const vc::KVView<T> view = c.update_and_view(k0, v0);
+    EXPECT_EQ(view.ragged(), ragged) << where;
+    if (ragged) {
+      EXPECT_THROW((void)view.rows(), std::logic_error) << where << ": rows() of a ragged view";
+    } else {
+      EXPECT_EQ(view.rows(), static_cast<Index>(rows.front())) << where;
+    }
+    for (Index b = 0; b < B; ++b) {
+      for (Index h = 0; h < H; ++h) {
+        const auto i = static_cast<std::size_t>(b * H + h);
+        EXPECT_EQ(view.rows(b, h), static_cast<Index>(rows[i])) << where << ": view rows(b, h)";
+        EXPECT_EQ(held[i].positions, policy_positions(c, b, h)) << where << ": view positions";
+      }
+    }
+  }
+  if (ragged) {
+    const Snapshot was = snapshot(s);
+    const std::string what = invalid_argument_message([&] { (void)c.state(); });
+    EXPECT_TRUE(is_ragged_refusal(what)) << where << ": state() on ragged heads: " << what;
+    EXPECT_TRUE(snapshot(s) == was) << where << ": a refused state() changed the cache";
+  } else {
+    const vc::KVPair<T> st = c.state();
+    EXPECT_EQ(st.first.dimension(2), static_cast<Index>(rows.front())) << where;
+    const std::vector<unsigned char> k = bytes_of(st.first), v = bytes_of(st.second);
+    std::vector<unsigned char> want_k, want_v;
+    for (const HeadRows& r : held) {
+      want_k.insert(want_k.end(), r.keys.begin(), r.keys.end());
+      want_v.insert(want_v.end(), r.values.begin(), r.values.end());
+    }
+    EXPECT_TRUE(k == want_k && v == want_v) << where << ": state() is not the rows a view shows";
+  }
+  return ragged;
+}
+
+/// expect_returned for heads that may hold different numbers of rows (adaptive subjects):
+/// `before` holds each head's rows retained before the call (held_rows; empty before the first);
+/// `as_view`: the call returned a view (a view API, or a fetch refused on ragged heads and made as
+/// a view by invoke). Fetched: [before ; call] bitwise, every head holding as many rows; a view:
+/// each head's earlier rows by position, then the call's rows last in arrival order.
+template <class T>
+void expect_returned_by_head(const Returned& got, bool as_view, const std::vector<HeadRows>& before,
+                             std::int64_t offset_before, const Call& call, const std::string& ctx) {
+  const vc::KVPair<T> stored = stored_call<T>(call.keys, call.values);
+  const Index B = stored.first.dimension(0), H = stored.first.dimension(1);
+  const Index S = stored.first.dimension(2);
+  const auto kb = static_cast<std::size_t>(stored.first.dimension(3)) * sizeof(T);
+  const auto vb = static_cast<std::size_t>(stored.second.dimension(3)) * sizeof(T);
+  const auto* ck = reinterpret_cast<const unsigned char*>(stored.first.data());
+  const auto* cv = reinterpret_cast<const unsigned char*>(stored.second.data());
+  const auto n_before = [&](Index i) {
+    return before.empty()
+               ? Index{0}
+               : static_cast<Index>(before[static_cast<std::size_t>(i)].positions.size());
+  };
+  if (!as_view) {
+    std::vector<unsigned char> want_k, want_v;
+    for (Index i = 0; i < B * H; ++i) {
+      EXPECT_EQ(n_before(i), n_before(0)) << ctx << ": a fetch was served on ragged heads";
+      if (!before.empty()) {
+        const HeadRows& r = before[static_cast<std::size_t>(i)];
+        want_k.insert(want_k.end(), r.keys.begin(), r.keys.end());
+        want_v.insert(want_v.end(), r.values.begin(), r.values.end());
+      }
+      want_k.insert(want_k.end(), ck + static_cast<std::size_t>(i * S) * kb,
+                    ck + static_cast<std::size_t>((i + 1) * S) * kb);
+      want_v.insert(want_v.end(), cv + static_cast<std::size_t>(i * S) * vb,
+                    cv + static_cast<std::size_t>((i + 1) * S) * vb);
+    }
+    EXPECT_EQ(got.key_shape, (Shape{B, H, n_before(0) + S, stored.first.dimension(3)})) << ctx;
+    EXPECT_EQ(got.value_shape, (Shape{B, H, n_before(0) + S, stored.second.dimension(3)})) << ctx;
+    EXPECT_TRUE(got.keys == want_k) << ctx << ": returned keys";
+    EXPECT_TRUE(got.values == want_v) << ctx << ": returned values";
+    return;
+  }
+  std::map<std::int64_t, std::vector<unsigned char>> want;
+  std::vector<std::int64_t> tail;
+  const auto row = [&](const unsigned char* k, const unsigned char* v) {
+    std::vector<unsigned char> bytes(k, k + kb);
+    bytes.insert(bytes.end(), v, v + vb);
+    return bytes;
+  };
+  for (Index i = 0; i < B * H; ++i) {
+    for (Index r = 0; r < n_before(i); ++r) {
+      const HeadRows& hr = before[static_cast<std::size_t>(i)];
+      want[i * 1000000 + hr.positions[static_cast<std::size_t>(r)]] =
+          row(hr.keys.data() + static_cast<std::size_t>(r) * kb,
+              hr.values.data() + static_cast<std::size_t>(r) * vb);
+    }
+    for (Index t = 0; t < S; ++t) {
+      want[i * 1000000 + offset_before + t] = row(ck + static_cast<std::size_t>(i * S + t) * kb,
+                                                  cv + static_cast<std::size_t>(i * S + t) * vb);
+      tail.push_back(offset_before + t);
+    }
+  }
+  EXPECT_TRUE(got.view_rows == want) << ctx << ": the view's rows are not [before ; call]";
+  EXPECT_EQ(got.view_tail, tail) << ctx << ": the call's rows are not last in arrival order";
+}
+
 /// The calls of a sequence: a prefill longer than the budget, decode steps, a multi-token call,
 /// an empty call, and a second multi-token call. Sizes along S.
 const std::vector<Index>& sequence_sizes() {
@@ -188,12 +381,58 @@ bool with_queries(Api api) {
 // Return rule, budgets, sinks, offset and accounting
 // ---------------------------------------------------------------------------------------------
 
+/// The sequence of EveryCallReturns... on an adaptive subject through `api`: each call returns
+/// [retained before ; its rows] per head (a fetch on ragged heads is refused, changing nothing,
+/// and made as a view: invoke), offset() and tokens_seen() count every token, and the heads hold
+/// what the pool allows (expect_adaptive_heads). Returns after how many calls the heads were
+/// ragged.
+template <class T>
+int adaptive_sequence(Kind kind, Api api) {
+  const std::string ctx = std::string(kind_name(kind)) + ", " + api_name(api);
+  std::mt19937 rng(100u + static_cast<unsigned>(kind) * 16u + static_cast<unsigned>(api));
+  Subject<T> s = make_subject<T>(kind);
+  vc::KVPair<T> into;
+  std::int64_t offset = 0, seen = 0;
+  int calls = 0, ragged = 0;
+  for (const Index S : sequence_sizes()) {
+    const Call call = random_call(rng, with_s(kKeys, S), with_s(kValues, S));
+    const std::vector<HeadRows> before = held_rows(*s.cache);
+    const std::vector<std::size_t> rows_before = core_head_rows(*s.cache);
+    const bool was_ragged = ragged_heads(*s.cache);
+    const std::string where =
+        ctx + ", call " + std::to_string(calls) + " (S = " + std::to_string(S) + ")";
+    Returned got;
+    try {
+      got = invoke(*s.cache, api, call, into);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << where << ": " << e.what();
+      return ragged;
+    }
+    expect_returned_by_head<T>(got, is_view_api(api) || was_ragged, before, offset, call, where);
+    offset += S;
+    seen += kKeys[0] * kKeys[1] * S;
+    if (S > 0) ++calls;
+    EXPECT_EQ(s.cache->offset(), offset) << where;
+    EXPECT_EQ(s.cache->tokens_seen(), seen) << where;
+    if (expect_adaptive_heads(s, kind, offset, calls, rows_before, S, where)) ++ragged;
+  }
+  return ragged;
+}
+
 /// Every policy x API: each call of a sequence returns [retained before ; its rows]; afterwards
 /// each head holds what its policy allows (all heads the same count), the sinks and (but for
 /// TOVA and SnapKV) the newest row; offset() counts every token; the accounting follows the rows.
+/// Adaptive subjects: adaptive_sequence (their heads may hold different counts); the sweep must
+/// leave each of them ragged after some call.
 TYPED_TEST(ContractTest, EveryCallReturnsTheRetainedRowsThenItsOwnAndStaysWithinItsPolicy) {
   using T = TypeParam;
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
+    if (is_adaptive(kind)) {
+      int ragged = 0;
+      for (const Api api : kApis) ragged += adaptive_sequence<T>(kind, api);
+      EXPECT_GT(ragged, 0) << kind_name(kind) << ": the heads never became ragged";
+      continue;
+    }
     for (const Api api : kApis) {
       const std::string ctx = std::string(kind_name(kind)) + ", " + api_name(api);
       std::mt19937 rng(100u + static_cast<unsigned>(kind) * 16u + static_cast<unsigned>(api));
@@ -250,18 +489,136 @@ TYPED_TEST(ContractTest, EveryCallReturnsTheRetainedRowsThenItsOwnAndStaysWithin
   }
 }
 
+/// Adaptive subjects (SPEC 14) over 40 calls of 0 to 12 tokens through every API and attend, 4
+/// sequences each: after every call the heads hold what the pool allows (expect_adaptive_heads:
+/// each sequence H x min(offset, budget) rows, each head at least min(its rows + S,
+/// ceil(floor x budget)), sinks and recent rows kept, accounting of the rows held, ragged views
+/// and state() refused on ragged heads); and while the heads are ragged every fetching API (also
+/// with an empty call) throws std::invalid_argument naming attend and update_and_view, before
+/// changing anything: the cache, its coordinator and the caller's fetch_into output. Not vacuous:
+/// every subject turns ragged and fetches are refused (the floor where it binds:
+/// AdaptiveFloorHoldsAHeadWhoseRowsDrawNoAttention).
+TYPED_TEST(ContractTest, AdaptiveHeadsKeepTheirPoolAndFloorsAndRefuseDenseReturns) {
+  using T = TypeParam;
+  const Api fetching[] = {Api::kFetch,      Api::kFetchInto,   Api::kFetchQ,
+                          Api::kFetchIntoQ, Api::kFetchDouble, Api::kFetchIntoDoubleQ};
+  for (const Kind kind : kAdaptiveKinds) {
+    int ragged = 0, refused = 0;
+    for (unsigned run = 0; run < 4; ++run) {
+      std::mt19937 rng(1400u + 16u * static_cast<unsigned>(kind) + run);
+      Subject<T> s = make_subject<T>(kind);
+      std::int64_t offset = 0;
+      int calls = 0;
+      for (int i = 0; i < 40; ++i) {
+        const Index S = i == 0 ? 9 : static_cast<Index>(rng() % 13 < 8 ? rng() % 3 : rng() % 13);
+        const Call call = random_call(rng, with_s(kKeys, S), with_s(kValues, S));
+        const std::string where = std::string(kind_name(kind)) + ", run " + std::to_string(run) +
+                                  ", call " + std::to_string(i) + " (S = " + std::to_string(S) +
+                                  ")";
+        if (ragged_heads(*s.cache)) {
+          for (const Api api : fetching) {
+            for (const Index n : {S, Index{0}}) {
+              const Call c = n == S ? call : random_call(rng, with_s(kKeys, 0), with_s(kValues, 0));
+              const Snapshot before = snapshot(s);
+              vc::KVPair<T> into = earlier_output(*s.cache);
+              const std::vector<unsigned char> into_keys = bytes_of(into.first);
+              const std::string what =
+                  invalid_argument_message([&] { (void)invoke_as_given(*s.cache, api, c, into); });
+              const std::string ctx = where + ", " + api_name(api) + " of " + std::to_string(n);
+              EXPECT_TRUE(is_ragged_refusal(what)) << ctx << ": " << what;
+              const std::string name = api_name(api);
+              EXPECT_TRUE(contains(what, name.substr(0, name.find('(')))) << ctx << ": " << what;
+              EXPECT_TRUE(snapshot(s) == before) << ctx << ": a refused fetch changed the cache";
+              EXPECT_TRUE(bytes_of(into.first) == into_keys) << ctx << ": the output was touched";
+              ++refused;
+            }
+          }
+        }
+        const std::vector<std::size_t> rows_before = core_head_rows(*s.cache);
+        const int how = static_cast<int>(rng() % 4);
+        vc::KVPair<T> into;
+        if (how == 0) {
+          (void)s.cache->attend(converted<float>(call.queries), converted<T>(call.keys),
+                                converted<T>(call.values));
+        } else {
+          (void)invoke(*s.cache, kApis[rng() % (sizeof(kApis) / sizeof(kApis[0]))], call, into);
+        }
+        offset += S;
+        if (S > 0) ++calls;
+        if (expect_adaptive_heads(s, kind, offset, calls, rows_before, S, where)) ++ragged;
+      }
+    }
+    EXPECT_GT(ragged, 0) << kind_name(kind) << ": the heads never became ragged";
+    EXPECT_GT(refused, 0) << kind_name(kind);
+  }
+}
+
+/// The floor (SPEC 14) where the pool would go below it: in every sequence head 0 attends to its
+/// sink alone (its first key and its queries large and alike, its other keys 0), so its other
+/// rows draw no attention, and head 1's keys are 0 (every row draws the same share): the pool
+/// takes what it gives up from head 0 while it may. After a 9-token prefill and 30 decode steps
+/// with queries, head 0 holds exactly what it must keep, its floor or its sink and protected
+/// recent rows, whichever is more, and head 1 the rest of the pool: a floor the pool ignored
+/// (squeeze: 5 rows of 6, above the 3 it protects) or a pool that skipped the heads at their floor
+/// would show.
+TYPED_TEST(ContractTest, AdaptiveFloorHoldsAHeadWhoseRowsDrawNoAttention) {
+  using T = TypeParam;
+  for (const Kind kind : kAdaptiveKinds) {
+    SCOPED_TRACE(kind_name(kind));
+    std::mt19937 rng(77u + static_cast<unsigned>(kind));
+    Subject<T> s = make_subject<T>(kind);
+    std::vector<std::size_t> before;
+    std::int64_t offset = 0;
+    int calls = 0;
+    for (int i = 0; i <= 30; ++i) {
+      const Index S = i == 0 ? 9 : 1;
+      Call call = random_call(rng, with_s(kKeys, S), with_s(kValues, S));
+      for (Index b = 0; b < kKeys[0]; ++b) {
+        for (Index t = 0; t < S; ++t) {
+          for (Index d = 0; d < kKeys[3]; ++d) {
+            call.keys(b, 0, t, d) = offset + t == 0 ? 8.0 : 0.0;
+            call.keys(b, 1, t, d) = 0.0;
+            call.queries(b, 0, t, d) = 8.0;  // head 0's two query heads (G = 2)
+            call.queries(b, 1, t, d) = 8.0;
+          }
+        }
+      }
+      vc::KVPair<T> into;
+      (void)invoke(*s.cache, Api::kViewQ, call, into);
+      offset += S;
+      ++calls;
+      (void)expect_adaptive_heads(s, kind, offset, calls, before, S, "call " + std::to_string(i));
+      before = core_head_rows(*s.cache);
+    }
+    const int budget = s.cache->layer_budget();
+    const Index keep =
+        std::max<Index>(floor_rows(kind, budget), 1 + core_protected_recent(*s.cache));
+    for (Index b = 0; b < kKeys[0]; ++b) {
+      EXPECT_EQ(static_cast<Index>(before[static_cast<std::size_t>(b * 2)]), keep)
+          << "sequence " << b << ": head 0 (budget " << budget << ", floor "
+          << floor_rows(kind, budget) << ")";
+      EXPECT_EQ(static_cast<Index>(before[static_cast<std::size_t>(b * 2 + 1)]), 2 * budget - keep)
+          << "sequence " << b << ": head 1";
+    }
+  }
+}
+
 /// Every API of a family (without queries: fetch, view, fetch_into, fetch(double), view(double);
 /// with queries: the same with queries of float or double) leaves bitwise the same state after
-/// every call of the sequence.
+/// every call of the sequence. Adaptive subjects: a fetch on ragged heads is refused, changing
+/// nothing, and the call made as a view (invoke), so every subject takes every call; with queries
+/// attend (docs/design.md 2.8) joins the family.
 TYPED_TEST(ContractTest, EveryApiLeavesTheSameState) {
   using T = TypeParam;
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     for (const bool queries : {false, true}) {
       std::vector<Api> family;
       for (const Api api : kApis)
         if (with_queries(api) == queries) family.push_back(api);
       std::vector<Subject<T>> subjects;
       for (std::size_t i = 0; i < family.size(); ++i) subjects.push_back(make_subject<T>(kind));
+      std::optional<Subject<T>> attending;
+      if (queries && is_adaptive(kind)) attending = make_subject<T>(kind);
       std::mt19937 rng(300u + static_cast<unsigned>(kind));
       int call_no = 0;
       for (const Index S : sequence_sizes()) {
@@ -269,6 +626,10 @@ TYPED_TEST(ContractTest, EveryApiLeavesTheSameState) {
         for (std::size_t i = 0; i < family.size(); ++i) {
           vc::KVPair<T> into;
           (void)invoke(*subjects[i].cache, family[i], call, into);
+        }
+        if (attending) {
+          (void)attending->cache->attend(converted<float>(call.queries), converted<T>(call.keys),
+                                         converted<T>(call.values));
         }
         // A quantized cache's view holds a dequantized copy of the window (docs/design.md 2.3),
         // which the other APIs do not: its heap is not compared here.
@@ -283,6 +644,13 @@ TYPED_TEST(ContractTest, EveryApiLeavesTheSameState) {
               << kind_name(kind) << ": " << api_name(family[i]) << " differs from "
               << api_name(family.front()) << " after call " << call_no;
         }
+        if (attending) {
+          // attend sizes scratch for its output (the heap is not its state: logical_state).
+          Snapshot a = logical_state(*attending), f = first;
+          f.heap = 0;
+          EXPECT_TRUE(a == f) << kind_name(kind) << ": attend differs from "
+                              << api_name(family.front()) << " after call " << call_no;
+        }
         ++call_no;
       }
     }
@@ -296,9 +664,15 @@ TYPED_TEST(ContractTest, EveryApiLeavesTheSameState) {
 /// Over a long decode the heap stops growing once a bounded policy is full: it stays within a
 /// small multiple of the retained rows, and equal from step 500 to the end (SnapKV after its
 /// compressed prompt and the standard cache grow with the sequence and are left out).
+/// Adaptive subjects are not held to the equality: a head's storage follows its own rows
+/// (docs/design.md 4.9, B), and a head may reach a new largest share of its pool at any step
+/// (each sequence's heads still hold at most H x budget rows: a head at most H x budget). Instead
+/// their heap stays, at every step from 100 on, below a ceiling that does not grow with the
+/// sequence: every head holding the whole pool, H x budget + 1 rows, at 64 bytes of bookkeeping
+/// per slot (docs/design.md B: 25 to 29), half again for growth, and the same 16 KiB per head.
 TYPED_TEST(ContractTest, HeapStaysBoundedOverALongDecode) {
   using T = TypeParam;
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     if (kind == Kind::kStandard || kind == Kind::kSnap) continue;
     SCOPED_TRACE(kind_name(kind));
     Subject<T> s = make_subject<T>(kind);
@@ -315,12 +689,79 @@ TYPED_TEST(ContractTest, HeapStaysBoundedOverALongDecode) {
             1.5 * static_cast<double>(s.cache->kept_bytes() + call_rows) +
             16384.0 * static_cast<double>(kKeys[0] * kKeys[1]));
         ASSERT_LT(s.cache->heap_bytes(), bound) << "step " << step;
+        if (is_adaptive(kind)) {
+          const auto heads = static_cast<std::size_t>(kKeys[0] * kKeys[1]);
+          const auto pool = static_cast<std::size_t>(kKeys[1] * s.cache->layer_budget() + 1);
+          const std::size_t ceiling = static_cast<std::size_t>(
+              1.5 * static_cast<double>(heads * pool * (stored_row_bytes<T>() + 64)) +
+              16384.0 * static_cast<double>(heads));
+          ASSERT_LT(s.cache->heap_bytes(), ceiling) << "step " << step;
+        }
       }
       if (step == 500) at_500 = s.cache->heap_bytes();
     }
-    EXPECT_EQ(s.cache->heap_bytes(), at_500);
+    if (!is_adaptive(kind)) EXPECT_EQ(s.cache->heap_bytes(), at_500);
     EXPECT_EQ(s.cache->offset(), 1500);
   }
+}
+
+/// Rows each head (b-major) of B x H returned in `r`: a fetched window's n, or a view's rows.
+std::vector<Index> returned_rows(const Returned& r, Index B, Index H) {
+  std::vector<Index> out(static_cast<std::size_t>(B * H), r.key_shape[2]);
+  if (r.key_shape[2] > 0) return out;
+  for (const auto& row : r.view_rows) ++out[static_cast<std::size_t>(row.first / 1000000)];
+  return out;
+}
+
+/// ChunkedPrefillHoldsAtMostBudgetPlusC on an adaptive subject, whose heads share their rows (a
+/// head may hold more than the budget; SPEC 14): once the budget is known, a chunk's call returns
+/// at most H x (budget + C) rows per sequence, each head its rows before the call and the C new
+/// ones (the fetching APIs on ragged heads are refused and the call made as a view: invoke), and
+/// after it each sequence's heads hold at most H x budget rows and kept_bytes() is that of budget
+/// rows per head at most.
+template <class T>
+void adaptive_chunked_prefill(Kind kind, Index C, const Api (&apis)[4]) {
+  const std::string ctx = std::string(kind_name(kind)) + ", chunks of " + std::to_string(C);
+  Subject<T> s = make_subject<T>(kind);
+  std::mt19937 rng(31u + static_cast<unsigned>(C));
+  const Index B = kKeys[0], H = kKeys[1];
+  int bounded_chunks = 0;
+  for (Index done = 0, i = 0; done < 60; done += C, ++i) {
+    const std::string where = ctx + ", chunk " + std::to_string(i);
+    const int budget_before = s.cache->layer_budget();
+    std::vector<std::size_t> before = core_head_rows(*s.cache);
+    if (before.empty()) before.assign(static_cast<std::size_t>(B * H), 0);
+    const Call call = random_call(rng, with_s(kKeys, C), with_s(kValues, C));
+    vc::KVPair<T> into;
+    const Returned r = invoke(*s.cache, apis[static_cast<std::size_t>(i) % 4], call, into);
+    const std::vector<Index> got = returned_rows(r, B, H);
+    for (std::size_t h = 0; h < got.size(); ++h) {
+      EXPECT_EQ(got[h], static_cast<Index>(before[h]) + C) << where << ", head " << h;
+    }
+    const int budget = s.cache->layer_budget();
+    if (!(budget > 0 && budget == budget_before)) continue;
+    ++bounded_chunks;
+    const std::vector<std::size_t> rows = core_head_rows(*s.cache);
+    std::size_t total = 0;
+    for (Index b = 0; b < B; ++b) {
+      Index returned = 0, held = 0;
+      for (Index h = 0; h < H; ++h) {
+        returned += got[static_cast<std::size_t>(b * H + h)];
+        held += static_cast<Index>(rows[static_cast<std::size_t>(b * H + h)]);
+      }
+      EXPECT_LE(returned, H * (budget + C)) << where << ", sequence " << b;
+      EXPECT_LE(held, H * budget) << where << ", sequence " << b;
+      total += static_cast<std::size_t>(held);
+    }
+    EXPECT_EQ(s.cache->kept_bytes(), total * stored_row_bytes<T>()) << where;
+    EXPECT_LE(s.cache->kept_bytes(),
+              stored_row_bytes<T>() * static_cast<std::size_t>(budget * B * H))
+        << where;
+  }
+  EXPECT_GE(bounded_chunks, 5) << ctx << ": the budget was never known";
+  std::size_t total = 0;
+  for (const std::size_t n : core_head_rows(*s.cache)) total += n;
+  EXPECT_LT(total, static_cast<std::size_t>(60 * B * H)) << ctx << ": nothing was evicted";
 }
 
 /// Chunked prefill (SPEC 13.3, docs/design.md 10.3): a prompt of 60 tokens fed in chunks of C
@@ -332,8 +773,12 @@ TYPED_TEST(ContractTest, ChunkedPrefillHoldsAtMostBudgetPlusC) {
   using T = TypeParam;
   // (The fetching APIs: their return has the shape that counts the rows.)
   const Api apis[] = {Api::kFetch, Api::kFetchIntoQ, Api::kFetchInto, Api::kFetchQ};
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     if (kind == Kind::kStandard) continue;
+    if (is_adaptive(kind)) {
+      for (const Index C : {2, 3, 5}) adaptive_chunked_prefill<T>(kind, C, apis);
+      continue;
+    }
     for (const Index C : {2, 3, 5}) {
       const std::string ctx = std::string(kind_name(kind)) + ", chunks of " + std::to_string(C);
       Subject<T> s = make_subject<T>(kind);
@@ -371,7 +816,7 @@ TYPED_TEST(ContractTest, ChunkedPrefillHoldsAtMostBudgetPlusC) {
 /// same calls then give bitwise what a new cache gives, whatever came before.
 TYPED_TEST(ContractTest, ResetStartsASequenceLikeANewCache) {
   using T = TypeParam;
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     for (const Api api : {Api::kFetch, Api::kViewQ}) {
       const std::string ctx = std::string(kind_name(kind)) + ", " + api_name(api);
       std::mt19937 rng(700u + static_cast<unsigned>(kind));
@@ -504,7 +949,7 @@ void continues_like_its_twin(const Make& make, const char* what) {
   const Api apis[] = {Api::kFetch, Api::kViewQ, Api::kFetchInto, Api::kView, Api::kFetchQ,
                       Api::kFetchIntoDoubleQ, Api::kViewDouble};
   const std::vector<Index>& sizes = sequence_sizes();
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     for (std::size_t at = 0; at <= sizes.size(); ++at) {
       const std::string ctx =
           std::string(kind_name(kind)) + ", " + what + " before call " + std::to_string(at);
@@ -580,7 +1025,7 @@ TYPED_TEST(ContractTest, ForkedAfterAnyCallBothContinueBitIdentically) {
 /// changes nothing (a negative count is an error everywhere: test_bad_inputs.cpp).
 TYPED_TEST(ContractTest, OnlyTheStandardCacheTrims) {
   using T = TypeParam;
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     SCOPED_TRACE(kind_name(kind));
     std::mt19937 rng(800u);
     Subject<T> s = make_subject<T>(kind);
@@ -630,7 +1075,7 @@ std::string rejects_bad_key(Subject<T>& s, Api api, Call call, Index i, double b
   const Shape at = index_of(i, shape_of(call.keys));
   call.keys.data()[i] = bad;
   const Snapshot before = snapshot(s);
-  vc::KVPair<T> into = s.cache->state();
+  vc::KVPair<T> into = earlier_output(*s.cache);
   const std::vector<unsigned char> into_keys = bytes_of(into.first);
   std::ostringstream where;
   where << api_name(api) << ", key " << bad << " at [" << at[0] << "," << at[1] << "," << at[2]
@@ -689,7 +1134,7 @@ TYPED_TEST(ContractTest, NonFiniteKeyAtEveryPositionClassIsRejected) {
 /// then goes through as on a twin that never saw the bad calls, and so do the next calls.
 TYPED_TEST(ContractTest, NonFiniteKeyEveryPolicyEveryApi) {
   using T = TypeParam;
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     std::mt19937 rng(1234u + static_cast<unsigned>(kind));
     for (const bool established : {false, true}) {
       const std::string ctx =
@@ -719,7 +1164,7 @@ TYPED_TEST(ContractTest, NonFiniteKeyEveryPolicyEveryApi) {
 TYPED_TEST(ContractTest, DoubleKeyOverflowingTheStorageTypeOnEveryPolicy) {
   using T = TypeParam;
   const double huge = std::is_same_v<T, Eigen::half> ? 65520.0 : 3.5e38;  // just past T's max
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     SCOPED_TRACE(kind_name(kind));
     std::mt19937 rng(77u);
     Subject<T> subject = make_subject<T>(kind);
@@ -787,7 +1232,7 @@ std::vector<ShapeCase> shape_cases() {
 /// names the API and both shapes; nothing changes; the next valid calls equal the twin's.
 TYPED_TEST(ContractTest, ShapeErrorsEveryPolicyEveryApi) {
   using T = TypeParam;
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     for (const bool established : {false, true}) {
       const std::string ctx =
           std::string(kind_name(kind)) + (established ? " (established)" : " (first call)");
@@ -824,7 +1269,7 @@ TYPED_TEST(ContractTest, ShapeErrorsEveryPolicyEveryApi) {
 /// sequence); the old shape is then the wrong one.
 TYPED_TEST(ContractTest, ResetAllowsNewShapesAndThenRejectsTheOldOnes) {
   using T = TypeParam;
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     SCOPED_TRACE(kind_name(kind));
     std::mt19937 rng(5u);
     Subject<T> s = make_subject<T>(kind);
@@ -849,7 +1294,7 @@ TYPED_TEST(ContractTest, ResetAllowsNewShapesAndThenRejectsTheOldOnes) {
 /// Two bad keys in one call: the message names the first in row-major order ([b, h, s, d]).
 TYPED_TEST(ContractTest, TheFirstOfSeveralBadKeysIsNamed) {
   using T = TypeParam;
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     SCOPED_TRACE(kind_name(kind));
     std::mt19937 rng(41u);
     Subject<T> s = make_subject<T>(kind);
@@ -876,7 +1321,7 @@ TYPED_TEST(ContractTest, NonFiniteValuesAreAccepted) {
     GTEST_SKIP() << "quantized values are inspected (test_quant.cpp: QuantizedRowsRejectWhatA"
                     "GroupCannotHold)";
   }
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     SCOPED_TRACE(kind_name(kind));
     std::mt19937 rng(5u);
     Subject<T> s = make_subject<T>(kind);
@@ -905,7 +1350,7 @@ TYPED_TEST(ContractTest, LargeFiniteDoubleKeysThatFitTheStorageTypeAreAccepted) 
     GTEST_SKIP() << "quantized keys hold +-65504 at most (test_quant.cpp: QuantizedRowsRejectWhat"
                     "AGroupCannotHold)";
   }
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     SCOPED_TRACE(kind_name(kind));
     std::mt19937 rng(6u);
     Subject<T> s = make_subject<T>(kind);
@@ -928,7 +1373,7 @@ TYPED_TEST(ContractTest, LargeFiniteDoubleKeysThatFitTheStorageTypeAreAccepted) 
 /// offset (StreamingLLM: the window is still the sinks and the last rows).
 TYPED_TEST(ContractTest, EvictionCachesTrimNothingBeforeOrAfterACall) {
   using T = TypeParam;
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     if (kind == Kind::kStandard) continue;
     SCOPED_TRACE(kind_name(kind));
     std::mt19937 rng(810u);
@@ -955,6 +1400,18 @@ TYPED_TEST(ContractTest, EvictionCachesTrimNothingBeforeOrAfterACall) {
     // The next token continues at position 9.
     const Call next = random_call(rng, with_s(kKeys, 1), with_s(kValues, 1));
     const vc::KVView<T> view = s.cache->update_and_view(next.keys, next.values);
+    if (is_adaptive(kind)) {
+      // Heads may differ (SPEC 14): each holds its rows and the new one, at position 9, last.
+      for (Index b = 0; b < view.batch(); ++b) {
+        for (Index h = 0; h < view.heads(); ++h) {
+          const std::size_t held =
+              held_before[static_cast<std::size_t>(b * view.heads() + h)].size();
+          ASSERT_EQ(view.rows(b, h), static_cast<Index>(held) + 1);
+          EXPECT_EQ(view.positions(b, h)(view.rows(b, h) - 1), 9);
+        }
+      }
+      continue;
+    }
     ASSERT_EQ(view.rows(), before.tokens_kept + 1);
     for (Index b = 0; b < view.batch(); ++b)
       for (Index h = 0; h < view.heads(); ++h) EXPECT_EQ(view.positions(b, h)(view.rows() - 1), 9);
@@ -971,7 +1428,7 @@ TYPED_TEST(ContractTest, EvictionCachesTrimNothingBeforeOrAfterACall) {
 TYPED_TEST(ContractTest, TheSharedBadCallListThrowsAndChangesNothingOnEveryPolicy) {
   using T = TypeParam;
   std::vector<std::pair<Kind, vc::KVCacheConfig>> variants;
-  for (const Kind kind : kKinds) variants.emplace_back(kind, small_config());
+  for (const Kind kind : kContractKinds) variants.emplace_back(kind, small_config());
   {
     vc::KVCacheConfig c = small_config();
     c.stream_n_sink = 2;
@@ -994,9 +1451,18 @@ TYPED_TEST(ContractTest, TheSharedBadCallListThrowsAndChangesNothingOnEveryPolic
         if (established) {
           establish(subject, twin, rng, ctx);
           const Index snap = snap_rows(snap_rows(snap_rows(snap_rows(0, 9), 1), 1), 1);
-          ASSERT_EQ(subject.cache->tokens_kept(),
-                    kind == Kind::kSnap ? snap : expected_rows(kind, 12, 4))
-              << ctx;
+          if (is_adaptive(kind)) {
+            // The heads share their rows: each sequence holds H x what a uniform head would.
+            std::size_t held = 0;
+            for (const std::size_t n : core_head_rows(*subject.cache)) held += n;
+            ASSERT_EQ(static_cast<Index>(held),
+                      kKeys[0] * kKeys[1] * expected_rows(base_kind(kind), 12, 4))
+                << ctx;
+          } else {
+            ASSERT_EQ(subject.cache->tokens_kept(),
+                      kind == Kind::kSnap ? snap : expected_rows(kind, 12, 4))
+                << ctx;
+          }
         }
         const Snapshot before = snapshot(subject);
         const double ratio_before = subject.cache->compression_ratio();
@@ -1056,7 +1522,7 @@ TYPED_TEST(ContractTest, TheSharedBadCallListThrowsAndChangesNothingOnEveryPolic
 TYPED_TEST(ContractTest, BadQueriesThrowAndLeaveTheCacheUnchanged) {
   using T = TypeParam;
   const Index B = 2, H = 2, S = 3, D = dim(4), Dv = dim(3), G = 2;
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     SCOPED_TRACE(kind_name(kind));
     std::mt19937 rng(31u + static_cast<unsigned>(kind));
     Subject<T> established = make_subject<T>(kind), twin = make_subject<T>(kind);
@@ -1109,7 +1575,7 @@ TYPED_TEST(ContractTest, BadQueriesThrowAndLeaveTheCacheUnchanged) {
 TYPED_TEST(ContractTest, EmptyCallsWithQueriesChangeNothing) {
   using T = TypeParam;
   std::mt19937 rng(21);
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     SCOPED_TRACE(kind_name(kind));
     Subject<T> subject = make_subject<T>(kind);
     for (const Api api : kQueryApis) {
@@ -1142,7 +1608,7 @@ TYPED_TEST(ContractTest, EmptyCallsWithQueriesChangeNothing) {
 TYPED_TEST(ContractTest, KeyAndValueErrorsComeBeforeQueryErrors) {
   using T = TypeParam;
   std::mt19937 rng(8);
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     SCOPED_TRACE(kind_name(kind));
     Subject<T> subject = make_subject<T>(kind);
     vc::Tensor4<T> k = random_tensor<T>(rng, 2, 2, 3, dim(4));
@@ -1175,7 +1641,7 @@ TYPED_TEST(ContractTest, KeyAndValueErrorsComeBeforeQueryErrors) {
 TYPED_TEST(ContractTest, NonFiniteQueryInTheLastTokenOfALongCallChangesNothing) {
   using T = TypeParam;
   const Index S = 130, G = 2;
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     SCOPED_TRACE(kind_name(kind));
     std::mt19937 rng(12u + static_cast<unsigned>(kind));
     Subject<T> subject = make_subject<T>(kind), twin = make_subject<T>(kind);
@@ -1248,7 +1714,7 @@ TYPED_TEST(ContractTest, QueriesOfEveryElementTypeEqualTheirFloatConversion) {
       config.snap_n_sink = 2;
   config.h2o_grace = 4;
   config.snap_obs_window = 8;
-  for (const Kind kind : kKinds) {
+  for (const Kind kind : kContractKinds) {
     SCOPED_TRACE(kind_name(kind));
     const auto make = [&] { return make_subject<T>(kind, config); };
     // Pairs of caches: (reference fed float32 queries, subject fed another query type).
@@ -1322,9 +1788,15 @@ TYPED_TEST(ContractTest, QueriesOfEveryElementTypeEqualTheirFloatConversion) {
 TYPED_TEST(ContractTest, PoliciesReportTheirBudgetsAndParameters) {
   using T = TypeParam;
   const vc::KVCacheConfig c = small_config();
-  for (const Kind kind : kKinds) {
-    SCOPED_TRACE(kind_name(kind));
-    Subject<T> s = make_subject<T>(kind);
+  for (const Kind subject_kind : kContractKinds) {
+    SCOPED_TRACE(kind_name(subject_kind));
+    Subject<T> s = make_subject<T>(subject_kind);
+    // An adaptive subject reports what its uniform base does, and its mode (SPEC 14).
+    const Kind kind = base_kind(subject_kind);
+    if (is_adaptive(subject_kind)) {
+      EXPECT_EQ(s.cache->config().head_budgets, "adaptive");
+      EXPECT_EQ(s.cache->config().head_budget_floor, adaptive_floor(subject_kind));
+    }
     // Coordinated squeeze layers report squeeze_budget (8 here) until they adopt the published
     // budget: the one-layer coordinator publishes 6 in the first call; the deferring layer's
     // coordinator waits for a second layer that never reports.

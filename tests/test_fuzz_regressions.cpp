@@ -93,6 +93,12 @@ TEST(FuzzRegressions, SeedCorpusReplaysCleanAndReachesEveryPolicy) {
   EXPECT_GT(stats.reloads, 0u);
   EXPECT_GT(stats.forks, 0u);
   EXPECT_GT(stats.rollbacks, 0u);
+  // Adaptive head budgets (SPEC 14): heads that turned ragged, fetches refused on them, and pooled
+  // evictions decided by the harness's pool oracle.
+  EXPECT_GT(stats.adaptive_runs, 0u);
+  EXPECT_GT(stats.ragged_calls, 0u);
+  EXPECT_GT(stats.ragged_refusals, 0u);
+  EXPECT_GT(stats.pool_decisions, 10u);
 }
 
 // The loader's fuzz corpus (fuzz/corpus_load/): real files of the current format version saved

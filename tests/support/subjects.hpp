@@ -4,6 +4,7 @@
 // the tests; support/contract.hpp adds the GoogleTest-side helpers.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -49,6 +50,14 @@ enum class Kind {
   kSnap,
   kSqueezeDeferKeyDiff,  // kSqueezeDefer scored by KeyDiff without queries (docs/design.md 4.7)
   kH2OKNorm,             // kH2O scored by K-norm without queries
+  // Adaptive head budgets (SPEC 14, docs/design.md 4.9): the H heads of a sequence share H x
+  // budget rows, each keeping at least ceil(floor x budget); heads then hold different numbers of
+  // rows ("ragged"). Not in kKinds (the other sweeps fetch and read state(), which ragged heads
+  // refuse): kAdaptiveKinds, and kContractKinds for the contract suite.
+  kH2OAdaptive,           // kH2O, floor 0.25 (2 rows of 6: below its sink and recent window)
+  kSqueezeAdaptive,       // kSqueeze, floor 0.75 (5 rows of 6: above its sink and recent window)
+  kSqueezeDeferAdaptive,  // kSqueezeDeferKeyDiff, floor 0.25: a pooled re-budget at a call's start
+  kPyramidAdaptive,       // kPyramid, floor 0.5 (3 rows of 6)
 };
 inline constexpr Kind kKinds[] = {Kind::kStandard,
                                   Kind::kSqueeze,
@@ -61,10 +70,66 @@ inline constexpr Kind kKinds[] = {Kind::kStandard,
                                   Kind::kSnap,
                                   Kind::kSqueezeDeferKeyDiff,
                                   Kind::kH2OKNorm};
+/// The subjects with adaptive head budgets (SPEC 14).
+inline constexpr Kind kAdaptiveKinds[] = {Kind::kH2OAdaptive, Kind::kSqueezeAdaptive,
+                                          Kind::kSqueezeDeferAdaptive, Kind::kPyramidAdaptive};
+/// What the contract suite sweeps: kKinds, then kAdaptiveKinds.
+inline constexpr Kind kContractKinds[] = {Kind::kStandard,
+                                          Kind::kSqueeze,
+                                          Kind::kSqueezeCoordinated,
+                                          Kind::kSqueezeDefer,
+                                          Kind::kH2O,
+                                          Kind::kPyramid,
+                                          Kind::kTova,
+                                          Kind::kStreaming,
+                                          Kind::kSnap,
+                                          Kind::kSqueezeDeferKeyDiff,
+                                          Kind::kH2OKNorm,
+                                          Kind::kH2OAdaptive,
+                                          Kind::kSqueezeAdaptive,
+                                          Kind::kSqueezeDeferAdaptive,
+                                          Kind::kPyramidAdaptive};
+
+/// Whether the subject's heads share their pool (adaptive head budgets, SPEC 14).
+inline bool is_adaptive(Kind k) {
+  return k == Kind::kH2OAdaptive || k == Kind::kSqueezeAdaptive ||
+         k == Kind::kSqueezeDeferAdaptive || k == Kind::kPyramidAdaptive;
+}
+/// The subject an adaptive one is made from (its policy, budgets and scorer, uniform heads);
+/// any other subject itself.
+inline Kind base_kind(Kind k) {
+  switch (k) {
+    case Kind::kH2OAdaptive:
+      return Kind::kH2O;
+    case Kind::kSqueezeAdaptive:
+      return Kind::kSqueeze;
+    case Kind::kSqueezeDeferAdaptive:
+      return Kind::kSqueezeDeferKeyDiff;
+    case Kind::kPyramidAdaptive:
+      return Kind::kPyramid;
+    default:
+      return k;
+  }
+}
+/// The head_budget_floor of an adaptive subject (0: uniform heads).
+inline double adaptive_floor(Kind k) {
+  switch (k) {
+    case Kind::kH2OAdaptive:
+    case Kind::kSqueezeDeferAdaptive:
+      return 0.25;
+    case Kind::kSqueezeAdaptive:
+      return 0.75;
+    case Kind::kPyramidAdaptive:
+      return 0.5;
+    default:
+      return 0.0;
+  }
+}
 
 /// The deferring squeeze subjects (their budget is unknown until they fall back).
 inline bool is_squeeze_defer(Kind k) {
-  return k == Kind::kSqueezeDefer || k == Kind::kSqueezeDeferKeyDiff;
+  return k == Kind::kSqueezeDefer || k == Kind::kSqueezeDeferKeyDiff ||
+         k == Kind::kSqueezeDeferAdaptive;
 }
 
 inline const char* kind_name(Kind k) {
@@ -91,6 +156,14 @@ inline const char* kind_name(Kind k) {
       return "squeeze+defer+keydiff";
     case Kind::kH2OKNorm:
       return "h2o+knorm";
+    case Kind::kH2OAdaptive:
+      return "h2o+adaptive";
+    case Kind::kSqueezeAdaptive:
+      return "squeeze+adaptive";
+    case Kind::kSqueezeDeferAdaptive:
+      return "squeeze+defer+keydiff+adaptive";
+    case Kind::kPyramidAdaptive:
+      return "pyramidkv+adaptive";
   }
   return "?";
 }
@@ -121,6 +194,11 @@ struct Subject {
 
 template <class T>
 Subject<T> make_subject(Kind kind, vc::KVCacheConfig c = small_config()) {
+  if (is_adaptive(kind)) {
+    c.head_budgets = "adaptive";
+    c.head_budget_floor = adaptive_floor(kind);
+    kind = base_kind(kind);
+  }
   Subject<T> s;
   switch (kind) {
     case Kind::kStandard:
@@ -160,10 +238,81 @@ Subject<T> make_subject(Kind kind, vc::KVCacheConfig c = small_config()) {
     case Kind::kSnap:
       c.method = "snapkv";
       break;
+    case Kind::kH2OAdaptive:
+    case Kind::kSqueezeAdaptive:
+    case Kind::kSqueezeDeferAdaptive:
+    case Kind::kPyramidAdaptive:
+      break;  // made from their base kind above
   }
   if (!s.cache) s.cache = vc::KVCacheFactory::create<T>(c);
   s.cache->set_parallel_heads(false);
   return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ragged heads (adaptive head budgets, SPEC 14)
+// ---------------------------------------------------------------------------------------------
+
+/// Rows each head of `c` holds, b-major (positions(b, h) of the H2O core, the only policies whose
+/// heads may differ); empty for the other policies and before the first call.
+template <class T>
+std::vector<std::size_t> core_head_rows(const vc::KVCache<T>& c) {
+  std::vector<std::size_t> out;
+  visit_core(c, [&](const auto& p) {
+    for (Index b = 0; b < c.batch(); ++b)
+      for (Index h = 0; h < c.heads(); ++h) out.push_back(p.positions(b, h).size());
+  });
+  return out;
+}
+
+/// Whether the heads of `c` hold different numbers of rows: only adaptive heads can (SPEC 14),
+/// and update_and_fetch(_into) and state() then refuse.
+template <class T>
+bool ragged_heads(const vc::KVCache<T>& c) {
+  if (c.config().head_budgets != "adaptive") return false;
+  const std::vector<std::size_t> rows = core_head_rows(c);
+  return std::adjacent_find(rows.begin(), rows.end(), std::not_equal_to<>()) != rows.end();
+}
+
+/// One head's rows as a view shows them: positions ascending, and at each the key's bytes, then
+/// (in `values`) the value's, [n, Dk] and [n, Dv] like one head of state().
+struct HeadRows {
+  std::vector<std::int64_t> positions;
+  std::vector<unsigned char> keys, values;
+};
+
+/// Every head's rows (b-major), through an empty update_and_view, which changes nothing
+/// (docs/design.md 8) and serves ragged heads, which state() refuses. Empty before the first call.
+template <class T>
+std::vector<HeadRows> held_rows(vc::KVCache<T>& cache) {
+  std::vector<HeadRows> out;
+  if (cache.batch() == 0) return out;
+  const Index B = cache.batch(), H = cache.heads(), Dk = cache.key_dim(), Dv = cache.value_dim();
+  const vc::Tensor4<T> k(B, H, 0, Dk), v(B, H, 0, Dv);
+  const vc::KVView<T> view = cache.update_and_view(k, v);
+  const auto kb = static_cast<std::size_t>(Dk) * sizeof(T);
+  const auto vb = static_cast<std::size_t>(Dv) * sizeof(T);
+  for (Index b = 0; b < B; ++b) {
+    for (Index h = 0; h < H; ++h) {
+      const Index n = view.rows(b, h);
+      std::vector<Index> order(static_cast<std::size_t>(n));
+      for (Index i = 0; i < n; ++i) order[static_cast<std::size_t>(i)] = i;
+      std::sort(order.begin(), order.end(), [&](Index x, Index y) {
+        return view.positions(b, h)(x) < view.positions(b, h)(y);
+      });
+      HeadRows r;
+      r.keys.resize(static_cast<std::size_t>(n) * kb);
+      r.values.resize(static_cast<std::size_t>(n) * vb);
+      for (std::size_t j = 0; j < order.size(); ++j) {
+        const Index i = order[j];
+        r.positions.push_back(view.positions(b, h)(i));
+        std::memcpy(r.keys.data() + j * kb, view.keys(b, h).row(i).data(), kb);
+        std::memcpy(r.values.data() + j * vb, view.values(b, h).row(i).data(), vb);
+      }
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
 }
 
 /// Everything observable about a cache and its coordinator.
@@ -181,9 +330,14 @@ struct Snapshot : BasicSnapshot {
   std::map<int, double> reports;
   bool finalized = false;
   std::uint64_t generation = 0;  // the coordinator's generation() (bumped by its reset())
+  // Ragged heads (SPEC 14), which state() refuses: the BasicSnapshot's state() fields stay empty
+  // and each head's rows are kept instead (b-major, ascending position, as held_rows reads them).
+  bool ragged = false;
+  std::vector<std::vector<unsigned char>> head_keys, head_values;
 
   bool operator==(const Snapshot& o) const {
-    return BasicSnapshot::operator==(o) && heap == o.heap && scores == o.scores &&
+    return BasicSnapshot::operator==(o) && ragged == o.ragged && head_keys == o.head_keys &&
+           head_values == o.head_values && heap == o.heap && scores == o.scores &&
            positions == o.positions && budget == o.budget &&
            protected_recent == o.protected_recent && layer_budget == o.layer_budget &&
            adopted == o.adopted && concentration == o.concentration && compressed == o.compressed &&
@@ -196,7 +350,28 @@ struct Snapshot : BasicSnapshot {
 template <class T>
 Snapshot snapshot(const vc::KVCache<T>& c, const vc::SqueezeCoordinator* coordinator) {
   Snapshot out;
-  take_basic_snapshot(c, out);
+  if (ragged_heads(c)) {
+    // state() refuses ragged heads; their rows come through an empty update_and_view, the one
+    // public way to them, which changes nothing observable (docs/design.md 8) but is not const:
+    // every cache the tests and the fuzzer snapshot is a non-const object. (A quantized cache's
+    // first view sizes its view buffer: the heap is read after it.)
+    out.ragged = true;
+    for (HeadRows& r : held_rows(const_cast<vc::KVCache<T>&>(c))) {
+      out.head_keys.push_back(std::move(r.keys));
+      out.head_values.push_back(std::move(r.values));
+    }
+    out.offset = c.offset();
+    out.kept_bytes = c.kept_bytes();
+    out.full_seq_bytes = c.full_seq_bytes();
+    out.tokens_seen = c.tokens_seen();
+    out.tokens_kept = c.tokens_kept();
+    out.batch = c.batch();
+    out.heads = c.heads();
+    out.key_dim = c.key_dim();
+    out.value_dim = c.value_dim();
+  } else {
+    take_basic_snapshot(c, out);
+  }
   out.heap = c.heap_bytes();
   visit_scored(c, [&](const auto& p) {
     for (Index b = 0; b < c.batch(); ++b) {
@@ -232,6 +407,13 @@ Snapshot snapshot(const vc::KVCache<T>& c, const vc::SqueezeCoordinator* coordin
 template <class T>
 Snapshot snapshot(const Subject<T>& s) {
   return snapshot(*s.cache, s.coordinator.get());
+}
+
+/// The coordinator of a squeeze layer (nullptr for the other caches).
+template <class T>
+const vc::SqueezeCoordinator* coordinator_of(const vc::KVCache<T>& c) {
+  const auto* sq = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(&c);
+  return sq ? sq->coordinator().get() : nullptr;
 }
 
 /// Everything observable but the heap, whose capacity depends on the history (a reset keeps
@@ -342,7 +524,9 @@ Returned from_view(const vc::KVView<T>& v) {
   Returned r;
   for (Index b = 0; b < v.batch(); ++b) {
     for (Index h = 0; h < v.heads(); ++h) {
-      for (Index i = 0; i < v.rows(); ++i) {
+      // rows(b, h): heads may hold different numbers of rows (adaptive head budgets, SPEC 14).
+      const Index rows = v.rows(b, h);
+      for (Index i = 0; i < rows; ++i) {
         std::vector<unsigned char> bytes(static_cast<std::size_t>(v.key_dim() + v.value_dim()) *
                                          sizeof(T));
         std::memcpy(bytes.data(), v.keys(b, h).row(i).data(),
@@ -352,7 +536,7 @@ Returned from_view(const vc::KVView<T>& v) {
                     static_cast<std::size_t>(v.value_dim()) * sizeof(T));
         const std::int64_t pos = v.positions(b, h)(i);
         r.view_rows[(b * v.heads() + h) * 1000000 + pos] = std::move(bytes);
-        if (i >= v.rows() - v.new_rows()) r.view_tail.push_back(pos);
+        if (i >= rows - v.new_rows()) r.view_tail.push_back(pos);
       }
     }
   }
@@ -369,9 +553,44 @@ Returned from_pair(const vc::KVPair<T>& p) {
   return r;
 }
 
-/// Runs one call through `api`. `into` is the reused output of the fetch_into APIs.
+inline bool is_view_api(Api a) {
+  return a == Api::kView || a == Api::kViewQ || a == Api::kViewDouble;
+}
+inline bool is_into_api(Api a) {
+  return a == Api::kFetchInto || a == Api::kFetchIntoQ || a == Api::kFetchIntoDoubleQ;
+}
+
+/// Thrown by a helper without GoogleTest when a cache breaks the contract (the test reports it
+/// as an exception it did not expect).
+struct ContractViolation : std::logic_error {
+  using std::logic_error::logic_error;
+};
+
+/// Whether `what` is the refusal of a fetch on ragged heads: it names attend and update_and_view
+/// (SPEC 14).
+inline bool is_ragged_refusal(const std::string& what) {
+  return contains(what, "attend") && contains(what, "update_and_view");
+}
+
+/// A fetching call (`fetch`, through `api`) on ragged heads (SPEC 14): it must throw
+/// std::invalid_argument naming attend and update_and_view and change nothing, neither the cache
+/// and its coordinator (snapshot) nor `into` (ContractViolation otherwise). Another
+/// std::invalid_argument is rethrown: a bad call's own error comes first. The same call then goes
+/// through update_and_view (`view`), whose return is returned, so that a sequence of calls goes
+/// on whatever API it names.
+template <class T, class Fetch, class View>
+Returned refused_then_viewed(vc::KVCache<T>& cache, Api api, vc::KVPair<T>& into,
+                             const Fetch& fetch, const View& view);
+
+/// Runs one call through `api`. `into` is the reused output of the fetch_into APIs. A fetching
+/// API on ragged heads (adaptive head budgets) is refused and the call made as a view
+/// (refused_then_viewed).
 template <class T>
-Returned invoke(vc::KVCache<T>& cache, Api api, const Call& c, vc::KVPair<T>& into) {
+Returned invoke(vc::KVCache<T>& cache, Api api, const Call& c, vc::KVPair<T>& into);
+
+/// invoke() with the API as given (no refusal handled).
+template <class T>
+Returned invoke_as_given(vc::KVCache<T>& cache, Api api, const Call& c, vc::KVPair<T>& into) {
   const vc::Tensor4<T> k = converted<T>(c.keys);
   const vc::Tensor4<T> v = converted<T>(c.values);
   const vc::Tensor4<float> q = converted<float>(c.queries);
@@ -399,6 +618,53 @@ Returned invoke(vc::KVCache<T>& cache, Api api, const Call& c, vc::KVPair<T>& in
       return from_pair(into);
   }
   return {};
+}
+
+template <class T, class Fetch, class View>
+Returned refused_then_viewed(vc::KVCache<T>& cache, Api api, vc::KVPair<T>& into,
+                             const Fetch& fetch, const View& view) {
+  const std::string where = std::string(api_name(api)) + " on ragged heads";
+  const Snapshot before = snapshot(cache, coordinator_of(cache));
+  const std::vector<unsigned char> into_keys = bytes_of(into.first);
+  const std::vector<unsigned char> into_values = bytes_of(into.second);
+  const Shape into_shape = shape_of(into.first);
+  try {
+    fetch();
+  } catch (const std::invalid_argument& e) {
+    if (!is_ragged_refusal(e.what())) throw;
+    if (!(snapshot(cache, coordinator_of(cache)) == before)) {
+      throw ContractViolation(where + ": refused, but the cache changed");
+    }
+    if (shape_of(into.first) != into_shape || bytes_of(into.first) != into_keys ||
+        bytes_of(into.second) != into_values) {
+      throw ContractViolation(where + ": refused, but the fetch_into output was touched");
+    }
+    return view();
+  }
+  throw ContractViolation(where +
+                          " was accepted (SPEC 14: std::invalid_argument naming attend "
+                          "and update_and_view)");
+}
+
+template <class T>
+Returned invoke(vc::KVCache<T>& cache, Api api, const Call& c, vc::KVPair<T>& into) {
+  if (is_view_api(api) || !ragged_heads(cache)) return invoke_as_given(cache, api, c, into);
+  return refused_then_viewed(
+      cache, api, into, [&] { (void)invoke_as_given(cache, api, c, into); },
+      [&] {
+        switch (api) {
+          case Api::kFetch:
+          case Api::kFetchInto:
+            return invoke_as_given(cache, Api::kView, c, into);
+          case Api::kFetchQ:
+          case Api::kFetchIntoQ:
+            return invoke_as_given(cache, Api::kViewQ, c, into);
+          case Api::kFetchDouble:
+            return invoke_as_given(cache, Api::kViewDouble, c, into);
+          default:  // kFetchIntoDoubleQ: double keys, values and queries
+            return from_view(cache.update_and_view(c.keys, c.values, c.queries));
+        }
+      });
 }
 
 inline constexpr Shape kKeys{2, 2, 3, dim(4)};
@@ -464,23 +730,25 @@ inline std::optional<Shape> named_index(const std::string& what) {
 /// The three entry points with queries (float32 queries and keys as T in the typed sweeps).
 inline constexpr Api kQueryApis[] = {Api::kFetchQ, Api::kViewQ, Api::kFetchIntoQ};
 
-inline bool is_view_api(Api a) { return a == Api::kView || a == Api::kViewQ || a == Api::kViewDouble; }
-inline bool is_into_api(Api a) {
-  return a == Api::kFetchInto || a == Api::kFetchIntoQ || a == Api::kFetchIntoDoubleQ;
-}
-
 /// One call through the entry point of `api` (fetch, view or fetch_into) with keys and values of
 /// any element type U (converted by the cache when U is not T) and queries of any element type Q.
+/// A fetching API on ragged heads is refused and the call made as a view (refused_then_viewed).
 /// k, v: [B, H, S, D*]; q: [B, G * H, S, Dk].
 template <class T, class U, class Q>
 Returned invoke_with(vc::KVCache<T>& cache, Api api, const vc::Tensor4<U>& k,
                      const vc::Tensor4<U>& v, const vc::Tensor4<Q>& q, vc::KVPair<T>& into) {
   if (is_view_api(api)) return from_view(cache.update_and_view(k, v, q));
-  if (is_into_api(api)) {
-    cache.update_and_fetch_into(k, v, q, into);
-    return from_pair(into);
-  }
-  return from_pair(cache.update_and_fetch(k, v, q));
+  const auto fetch = [&] {
+    if (is_into_api(api)) {
+      cache.update_and_fetch_into(k, v, q, into);
+      return from_pair(into);
+    }
+    return from_pair(cache.update_and_fetch(k, v, q));
+  };
+  if (!ragged_heads(cache)) return fetch();
+  return refused_then_viewed(
+      cache, api, into, [&] { (void)fetch(); },
+      [&] { return from_view(cache.update_and_view(k, v, q)); });
 }
 
 /// The same call without queries (key-as-query scoring).
@@ -488,11 +756,17 @@ template <class T, class U>
 Returned invoke_without_queries(vc::KVCache<T>& cache, Api api, const vc::Tensor4<U>& k,
                                 const vc::Tensor4<U>& v, vc::KVPair<T>& into) {
   if (is_view_api(api)) return from_view(cache.update_and_view(k, v));
-  if (is_into_api(api)) {
-    cache.update_and_fetch_into(k, v, into);
-    return from_pair(into);
-  }
-  return from_pair(cache.update_and_fetch(k, v));
+  const auto fetch = [&] {
+    if (is_into_api(api)) {
+      cache.update_and_fetch_into(k, v, into);
+      return from_pair(into);
+    }
+    return from_pair(cache.update_and_fetch(k, v));
+  };
+  if (!ragged_heads(cache)) return fetch();
+  return refused_then_viewed(
+      cache, api, into, [&] { (void)fetch(); },
+      [&] { return from_view(cache.update_and_view(k, v)); });
 }
 
 /// Random [B, Hq, S, D] float32 queries with N(0, sigma^2) entries.
@@ -573,6 +847,18 @@ inline std::vector<BadQueries> bad_query_variants(const vc::Tensor4<float>& q, I
   return out;
 }
 
+/// A fetch_into output of an earlier call, for checks that a refused call leaves it alone: the
+/// cache's state(), or on ragged heads, which state() refuses, [B, H, 1, D] tensors of 0.5.
+template <class T>
+vc::KVPair<T> earlier_output(const vc::KVCache<T>& c) {
+  if (!ragged_heads(c)) return c.state();
+  vc::KVPair<T> out{vc::Tensor4<T>(c.batch(), c.heads(), 1, c.key_dim()),
+                    vc::Tensor4<T>(c.batch(), c.heads(), 1, c.value_dim())};
+  out.first.setConstant(T(0.5f));
+  out.second.setConstant(T(0.5f));
+  return out;
+}
+
 /// The call of invoke_with with the bad queries `bq` (whatever their element type).
 template <class T, class U>
 Returned invoke_with(vc::KVCache<T>& cache, Api api, const vc::Tensor4<U>& k,
@@ -597,7 +883,7 @@ std::string bad_queries_rejected(Subject<T>& s, Api api, const vc::Tensor4<U>& k
                                  const vc::Tensor4<U>& v, const BadQueries& bq) {
   const std::string where = bq.name + " through " + api_name(api);
   const Snapshot before = snapshot(s);
-  vc::KVPair<T> into = s.cache->state();
+  vc::KVPair<T> into = earlier_output(*s.cache);
   const std::vector<unsigned char> into_keys = bytes_of(into.first);
   const std::vector<unsigned char> into_values = bytes_of(into.second);
   std::string what;
