@@ -18,7 +18,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -31,30 +30,6 @@ namespace veloxquant::cache::detail {
 using Index = Eigen::Index;
 /// Slot index; 32 bits keep the per-row bookkeeping small next to the K/V rows.
 using Slot = std::int32_t;
-
-/// Allocates on cache-line (64-byte) boundaries: a head's key and value rows. Without it a large
-/// buffer came straight from mmap at 16 bytes past a page boundary, so every 32- or 64-byte load of
-/// a row straddled two lines (measured: a decode step 15-20% slower whenever every head's buffer
-/// had been reallocated that way, BENCHMARKS.md 16).
-template <class X>
-struct LineAllocator {
-  using value_type = X;
-  static constexpr std::size_t kAlign = 64;
-  LineAllocator() = default;
-  template <class Y>
-  LineAllocator(const LineAllocator<Y>& /*other*/) noexcept {}
-  X* allocate(std::size_t n) {
-    return static_cast<X*>(::operator new (n * sizeof(X), std::align_val_t{kAlign}));
-  }
-  void deallocate(X* p, std::size_t /*n*/) noexcept {
-    ::operator delete (p, std::align_val_t{kAlign});
-  }
-  friend bool operator==(const LineAllocator&, const LineAllocator&) { return true; }
-  friend bool operator!=(const LineAllocator&, const LineAllocator&) { return false; }
-};
-/// A head's row buffer.
-template <class X>
-using RowBuffer = std::vector<X, LineAllocator<X>>;
 
 /// Rows, positions and scores of one (batch, head).
 template <class T>
@@ -584,8 +559,8 @@ class HeadStore {
   void reallocate(Index rows, Index keep) {
     const auto r = static_cast<std::size_t>(rows);
     const auto used = static_cast<std::size_t>(keep);
-    RowBuffer<T> k(r * static_cast<std::size_t>(ks_));
-    RowBuffer<T> v(r * static_cast<std::size_t>(vs_));
+    std::vector<T> k(r * static_cast<std::size_t>(ks_));
+    std::vector<T> v(r * static_cast<std::size_t>(vs_));
     std::vector<std::int64_t> pos(r);
     std::vector<float> score(r);
     std::vector<float> value_weight(value_power_ > 0.0 ? r : 0);
@@ -633,8 +608,8 @@ class HeadStore {
   Index n_phys_ = 0;
   Index cap_ = 0;
   Index call_begin_ = 0;
-  RowBuffer<T> k_;                     // [cap, ks_]: Dk of T, or a quantized row's bytes
-  RowBuffer<T> v_;                     // [cap, vs_]
+  std::vector<T> k_;                   // [cap, ks_]: Dk of T, or a quantized row's bytes
+  std::vector<T> v_;                   // [cap, vs_]
   std::vector<float> row_buf_;         // [padded_dim(max(Dk, Dv))]: the row being quantized
   std::vector<std::int64_t> pos_;      // [cap]
   std::vector<float> score_;           // [cap]
