@@ -36,9 +36,9 @@ std::vector<HeadStore<T>> fresh_heads(Index n, const RowFormat& kf, const RowFor
 
 /// Room for `rows` more rows in every head: each is compacted (logically invisible), shrunk when
 /// far too large, and grown by half again, at least to what the call needs and at most to
-/// `steady_rows` (the rows a head holds once full) unless the call needs more. `tight` (adaptive
-/// heads, whose sizes keep moving within their pool: docs/design.md 4.9): grown by an eighth and
-/// shrunk once a fifth is unused, so that capacity stays near the rows held. Strong exception
+/// `steady_rows` (the rows a head holds once full) unless the call needs more (then exactly to
+/// that). `tight` (adaptive heads, whose sizes keep moving within their pool: docs/design.md
+/// 4.9): shrunk once a fifth of the capacity is unused rather than half. Strong exception
 /// guarantee per head; the logical state is unchanged even if an allocation throws.
 template <class T>
 void grow_heads(std::vector<HeadStore<T>>& heads, Index rows, Index steady_rows, bool key_sum,
@@ -51,7 +51,7 @@ void grow_heads(std::vector<HeadStore<T>>& heads, Index rows, Index steady_rows,
     const Index needed = h.live() + rows;
     h.shrink_if_oversized(needed, tight);
     if (h.capacity() < needed) {
-      const Index grown = h.capacity() + (tight ? h.capacity() / 8 + 16 : h.capacity() / 2);
+      const Index grown = h.capacity() + h.capacity() / 2;
       h.reserve(std::max(needed, std::min(grown, std::max(steady_rows, needed))));
     }
   }

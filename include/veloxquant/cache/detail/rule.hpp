@@ -70,9 +70,7 @@ struct Rule {
         return static_cast<Index>(n_sink) + window + 1;
       case RuleKind::cumulative:
       case RuleKind::last_attention:
-        // Adaptive heads hold anything from their floor to most of the pool: no steady size
-        // (their storage grows by half again, not row by row past the budget).
-        if (budget && !adaptive) return static_cast<Index>(*budget) + 1;
+        if (budget) return static_cast<Index>(*budget) + 1;
         break;
       case RuleKind::keep_all:
       case RuleKind::prompt:
