@@ -845,6 +845,7 @@ int64_t vq_head_rows(const vq_caches* s, int layer, int b, int h) {
     check_layer(*s, layer);
     rows = visit(*s, [&](auto& set) {
       const auto& cache = *set.caches[static_cast<std::size_t>(layer)];
+      if (cache.batch() == 0) return std::int64_t{0};  // before the layer's first call
       if (b < 0 || b >= cache.batch() || h < 0 || h >= cache.heads()) {
         fail(VQ_EINVAL, "head (" + std::to_string(b) + ", " + std::to_string(h) +
                             ") is outside layer " + std::to_string(layer) + "'s " +

@@ -181,7 +181,7 @@ class KVCache:
         v, vt = _tensor("values", values, kd)
         q, qt = _tensor("queries", queries) if queries is not None else (None, None)
         rows, h = ctypes.c_int64(0), self._set._handle
-        if self._ragged():  # refused before the call, as KVCache::update_and_fetch does
+        if self._ragged(k.shape[0], k.shape[1]):  # refused before the call, as in C++
             raise _lib.InvalidArgumentError(
                 "update_and_fetch: the heads hold different numbers of rows (adaptive head "
                 "budgets), which one dense array cannot return; use attend")
@@ -227,19 +227,12 @@ class KVCache:
             raise _lib.InvalidArgumentError(_lib.last_error())
         return n
 
-    def _ragged(self):
-        """Whether the layer's heads hold different numbers of rows."""
-        rows, h, layer = set(), self._set._handle, self.layer
-        b = 0
-        while lib().vq_head_rows(h, layer, b, 0) >= 0:
-            hh = 0
-            while True:
-                n = lib().vq_head_rows(h, layer, b, hh)
-                if n < 0:
-                    break
-                rows.add(n)
-                hh += 1
-            b += 1
+    def _ragged(self, batch, heads):
+        """Whether the layer's heads hold different numbers of rows (batch x heads: the call's;
+        a layer of other dims refuses the call itself)."""
+        h, layer = self._set._handle, self.layer
+        rows = {lib().vq_head_rows(h, layer, b, hh) for b in range(batch) for hh in range(heads)}
+        rows.discard(-1)
         return len(rows) > 1
 
     @property

@@ -2955,6 +2955,8 @@ static void test_adaptive_heads(void) {
   t.shape = shape_std;
   vq_config_free(c);
 
+  CHECK(vq_head_rows(t.a, 0, 0, 0) == 0); /* before the layer's first call, as vq_rows */
+  CHECK(vq_head_rows(t.a, 0, 3, 7) == 0);
   /* A prompt, then decode steps: each sequence's heads share 2 x 8 rows, each keeps 2 at least. */
   random_twin_step(&t, 12);
   for (step = 0; step < STEPS; ++step) {

@@ -56,14 +56,15 @@ class HeadStore {
   }
 
   /// Releases capacity beyond `rows` when more than half of it is unused (hysteresis against
-  /// grow/shrink cycles; `tight`: more than a fifth, for heads whose size keeps moving).
+  /// grow/shrink cycles; `tight`: more than a quarter plus 32 rows, still above what a tight
+  /// growth leaves: grow_heads).
   /// Call only after compact(). Strong exception guarantee.
   void shrink_if_oversized(Index rows, bool tight = false) {
     VELOXQUANT_ASSERT(n_phys_ == live(), "shrink before compaction");
     // A live checkpoint's slots stay (reallocate keeps them): the floor, so that a head held
     // above twice its rows by a checkpoint does not reallocate at every call.
     const Index floor = has_checkpoint() ? std::max(rows, undo_->phys) : rows;
-    const Index limit = tight ? floor + floor / 4 + 16 : 2 * floor;
+    const Index limit = tight ? floor + floor / 4 + 32 : 2 * floor;
     if (cap_ > limit && cap_ > 16) reallocate(std::max(rows, n_phys_));
   }
 

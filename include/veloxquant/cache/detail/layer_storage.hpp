@@ -38,8 +38,9 @@ std::vector<HeadStore<T>> fresh_heads(Index n, const RowFormat& kf, const RowFor
 /// far too large, and grown by half again, at least to what the call needs and at most to
 /// `steady_rows` (the rows a head holds once full) unless the call needs more (then exactly to
 /// that). `tight` (adaptive heads, whose sizes keep moving within their pool: docs/design.md
-/// 4.9): shrunk once a fifth of the capacity is unused rather than half. Strong exception
-/// guarantee per head; the logical state is unchanged even if an allocation throws.
+/// 4.9): grown by an eighth, and shrunk once more than a quarter is unused (above what growth
+/// leaves, so the two never alternate). Strong exception guarantee per head; the logical state
+/// is unchanged even if an allocation throws.
 template <class T>
 void grow_heads(std::vector<HeadStore<T>>& heads, Index rows, Index steady_rows, bool key_sum,
                 bool tight = false) {
@@ -51,7 +52,7 @@ void grow_heads(std::vector<HeadStore<T>>& heads, Index rows, Index steady_rows,
     const Index needed = h.live() + rows;
     h.shrink_if_oversized(needed, tight);
     if (h.capacity() < needed) {
-      const Index grown = h.capacity() + h.capacity() / 2;
+      const Index grown = h.capacity() + (tight ? h.capacity() / 8 + 16 : h.capacity() / 2);
       h.reserve(std::max(needed, std::min(grown, std::max(steady_rows, needed))));
     }
   }

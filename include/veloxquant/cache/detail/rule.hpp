@@ -70,7 +70,9 @@ struct Rule {
         return static_cast<Index>(n_sink) + window + 1;
       case RuleKind::cumulative:
       case RuleKind::last_attention:
-        if (budget) return static_cast<Index>(*budget) + 1;
+        // Adaptive heads hold anything from their floor to most of the pool: no steady size (a
+        // head that grows at every call must not be copied at every call, SPEC 7).
+        if (budget && !adaptive) return static_cast<Index>(*budget) + 1;
         break;
       case RuleKind::keep_all:
       case RuleKind::prompt:

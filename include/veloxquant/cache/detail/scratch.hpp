@@ -11,16 +11,18 @@ namespace veloxquant::cache::detail {
 
 using Index = Eigen::Index;
 
-/// An uninitialised array that grows to exactly what is asked and gives memory back when it holds
-/// more than twice that (a long prompt's scratch does not outlive it).
+/// An uninitialised array that grows by an eighth at least (a size creeping up call by call, the
+/// longest of adaptive heads, does not reallocate at every call) and gives memory back, to exactly
+/// what is asked, when it holds more than twice that (a long prompt's scratch does not outlive it).
 template <class X>
 class Buffer {
  public:
   void fit(std::size_t n) {
     if (n > cap_ || cap_ > 2 * n + 64) {
-      std::unique_ptr<X[]> fresh(n ? new X[n] : nullptr);
+      const std::size_t size = n > cap_ ? std::max(n, cap_ + cap_ / 8) : n;
+      std::unique_ptr<X[]> fresh(size ? new X[size] : nullptr);
       data_.swap(fresh);
-      cap_ = n;
+      cap_ = size;
     }
   }
   X* data() { return data_.get(); }

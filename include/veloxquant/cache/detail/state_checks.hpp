@@ -166,7 +166,9 @@ void check_stored_rows(const HeadStore<T>& head, Index n) {
 /// most any head holds).
 template <class T>
 void check_saved_head_rows(const SavedCache<T>& s, std::int64_t rows) {
-  if (rows < 0 || rows > s.rows) {
+  // After a call a head holds a row at least: its floor is ceil(floor x budget) >= 1, and a head
+  // whose budget is not known yet holds every row.
+  if (rows < 1 || rows > s.rows) {
     bad_state("a head holds " + std::to_string(rows) + " rows, the most any holds being " +
               std::to_string(s.rows));
   }
