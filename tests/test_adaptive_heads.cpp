@@ -68,18 +68,6 @@ const char* method_name(Method m) {
   return "?";
 }
 
-const char* scorer_name(Scorer s) {
-  switch (s) {
-    case Scorer::keydiff:
-      return "keydiff";
-    case Scorer::knorm:
-      return "knorm";
-    case Scorer::key_as_query:
-      break;
-  }
-  return "key_as_query";
-}
-
 /// One configuration: a cache and the calls fed to it.
 struct AdaRun {
   Method method = Method::kH2O;
@@ -99,9 +87,10 @@ struct AdaRun {
     std::ostringstream os;
     os << method_name(method) << " budget=" << budget << " n_sink=" << n_sink
        << " recent=" << recent << " decay=" << decay << " floor=" << floor
-       << " value_power=" << value_power << " proxy_scoring=" << scorer_name(scorer)
-       << " layer=" << pyramid_layer << " B=" << B << " H=" << H << " G=" << G << " Dk=" << Dk
-       << " Dv=" << Dv << " bits=" << key_bits << "/" << value_bits << " seed=" << seed;
+       << " value_power=" << value_power
+       << " proxy_scoring=" << ref::H2OHeadOracle::scorer_name(scorer) << " layer=" << pyramid_layer
+       << " B=" << B << " H=" << H << " G=" << G << " Dk=" << Dk << " Dv=" << Dv
+       << " bits=" << key_bits << "/" << value_bits << " seed=" << seed;
     return os.str();
   }
 };
@@ -111,7 +100,7 @@ vc::KVCacheConfig config_of(const AdaRun& r, const std::string& mode = "adaptive
   c.head_budgets = mode;
   c.head_budget_floor = r.floor;
   c.value_norm_power = r.value_power;
-  c.proxy_scoring = scorer_name(r.scorer);
+  c.proxy_scoring = ref::H2OHeadOracle::scorer_name(r.scorer);
   c.key_bits = r.key_bits;
   c.value_bits = r.value_bits;
   if (r.key_bits < 16 || r.value_bits < 16) c.quant_group = 8;

@@ -52,19 +52,6 @@ const char* policy_name(Policy p) {
   return "?";
 }
 
-/// KVCacheConfig::proxy_scoring of an oracle scorer.
-const char* scorer_name(Scorer s) {
-  switch (s) {
-    case Scorer::keydiff:
-      return "keydiff";
-    case Scorer::knorm:
-      return "knorm";
-    case Scorer::key_as_query:
-      break;
-  }
-  return "key_as_query";
-}
-
 /// One configuration of a run.
 struct CoreRun {
   Policy policy = Policy::kH2O;
@@ -83,10 +70,10 @@ struct CoreRun {
   std::string describe() const {
     std::ostringstream os;
     os << policy_name(policy) << " budget=" << budget << " n_sink=" << n_sink << " ratio=" << ratio
-       << " grace=" << grace << " decay=" << decay << " resolved=" << resolved
-       << " layer=" << layer << " value_power=" << value_power << " B=" << dims.B
-       << " H=" << dims.H << " Dk=" << dims.Dk << " Dv=" << dims.Dv << " seed=" << seed
-       << " proxy_scoring=" << scorer_name(scorer);
+       << " grace=" << grace << " decay=" << decay << " resolved=" << resolved << " layer=" << layer
+       << " value_power=" << value_power << " B=" << dims.B << " H=" << dims.H << " Dk=" << dims.Dk
+       << " Dv=" << dims.Dv << " seed=" << seed
+       << " proxy_scoring=" << ref::H2OHeadOracle::scorer_name(scorer);
     return os.str();
   }
 };
@@ -125,7 +112,7 @@ Subject<T> make_core_subject(const CoreRun& r, int& budget) {
       }
       break;
   }
-  c.proxy_scoring = scorer_name(r.scorer);
+  c.proxy_scoring = ref::H2OHeadOracle::scorer_name(r.scorer);
   c.value_norm_power = r.value_power;
   budget = r.budget;
   Subject<T> s;

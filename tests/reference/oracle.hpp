@@ -476,6 +476,18 @@ class H2OHeadOracle : public oracle_detail::HeadRows {
 public:
     /// How absorb scores (docs/design.md 4.7): the key-as-query proxy of 4.2, KeyDiff or K-norm.
     enum class Scorer { key_as_query, keydiff, knorm };
+    /// KVCacheConfig::proxy_scoring of a scorer.
+    static const char* scorer_name(Scorer s) {
+      switch (s) {
+        case Scorer::keydiff:
+          return "keydiff";
+        case Scorer::knorm:
+          return "knorm";
+        case Scorer::key_as_query:
+          break;
+      }
+      return "key_as_query";
+    }
 
     /// Choose absorb's scorer (key_as_query unless set).
     void set_scorer(Scorer s) { scorer_ = s; }

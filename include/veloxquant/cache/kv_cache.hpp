@@ -1011,7 +1011,7 @@ class KVCache {
 
 template <class T>
 KVPair<T> KVCache<T>::state() const {
-  if (ragged()) throw std::invalid_argument(ragged_message("state"));
+  check_dense("state");
   KVPair<T> out;
   copy_retained(out);
   return out;
