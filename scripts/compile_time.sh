@@ -5,7 +5,10 @@
 # compiled once elsewhere (VELOXQUANT_EXTERN_TEMPLATES: what linking veloxquant::compiled
 # defines); and the same work in C through the C ABI (bench/compile/c_abi.c). The one-class probe
 # of earlier measurements (bench/compile/consumer.cpp) and the compiled libraries' own TUs
-# (src/veloxquant.cpp, src/c_api.cpp: once per build) are printed too.
+# (src/veloxquant.cpp, src/c_api.cpp: once per build) are printed too, and a probe of what the
+# header-only TU costs without its kernels: the same TU against a copy of the headers in which the
+# SIMD kernels are declared but never defined (so not linkable: a measurement of the rest of the
+# library, the part no kernel work can make cheaper).
 # BENCHMARKS.md section 4. Environment: CXX (default g++), CC (default gcc), CXXFLAGS (default -O2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +42,13 @@ c_abi=$(median "$CC" -std=c99 $FLAGS -Iinclude -c bench/compile/c_abi.c -o "$out
 one=$(median "${cxx[@]}" bench/compile/consumer.cpp -o "$out/e.o")
 one_compiled=$(median "${cxx[@]}" -DVELOXQUANT_EXTERN_TEMPLATES bench/compile/consumer.cpp \
   -o "$out/f.o")
+cp -r include "$out/floor-include"
+sed -i 's/^#define VELOXQUANT_DETAIL_KERNELS_DEFINED 1$/#define VELOXQUANT_DETAIL_KERNELS_DEFINED 0/' \
+  "$out/floor-include/veloxquant/cache/detail/simd_kernels.hpp"
+grep -q '^#define VELOXQUANT_DETAIL_KERNELS_DEFINED 1$' \
+  "$out/floor-include/veloxquant/cache/detail/simd_kernels.hpp" && { echo "floor probe: sed failed"; exit 1; }
+floor=$(median "$CXX" -std=c++17 $FLAGS -w -I"$out/floor-include" $EIGEN -c bench/compile/builder.cpp \
+  -o "$out/i.o")
 lib=$(median "${cxx[@]}" src/veloxquant.cpp -o "$out/g.o")
 capi=$(median "${cxx[@]}" -DVELOXQUANT_EXTERN_TEMPLATES src/c_api.cpp -o "$out/h.o")
 printf '| TU (%s / %s %s) | seconds | ratio to Eigen Tensor alone |\n|---|---:|---:|\n' \
@@ -47,6 +57,7 @@ row "Eigen Tensor alone (eigen_only.cpp)" "$base"
 row "builder TU, header-only (builder.cpp)" "$header"
 row "builder TU, linking veloxquant::compiled" "$compiled"
 row "the same in C through the C ABI (c_abi.c)" "$c_abi"
+row "builder TU, header-only, kernels declared only (probe, not linkable)" "$floor"
 row "one-class TU, header-only (consumer.cpp)" "$one"
 row "one-class TU, linking veloxquant::compiled" "$one_compiled"
 row "src/veloxquant.cpp (once per build)" "$lib"
