@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -847,6 +848,76 @@ TEST(AdaptiveHeadsTest, TiesGoToTheEarlierPositionThenTheLowerHead) {
     (void)feed_oracle(oracle, c, true);
     EXPECT_EQ(compare_with_oracle(*cache, oracle, 4, false), "") << ctx;
   }
+}
+
+/// Exact ties over many calls, where a head's slots no longer follow its positions (compaction
+/// moves the newest row into an evicted row's slot): one-token calls whose key is M e_j for a
+/// direction j no live row of its head has, and whose query is M e_i for a direction some row
+/// holds (the token's own included), so every weight is exactly 0 or 1 and every score an
+/// integer, equal for many rows. Two heads, budgets 3-6, floors 0.2-0.5, no sinks or grace, h2o
+/// and squeeze: every call's rows and scores are the oracle's, whose ties go to the earlier
+/// position (then the lower head) whatever the slots.
+TEST(AdaptiveHeadsTest, ExactTiesAfterCompactionGoToTheEarlierPosition) {
+  using T = float;
+  constexpr Index D = 16;  // more than a head can hold: 2 x 6 rows, and the call's
+  int runs = 0, tied = 0;
+  for (const Method method : {Method::kH2O, Method::kSqueeze}) {
+    for (unsigned seed = 1; seed <= 12; ++seed) {
+      std::mt19937 rng(seed);
+      AdaRun r;
+      r.method = method;
+      r.budget = 3 + static_cast<int>(seed % 4);
+      r.recent = 0.0;
+      r.floor = std::array<double, 3>{0.2, 0.34, 0.5}[seed % 3];
+      r.H = 2;
+      r.Dk = D;
+      r.Dv = 2;
+      r.seed = seed;
+      const std::string ctx = r.describe();
+      CachePtr<T> cache = make_cache<T>(r);
+      std::vector<SeqOracle> oracle = make_oracle(r);
+      std::vector<std::map<std::int64_t, Index>> dir(static_cast<std::size_t>(r.H));
+      for (std::int64_t pos = 0; pos < 40; ++pos) {
+        Call<T> c;
+        c.kd = vc::Tensor4<double>(1, r.H, 1, D);
+        c.kd.setZero();
+        c.q = vc::Tensor4<float>(1, r.H, 1, D);
+        c.q.setZero();
+        for (Index h = 0; h < r.H; ++h) {
+          auto& held = dir[static_cast<std::size_t>(h)];
+          std::map<std::int64_t, Index> live;
+          for (const std::int64_t p : cache->positions(0, h)) live[p] = held.at(p);
+          std::vector<Index> free_dirs, used;
+          for (Index j = 0; j < D; ++j) {
+            bool taken = false;
+            for (const auto& pd : live) taken = taken || pd.second == j;
+            (taken ? used : free_dirs).push_back(j);
+          }
+          ASSERT_FALSE(free_dirs.empty()) << ctx;
+          const Index k = free_dirs[rng() % free_dirs.size()];
+          used.push_back(k);
+          live[pos] = k;
+          held = live;
+          c.kd(0, h, 0, k) = 100.0;
+          c.q(0, h, 0, used[rng() % used.size()]) = 100.0f;
+        }
+        c.vd = random_doubles(rng, 1, r.H, 1, 2);
+        finish(c);
+        (void)cache->attend(c.q, c.k, c.v);
+        (void)feed_oracle(oracle, c, true);
+        const std::string err = compare_with_oracle(*cache, oracle, pos + 1, false);
+        ASSERT_EQ(err, "") << ctx << " after position " << pos;
+        for (Index h = 0; h < r.H; ++h) {
+          const std::vector<float> sc = cache->scores(0, h);
+          for (std::size_t i = 0; i < sc.size(); ++i)
+            for (std::size_t j = i + 1; j < sc.size(); ++j) tied += sc[i] == sc[j];
+        }
+      }
+      ++runs;
+    }
+  }
+  EXPECT_EQ(runs, 24);
+  EXPECT_GT(tied, 1000) << "the calls made too few exact ties to test them";
 }
 
 // ---------------------------------------------------------------------------------------------

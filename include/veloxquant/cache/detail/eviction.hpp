@@ -77,9 +77,65 @@ Index worst_live(const HeadStore<T>& head, int n_sink, int g, float* buf) {
   return worst_in_order(ord, sinks, n - g, score, Tie::evict_earliest, buf);
 }
 
-/// Candidates per head up to which pooled_rebudget selects them in one pass (a decode step: up to
+/// Candidates per head up to which pooled_rebudget selects them one by one (a decode step: up to
 /// one row per head over the pool) rather than by nth_element over all of them.
 inline constexpr Index kSmallQuota = 16;
+
+/// The ranks (ascending) of the `cap` lowest-ranked rows a pooled eviction has kept so far, a NaN
+/// (which goes first) counted as -inf: once `cap` are known, a row ranked above the last cannot be
+/// among the `cap` that go.
+struct PoolBound {
+  float rank[kSmallQuota];
+  Index n = 0, cap = 0;
+
+  float value() const {
+    return cap > 0 && n == cap ? rank[cap - 1] : std::numeric_limits<float>::infinity();
+  }
+  void add(float r) {
+    if (cap == 0) return;
+    if (std::isnan(r)) r = -std::numeric_limits<float>::infinity();
+    if (n == cap && !(r < rank[cap - 1])) return;
+    Index at = n < cap ? n++ : cap - 1;
+    for (; at > 0 && r < rank[at - 1]; --at) rank[at] = rank[at - 1];
+    rank[at] = r;
+  }
+};
+
+/// pooled_rebudget's search of one head with a small quota: its lowest-ranked unprotected rows,
+/// lowest first, each found by the SIMD argmin over the ranks in slot order (`buf`, [physical()]:
+/// the rows at order[sinks, hi) their ranks, every other slot +inf, as is each row once found;
+/// `every_slot`: r has a value at every slot below physical(), the scores), appended to `out` until
+/// `quota` are there or the next ranks above `bound` (the pool already holds enough rows ranked
+/// lower). Returns false when a search meets equal ranks, a NaN or an infinite rank (positions or
+/// the exact order decide; the caller's one-pass search takes over, its rows in `out` then
+/// discarded).
+template <class T, class Pick>
+bool pool_lowest_by_argmin(const HeadStore<T>& head, const float* r, bool every_slot, Index sinks,
+                           Index hi, Index quota, float bound, float* buf, const Pick& pick,
+                           PoolPick* out, Index& n_out) {
+  const Slot* ord = head.order().data();
+  const Index n_phys = head.physical();
+  const float inf = std::numeric_limits<float>::infinity();
+  if (every_slot) {  // the scores: a copy, the protected and dead slots then masked
+    std::copy(r, r + n_phys, buf);
+    for (Index i = 0; i < sinks; ++i) buf[ord[i]] = inf;
+    for (Index i = hi; i < head.live(); ++i) buf[ord[i]] = inf;
+    for (const Slot h : head.holes()) buf[h] = inf;
+  } else {  // a ranking, which holds values at the candidates' slots only
+    std::fill(buf, buf + n_phys, inf);
+    for (Index i = sinks; i < hi; ++i) buf[ord[i]] = r[ord[i]];
+  }
+  for (Index got = 0; got < quota; ++got) {
+    int hits = 0;
+    const Index k = argmin(buf, n_phys, false, &hits);
+    if (k < 0) return false;
+    if (buf[k] > bound) return true;
+    if (hits != 1 || buf[k] == inf) return false;
+    out[n_out++] = pick(static_cast<Slot>(k));
+    buf[k] = inf;
+  }
+  return true;
+}
 
 /// The pooled re-budget of adaptive heads (SPEC 14, docs/design.md 4.9): the `n` heads of one
 /// sequence share `n * budget` rows; while they hold more, the row with the lowest rank among
@@ -105,6 +161,8 @@ void pooled_rebudget(HeadStore<T>* heads, Index n, int budget, Index floor_rows,
   };
   PoolPick* pool = sc.pool.data();
   Index n_pool = 0;
+  PoolBound bound;
+  bound.cap = excess <= kSmallQuota ? excess : 0;
   for (Index h = 0; h < n; ++h) {
     HeadStore<T>& head = heads[h];
     const Index live = head.live();
@@ -114,14 +172,22 @@ void pooled_rebudget(HeadStore<T>* heads, Index n, int budget, Index floor_rows,
     const Index quota = std::min({m, std::max<Index>(0, live - floor_rows), excess});
     if (quota <= 0) continue;
     const float* r = rank(h, sinks, hi, sc);
-    if (r == nullptr) r = head.scores_data_const();
+    const bool scores = r == nullptr;
+    if (scores) r = head.scores_data_const();
     const Slot* ord = head.order().data();
     const auto pick = [&](Slot s) {
       return PoolPick{r[s], static_cast<std::int32_t>(h), head.position(s), s};
     };
     if (quota <= kSmallQuota) {
-      // A decode step (a few rows over the pool): one pass keeping the `quota` lowest, sorted,
-      // in the pool itself; most rows fail the first comparison with the highest kept.
+      // A decode step (a few rows over the pool): the SIMD search, or when it cannot decide, one
+      // pass over the live order keeping the `quota` lowest, sorted, in the pool itself (most
+      // rows fail the first comparison with the highest kept).
+      const Index first = n_pool;
+      const bool found = pool_lowest_by_argmin(head, r, scores, sinks, hi, quota, bound.value(),
+                                               sc.weights.data(), pick, pool, n_pool);
+      if (!found) n_pool = first;
+      for (Index i = first; i < n_pool; ++i) bound.add(pool[i].rank);
+      if (found) continue;
       PoolPick* kept = pool + n_pool;
       Index n_kept = 0;
       for (Index i = sinks; i < hi; ++i) {
@@ -133,13 +199,17 @@ void pooled_rebudget(HeadStore<T>* heads, Index n, int budget, Index floor_rows,
         for (; at > 0 && before(x, kept[at - 1]); --at) kept[at] = kept[at - 1];
         kept[at] = x;
       }
+      for (Index i = 0; i < n_kept; ++i) bound.add(kept[i].rank);
       n_pool += n_kept;
       continue;
     }
     std::int32_t* picks = sc.picks.data();
     std::copy(ord + sinks, ord + hi, picks);
     order_worst_first(picks, m, quota, r, head.positions_data(), Tie::evict_earliest);
-    for (Index i = 0; i < quota; ++i) pool[n_pool++] = pick(picks[i]);
+    for (Index i = 0; i < quota; ++i) {
+      pool[n_pool++] = pick(picks[i]);
+      bound.add(pool[n_pool - 1].rank);
+    }
   }
   const Index take = std::min(excess, n_pool);
   if (take < n_pool) std::nth_element(pool, pool + take, pool + n_pool, before);
