@@ -430,6 +430,39 @@ void BM_DecodeAttendAdaptiveValueNorm(benchmark::State& state) {
 BENCHMARK(BM_DecodeAttendAdaptive)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodeAttendAdaptiveValueNorm)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond);
 
+// A small layer (8 heads, D = 64, H2O with queries at budget 256) whose decode steps cycle
+// through 64 random tokens, so that the heads' shares drift: uniform heads (argument 0) against
+// adaptive ones (1), where the pooled selection is a larger part of the step (BENCHMARKS.md 16).
+void BM_DecodeAttendSmall(benchmark::State& state) {
+  constexpr Index kSmallHeads = 8, kSmallDim = 64;
+  constexpr int kBudget = 256;
+  vc::KVCacheConfig config;
+  config.method = "h2o";
+  config.set_budget(kBudget);
+  if (state.range(0) == 1) config.head_budgets = "adaptive";
+  auto cache = vc::KVCacheFactory::create<Eigen::half>(config);
+  const auto prompt_k = random_tensor<Eigen::half>(1, kSmallHeads, kBudget, kSmallDim, 1);
+  const auto prompt_q = random_tensor<float>(1, kSmallHeads, kBudget, kSmallDim, 2);
+  (void)cache->update_and_view(prompt_k, prompt_k, prompt_q);
+  std::vector<vc::Tensor4<Eigen::half>> keys, values;
+  std::vector<vc::Tensor4<float>> queries;
+  for (std::uint32_t i = 0; i < 64; ++i) {
+    keys.push_back(random_tensor<Eigen::half>(1, kSmallHeads, 1, kSmallDim, 100u + i));
+    values.push_back(random_tensor<Eigen::half>(1, kSmallHeads, 1, kSmallDim, 200u + i));
+    queries.push_back(random_tensor<float>(1, kSmallHeads, 1, kSmallDim, 300u + i));
+  }
+  std::vector<float> out(static_cast<std::size_t>(kSmallHeads * kSmallDim));
+  std::size_t step = 0;
+  for (auto _ : state) {
+    const std::size_t t = step++ % 64;
+    cache->attend(queries[t], keys[t], values[t], out.data());
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations());
+  state.SetLabel(state.range(0) == 1 ? "adaptive" : "uniform");
+}
+BENCHMARK(BM_DecodeAttendSmall)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
+
 // BM_DecodeAttend on one kernel path (second argument: the SimdLevel's number; paths this CPU
 // cannot run are skipped): the paths side by side in one binary (BENCHMARKS.md section 12).
 void BM_DecodeAttendPath(benchmark::State& state) {
