@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "assert.hpp"
 #include "head_store.hpp"
 #include "scratch.hpp"
 #include "select.hpp"
@@ -106,9 +107,10 @@ struct PoolBound {
 /// the rows at order[sinks, hi) their ranks, every other slot +inf, as is each row once found;
 /// `every_slot`: r has a value at every slot below physical(), the scores), appended to `out` until
 /// `quota` are there or the next ranks above `bound` (the pool already holds enough rows ranked
-/// lower). Returns false when a search meets equal ranks, a NaN or an infinite rank (positions or
-/// the exact order decide; the caller's one-pass search takes over, its rows in `out` then
-/// discarded).
+/// lower). Returns false when a search meets equal ranks, a NaN or a +inf minimum not above
+/// `bound` (indistinguishable from the masked slots) (positions or the exact order decide; the
+/// caller's one-pass search takes over, its rows in `out` then discarded). `buf` holds
+/// physical() floats: sc.weights, sized for every row a call may hold (live rows + its tokens).
 template <class T, class Pick>
 bool pool_lowest_by_argmin(const HeadStore<T>& head, const float* r, bool every_slot, Index sinks,
                            Index hi, Index quota, float bound, float* buf, const Pick& pick,
@@ -183,6 +185,8 @@ void pooled_rebudget(HeadStore<T>* heads, Index n, int budget, Index floor_rows,
       // pass over the live order keeping the `quota` lowest, sorted, in the pool itself (most
       // rows fail the first comparison with the highest kept).
       const Index first = n_pool;
+      VELOXQUANT_ASSERT(sc.weights.capacity() >= static_cast<std::size_t>(head.physical()),
+                        "pooled selection scratch");
       const bool found = pool_lowest_by_argmin(head, r, scores, sinks, hi, quota, bound.value(),
                                                sc.weights.data(), pick, pool, n_pool);
       if (!found) n_pool = first;
