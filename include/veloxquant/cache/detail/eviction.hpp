@@ -55,27 +55,44 @@ void rebudget(HeadStore<T>& head, int budget, int n_sink, int g, Scratch& sc,
   head.drop_dead();
 }
 
+/// The ranks of `head`'s candidates, the rows at order[sinks, hi), laid out by slot in `buf`
+/// ([physical()]) with every other slot (sinks, newest rows, dead slots) at +inf: what the SIMD
+/// argmin searches. `every_slot`: `rank` holds a value at every slot below physical() (the
+/// scores: copied, the others then masked); else only at the candidates' slots (a ranking).
+template <class T>
+void ranks_by_slot(const HeadStore<T>& head, const float* rank, bool every_slot, Index sinks,
+                   Index hi, float* buf) {
+  const Slot* ord = head.order().data();
+  const Index n_phys = head.physical();
+  const float inf = std::numeric_limits<float>::infinity();
+  if (every_slot) {
+    std::copy(rank, rank + n_phys, buf);
+    for (Index i = 0; i < sinks; ++i) buf[ord[i]] = inf;
+    for (Index i = hi; i < head.live(); ++i) buf[ord[i]] = inf;
+    for (const Slot h : head.holes()) buf[h] = inf;
+  } else {
+    std::fill(buf, buf + n_phys, inf);
+    for (Index i = sinks; i < hi; ++i) buf[ord[i]] = rank[ord[i]];
+  }
+}
+
 /// The live row of `head` to evict first among all but the sinks and the newest `g` (its index in
-/// the live order), by the order of select.hpp with ties to the earliest; -1 if none. The scores
-/// go to `buf` in slot order (contiguous) with the protected and dead slots at +inf, and the
-/// SIMD argmin finds the lowest. When that lowest value is not unique (a tie: positions decide)
-/// or not a number, the exact search over the live order decides.
+/// the live order), by the order of select.hpp with ties to the earliest; -1 if none. The SIMD
+/// argmin searches the scores laid out by slot (ranks_by_slot). When that lowest value is not
+/// unique (a tie: positions decide) or not a number, the exact search over the live order decides.
 template <class T>
 Index worst_live(const HeadStore<T>& head, int n_sink, int g, float* buf) {
-  const Slot* ord = head.order().data();
-  const Index n = head.live(), n_phys = head.physical();
+  const Index n = head.live();
   const Index sinks = head.leading_sinks(n_sink);
   if (n - g <= sinks) return -1;
-  const float inf = std::numeric_limits<float>::infinity();
   const float* score = head.scores_data_const();
-  std::copy(score, score + n_phys, buf);
-  for (Index i = 0; i < sinks; ++i) buf[ord[i]] = inf;
-  for (Index i = n - g; i < n; ++i) buf[ord[i]] = inf;
-  for (const Slot h : head.holes()) buf[h] = inf;
+  ranks_by_slot(head, score, true, sinks, n - g, buf);
   int hits = 0;
-  const Index k = argmin(buf, n_phys, false, &hits);
-  if (k >= 0 && hits == 1 && buf[k] < inf) return head.order_index(static_cast<Slot>(k));
-  return worst_in_order(ord, sinks, n - g, score, Tie::evict_earliest, buf);
+  const Index k = argmin(buf, head.physical(), false, &hits);
+  if (k >= 0 && hits == 1 && buf[k] < std::numeric_limits<float>::infinity()) {
+    return head.order_index(static_cast<Slot>(k));
+  }
+  return worst_in_order(head.order().data(), sinks, n - g, score, Tie::evict_earliest, buf);
 }
 
 /// Candidates per head up to which pooled_rebudget selects them one by one (a decode step: up to
@@ -103,30 +120,20 @@ struct PoolBound {
 };
 
 /// pooled_rebudget's search of one head with a small quota: its lowest-ranked unprotected rows,
-/// lowest first, each found by the SIMD argmin over the ranks in slot order (`buf`, [physical()]:
-/// the rows at order[sinks, hi) their ranks, every other slot +inf, as is each row once found;
-/// `every_slot`: r has a value at every slot below physical(), the scores), appended to `out` until
-/// `quota` are there or the next ranks above `bound` (the pool already holds enough rows ranked
-/// lower). Returns false when a search meets equal ranks, a NaN or a +inf minimum not above
-/// `bound` (indistinguishable from the masked slots) (positions or the exact order decide; the
-/// caller's one-pass search takes over, its rows in `out` then discarded). `buf` holds
-/// physical() floats: sc.weights, sized for every row a call may hold (live rows + its tokens).
+/// lowest first, each found by the SIMD argmin over the ranks laid out by slot (ranks_by_slot,
+/// in `buf`; each row found is then set to +inf too), appended to `out` until `quota` are there or
+/// the next ranks above `bound` (the pool already holds enough rows ranked lower). Returns false
+/// when a search meets equal ranks, a NaN or a +inf minimum not above `bound` (indistinguishable
+/// from the masked slots) (positions or the exact order decide; the caller's one-pass search takes
+/// over, its rows in `out` then discarded). `buf` holds physical() floats: sc.weights, sized for
+/// every row a call may hold (live rows + its tokens).
 template <class T, class Pick>
 bool pool_lowest_by_argmin(const HeadStore<T>& head, const float* r, bool every_slot, Index sinks,
                            Index hi, Index quota, float bound, float* buf, const Pick& pick,
                            PoolPick* out, Index& n_out) {
-  const Slot* ord = head.order().data();
   const Index n_phys = head.physical();
   const float inf = std::numeric_limits<float>::infinity();
-  if (every_slot) {  // the scores: a copy, the protected and dead slots then masked
-    std::copy(r, r + n_phys, buf);
-    for (Index i = 0; i < sinks; ++i) buf[ord[i]] = inf;
-    for (Index i = hi; i < head.live(); ++i) buf[ord[i]] = inf;
-    for (const Slot h : head.holes()) buf[h] = inf;
-  } else {  // a ranking, which holds values at the candidates' slots only
-    std::fill(buf, buf + n_phys, inf);
-    for (Index i = sinks; i < hi; ++i) buf[ord[i]] = r[ord[i]];
-  }
+  ranks_by_slot(head, r, every_slot, sinks, hi, buf);
   for (Index got = 0; got < quota; ++got) {
     int hits = 0;
     const Index k = argmin(buf, n_phys, false, &hits);
