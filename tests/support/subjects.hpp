@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -73,22 +74,16 @@ inline constexpr Kind kKinds[] = {Kind::kStandard,
 /// The subjects with adaptive head budgets (SPEC 14).
 inline constexpr Kind kAdaptiveKinds[] = {Kind::kH2OAdaptive, Kind::kSqueezeAdaptive,
                                           Kind::kSqueezeDeferAdaptive, Kind::kPyramidAdaptive};
+/// `a` then `b`, as one array.
+template <std::size_t A, std::size_t B>
+constexpr std::array<Kind, A + B> concat_kinds(const Kind (&a)[A], const Kind (&b)[B]) {
+  std::array<Kind, A + B> out{};
+  for (std::size_t i = 0; i < A; ++i) out[i] = a[i];
+  for (std::size_t i = 0; i < B; ++i) out[A + i] = b[i];
+  return out;
+}
 /// What the contract suite sweeps: kKinds, then kAdaptiveKinds.
-inline constexpr Kind kContractKinds[] = {Kind::kStandard,
-                                          Kind::kSqueeze,
-                                          Kind::kSqueezeCoordinated,
-                                          Kind::kSqueezeDefer,
-                                          Kind::kH2O,
-                                          Kind::kPyramid,
-                                          Kind::kTova,
-                                          Kind::kStreaming,
-                                          Kind::kSnap,
-                                          Kind::kSqueezeDeferKeyDiff,
-                                          Kind::kH2OKNorm,
-                                          Kind::kH2OAdaptive,
-                                          Kind::kSqueezeAdaptive,
-                                          Kind::kSqueezeDeferAdaptive,
-                                          Kind::kPyramidAdaptive};
+inline constexpr auto kContractKinds = concat_kinds(kKinds, kAdaptiveKinds);
 
 /// Whether the subject's heads share their pool (adaptive head budgets, SPEC 14).
 inline bool is_adaptive(Kind k) {
@@ -360,15 +355,7 @@ Snapshot snapshot(const vc::KVCache<T>& c, const vc::SqueezeCoordinator* coordin
       out.head_keys.push_back(std::move(r.keys));
       out.head_values.push_back(std::move(r.values));
     }
-    out.offset = c.offset();
-    out.kept_bytes = c.kept_bytes();
-    out.full_seq_bytes = c.full_seq_bytes();
-    out.tokens_seen = c.tokens_seen();
-    out.tokens_kept = c.tokens_kept();
-    out.batch = c.batch();
-    out.heads = c.heads();
-    out.key_dim = c.key_dim();
-    out.value_dim = c.value_dim();
+    take_basic_counters(c, out);
   } else {
     take_basic_snapshot(c, out);
   }

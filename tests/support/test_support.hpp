@@ -169,15 +169,11 @@ struct BasicSnapshot {
   }
 };
 
-/// Fills the BasicSnapshot part of `s` from `c` (any cache: KVCache<T> or a derived class).
+/// Fills the BasicSnapshot fields that need no state() (offset, accounting, dimensions) from `c`:
+/// all of it a cache with ragged heads, which state() refuses, can give.
 template <class Cache>
-void take_basic_snapshot(const Cache& c, BasicSnapshot& s) {
+void take_basic_counters(const Cache& c, BasicSnapshot& s) {
   s.offset = c.offset();
-  const auto st = c.state();
-  s.key_shape = shape_of(st.first);
-  s.value_shape = shape_of(st.second);
-  s.keys = bytes_of(st.first);
-  s.values = bytes_of(st.second);
   s.kept_bytes = c.kept_bytes();
   s.full_seq_bytes = c.full_seq_bytes();
   s.tokens_seen = c.tokens_seen();
@@ -186,6 +182,17 @@ void take_basic_snapshot(const Cache& c, BasicSnapshot& s) {
   s.heads = c.heads();
   s.key_dim = c.key_dim();
   s.value_dim = c.value_dim();
+}
+
+/// Fills the BasicSnapshot part of `s` from `c` (any cache: KVCache<T> or a derived class).
+template <class Cache>
+void take_basic_snapshot(const Cache& c, BasicSnapshot& s) {
+  take_basic_counters(c, s);
+  const auto st = c.state();
+  s.key_shape = shape_of(st.first);
+  s.value_shape = shape_of(st.second);
+  s.keys = bytes_of(st.first);
+  s.values = bytes_of(st.second);
 }
 
 /// Calls f(p) with `c` as its public class when it is one of the H2O-core policies
