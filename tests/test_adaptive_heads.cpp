@@ -54,24 +54,9 @@ using Caches = std::vector<CachePtr<T>>;
 
 constexpr double kNearTie = 1e-5;
 
-enum class Method { kH2O, kSqueeze, kPyramid };
-constexpr Method kMethods[] = {Method::kH2O, Method::kSqueeze, Method::kPyramid};
-
-const char* method_name(Method m) {
-  switch (m) {
-    case Method::kH2O:
-      return "h2o";
-    case Method::kSqueeze:
-      return "squeeze";
-    case Method::kPyramid:
-      return "pyramidkv";
-  }
-  return "?";
-}
-
 /// One configuration: a cache and the calls fed to it.
 struct AdaRun {
-  Method method = Method::kH2O;
+  CorePolicy method = CorePolicy::kH2O;
   int budget = 8;  // pyramidkv from the builder: the average over its 3 layers
   int n_sink = 0;
   double recent = 0.5;  // squeeze / pyramidkv: the recent ratio; h2o: the grace (an integer)
@@ -86,7 +71,7 @@ struct AdaRun {
 
   std::string describe() const {
     std::ostringstream os;
-    os << method_name(method) << " budget=" << budget << " n_sink=" << n_sink
+    os << core_method(method) << " budget=" << budget << " n_sink=" << n_sink
        << " recent=" << recent << " decay=" << decay << " floor=" << floor
        << " value_power=" << value_power
        << " proxy_scoring=" << ref::H2OHeadOracle::scorer_name(scorer) << " layer=" << pyramid_layer
@@ -97,7 +82,7 @@ struct AdaRun {
 };
 
 vc::KVCacheConfig config_of(const AdaRun& r, const std::string& mode = "adaptive") {
-  vc::KVCacheConfig c = core_config(method_name(r.method), r.budget, r.n_sink, r.recent, r.decay);
+  vc::KVCacheConfig c = core_config(core_method(r.method), r.budget, r.n_sink, r.recent, r.decay);
   c.head_budgets = mode;
   c.head_budget_floor = r.floor;
   c.value_norm_power = r.value_power;
@@ -110,7 +95,7 @@ vc::KVCacheConfig config_of(const AdaRun& r, const std::string& mode = "adaptive
 
 /// The budget in force, from the spec (docs/design.md 6 for PyramidKV's layers).
 int expected_budget(const AdaRun& r) {
-  if (r.method == Method::kPyramid && r.pyramid_layer >= 0) {
+  if (r.method == CorePolicy::kPyramid && r.pyramid_layer >= 0) {
     return ref::pyramid_budgets(3, r.budget, r.n_sink)[static_cast<std::size_t>(r.pyramid_layer)];
   }
   return r.budget;
@@ -119,7 +104,7 @@ int expected_budget(const AdaRun& r) {
 /// The protected recent rows for a budget (before the clamp).
 std::function<int(int)> grace_rule(const AdaRun& r) {
   const int n_sink = r.n_sink;
-  if (r.method == Method::kH2O) {
+  if (r.method == CorePolicy::kH2O) {
     const int grace = static_cast<int>(r.recent);
     return [grace, n_sink](int b) { return ref::protected_recent_fixed(grace, b, n_sink); };
   }
@@ -130,7 +115,7 @@ std::function<int(int)> grace_rule(const AdaRun& r) {
 template <class T>
 CachePtr<T> make_cache(const AdaRun& r, const std::string& mode = "adaptive") {
   const vc::KVCacheConfig c = config_of(r, mode);
-  if (r.method == Method::kPyramid && r.pyramid_layer >= 0) {
+  if (r.method == CorePolicy::kPyramid && r.pyramid_layer >= 0) {
     Caches<T> model = vc::KVCacheBuilder::for_model<T>(3, c);
     return std::move(model[static_cast<std::size_t>(r.pyramid_layer)]);
   }
@@ -695,7 +680,7 @@ struct SweepStats {
 /// recent ratio (or grace) and decay drawn; value_norm_power 0, 2 or 1.5 (ignored by calls without
 /// queries).
 template <class T>
-void sweep(Method method, unsigned seed) {
+void sweep(CorePolicy method, unsigned seed) {
   std::mt19937 rng(seed);
   const auto pick = [&rng](int lo, int hi) {
     return std::uniform_int_distribution<int>(lo, hi)(rng);
@@ -724,12 +709,12 @@ void sweep(Method method, unsigned seed) {
         r.H = pick(2, 4);
         r.budget = pick(4, 12);
         r.n_sink = pick(0, 2);
-        r.recent = method == Method::kH2O ? pick(0, 3) : ratios[pick(0, 2)];
+        r.recent = method == CorePolicy::kH2O ? pick(0, 3) : ratios[pick(0, 2)];
         r.decay = pick(0, 1) ? 1.0 : 0.9;
         r.value_power = powers[stats.runs % 3];
         r.Dk = std::vector<Index>{4, 8, 20}[static_cast<std::size_t>(pick(0, 2))];
         r.Dv = pick(1, 4);
-        if (method == Method::kPyramid && stats.runs % 2 == 1) r.pyramid_layer = pick(0, 2);
+        if (method == CorePolicy::kPyramid && stats.runs % 2 == 1) r.pyramid_layer = pick(0, 2);
         if (expected_budget(r) <= r.n_sink) r.n_sink = 0;
         r.seed = static_cast<unsigned>(rng());
         stats.add(run_against_oracle<T>(r, 40), r);
@@ -745,12 +730,14 @@ class AdaptiveOracleTest : public ::testing::Test {};
 using SweepTypes = ::testing::Types<Eigen::half, float>;
 TYPED_TEST_SUITE(AdaptiveOracleTest, SweepTypes);
 
-TYPED_TEST(AdaptiveOracleTest, H2OMatchesThePooledOracle) { sweep<TypeParam>(Method::kH2O, 11u); }
+TYPED_TEST(AdaptiveOracleTest, H2OMatchesThePooledOracle) {
+  sweep<TypeParam>(CorePolicy::kH2O, 11u);
+}
 TYPED_TEST(AdaptiveOracleTest, SqueezeWithoutCoordinatorMatchesThePooledOracle) {
-  sweep<TypeParam>(Method::kSqueeze, 22u);
+  sweep<TypeParam>(CorePolicy::kSqueeze, 22u);
 }
 TYPED_TEST(AdaptiveOracleTest, PyramidKVMatchesThePooledOracle) {
-  sweep<TypeParam>(Method::kPyramid, 33u);
+  sweep<TypeParam>(CorePolicy::kPyramid, 33u);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -812,7 +799,7 @@ TEST(AdaptiveOracleSelfTest, TakesTheLowestRowsOfThePoolOneAtATime) {
 /// lower head (0, not 1).
 TEST(AdaptiveHeadsTest, TiesGoToTheEarlierPositionThenTheLowerHead) {
   using T = float;
-  for (const Method method : kMethods) {
+  for (const CorePolicy method : kCorePolicies) {
     AdaRun r;
     r.method = method;
     r.budget = 3;
@@ -861,7 +848,7 @@ TEST(AdaptiveHeadsTest, ExactTiesAfterCompactionGoToTheEarlierPosition) {
   using T = float;
   constexpr Index D = 16;  // more than a head can hold: 2 x 6 rows, and the call's
   int runs = 0, tied = 0;
-  for (const Method method : {Method::kH2O, Method::kSqueeze}) {
+  for (const CorePolicy method : {CorePolicy::kH2O, CorePolicy::kSqueeze}) {
     for (unsigned seed = 1; seed <= 12; ++seed) {
       std::mt19937 rng(seed);
       AdaRun r;
@@ -958,14 +945,14 @@ void expect_same_heads(const vc::KVCache<T>& a, const vc::KVCache<T>& b, const s
 /// calls give other rows (the comparison sees a difference when there is one).
 TEST(AdaptiveHeadsTest, FloorOneWithQueriesIsUniformBitForBit) {
   using T = Eigen::half;
-  for (const Method method : kMethods) {
+  for (const CorePolicy method : kCorePolicies) {
     for (const double power : {0.0, 2.0}) {
       for (const Index G : {1, 2}) {
         AdaRun r;
         r.method = method;
         r.budget = 6;
         r.n_sink = 1;
-        r.recent = method == Method::kH2O ? 2.0 : 0.5;
+        r.recent = method == CorePolicy::kH2O ? 2.0 : 0.5;
         r.decay = 0.95;
         r.floor = 1.0;
         r.value_power = power;
@@ -1038,12 +1025,12 @@ TEST(AdaptiveHeadsTest, FloorOneWithQueriesIsUniformBitForBit) {
 /// evict token by token inside it, adaptive ones score the whole call first.)
 TEST(AdaptiveHeadsTest, FloorOneProxyDecodeStepsAreUniform) {
   using T = float;
-  for (const Method method : kMethods) {
+  for (const CorePolicy method : kCorePolicies) {
     AdaRun r;
     r.method = method;
     r.budget = 7;
     r.n_sink = 1;
-    r.recent = method == Method::kH2O ? 1.0 : 0.25;
+    r.recent = method == CorePolicy::kH2O ? 1.0 : 0.25;
     r.decay = 0.9;
     r.floor = 1.0;
     r.B = 2;
@@ -1076,12 +1063,12 @@ TEST(AdaptiveHeadsTest, FloorOneProxyDecodeStepsAreUniform) {
 /// queries and with the key-as-query proxy, against the oracle too.
 TEST(AdaptiveHeadsTest, HeadsBecomeRaggedWithinTheirPoolAndFloor) {
   using T = Eigen::half;
-  for (const Method method : kMethods) {
+  for (const CorePolicy method : kCorePolicies) {
     for (const Index G : {1, 0}) {
       AdaRun r;
       r.method = method;
       r.budget = 8;
-      r.recent = method == Method::kH2O ? 1.0 : 0.25;  // g = 1, 2
+      r.recent = method == CorePolicy::kH2O ? 1.0 : 0.25;  // g = 1, 2
       r.floor = 0.25;
       r.B = 2;
       r.H = 2;
@@ -1186,7 +1173,7 @@ void expect_config_error(F&& f, const std::string& field, const std::string& ctx
 TEST(AdaptiveHeadsConfigTest, BadModesAndFloorsAreRefusedNamingTheField) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const double inf = std::numeric_limits<double>::infinity();
-  for (const Method method : kMethods) {
+  for (const CorePolicy method : kCorePolicies) {
     AdaRun r;
     r.method = method;
     std::vector<std::pair<vc::KVCacheConfig, std::string>> bad;
@@ -1203,7 +1190,7 @@ TEST(AdaptiveHeadsConfigTest, BadModesAndFloorsAreRefusedNamingTheField) {
     for (const auto& item : bad) {
       const vc::KVCacheConfig& config = item.first;
       const std::string& field = item.second;
-      const std::string ctx = std::string(method_name(method)) + " head_budgets='" +
+      const std::string ctx = std::string(core_method(method)) + " head_budgets='" +
                               config.head_budgets +
                               "' floor=" + std::to_string(config.head_budget_floor);
       expect_config_error([&] { config.validate(); }, field, ctx + ", validate()");
@@ -1222,7 +1209,7 @@ TEST(AdaptiveHeadsConfigTest, BadModesAndFloorsAreRefusedNamingTheField) {
 }
 
 TEST(AdaptiveHeadsConfigTest, FloorOneAndTinyFloorsAreAccepted) {
-  for (const Method method : kMethods) {
+  for (const CorePolicy method : kCorePolicies) {
     for (const double floor : {1.0, 1e-12, std::numeric_limits<double>::denorm_min(), 0.2}) {
       AdaRun r;
       r.method = method;
@@ -1230,7 +1217,7 @@ TEST(AdaptiveHeadsConfigTest, FloorOneAndTinyFloorsAreAccepted) {
       r.budget = 5;
       r.recent = 0.0;
       const vc::KVCacheConfig c = config_of(r);
-      const std::string ctx = std::string(method_name(method)) + " floor " + std::to_string(floor);
+      const std::string ctx = std::string(core_method(method)) + " floor " + std::to_string(floor);
       EXPECT_NO_THROW(c.validate()) << ctx;
       EXPECT_NO_THROW((void)vc::KVCacheBuilder::for_model<float>(2, c)) << ctx;
       CachePtr<float> cache;
@@ -1301,11 +1288,11 @@ TEST(AdaptiveHeadsConfigTest, OtherMethodsIgnoreHeadBudgets) {
 /// An adaptive h2o / squeeze / pyramidkv cache (B 2, H 2, budget 8, floor 0.25, G 2) and its
 /// twin, both fed the same focus_call prompt of 16 tokens: ragged.
 template <class T>
-AdaRun ragged_run(Method method) {
+AdaRun ragged_run(CorePolicy method) {
   AdaRun r;
   r.method = method;
   r.budget = 8;
-  r.recent = method == Method::kH2O ? 1.0 : 0.25;
+  r.recent = method == CorePolicy::kH2O ? 1.0 : 0.25;
   r.floor = 0.25;
   r.B = 2;
   r.H = 2;
@@ -1324,7 +1311,7 @@ AdaRun ragged_run(Method method) {
 /// what a twin that never saw the refused calls gives.
 TEST(AdaptiveHeadsTest, FetchAndStateRefuseRaggedHeadsAndChangeNothing) {
   using T = Eigen::half;
-  for (const Method method : kMethods) {
+  for (const CorePolicy method : kCorePolicies) {
     const AdaRun r = ragged_run<T>(method);
     const std::string ctx = r.describe();
     CachePtr<T> cache = make_cache<T>(r);
@@ -1411,7 +1398,7 @@ TEST(AdaptiveHeadsTest, FetchAndStateRefuseRaggedHeadsAndChangeNothing) {
 /// head's rows: each head must still show its own rows).
 template <class T>
 void check_ragged_views(int bits) {
-  for (const Method method : kMethods) {
+  for (const CorePolicy method : kCorePolicies) {
     AdaRun r = ragged_run<T>(method);
     r.key_bits = r.value_bits = bits;
     if (bits < 16) r.Dv = 8;  // quant_group 8 divides it
@@ -1462,7 +1449,7 @@ TEST(AdaptiveHeadsViewTest, TheQuantizedRaggedViewShowsEachHeadsOwnRowsDequantiz
 /// own rows held before the call and the call's rows 0..s, times their values, in double.
 template <class T>
 void check_attend_naive(int bits) {
-  for (const Method method : kMethods) {
+  for (const CorePolicy method : kCorePolicies) {
     AdaRun r = ragged_run<T>(method);
     r.key_bits = r.value_bits = bits;
     if (bits < 16) r.Dv = 8;  // quant_group 8 divides it
@@ -1540,13 +1527,13 @@ TEST(AdaptiveHeadsAttendTest, QuantizedAttendIsTheNaiveAttentionOverTheDequantiz
 /// ran (calls large enough to be split), and the heads became ragged.
 TEST(AdaptiveHeadsParallelTest, ParallelHeadsAreBitIdenticalToSerial) {
   using T = Eigen::half;
-  for (const Method method : kMethods) {
+  for (const CorePolicy method : kCorePolicies) {
     for (const Index G : {2, 0}) {
       AdaRun r;
       r.method = method;
       r.budget = 10;
       r.n_sink = 1;
-      r.recent = method == Method::kH2O ? 2.0 : 0.3;
+      r.recent = method == CorePolicy::kH2O ? 2.0 : 0.3;
       r.decay = 0.95;
       r.floor = 0.2;
       r.value_power = G > 0 ? 2.0 : 0.0;
@@ -1615,7 +1602,7 @@ TEST(AdaptiveHeadsParallelTest, ParallelHeadsAreBitIdenticalToSerial) {
 
 /// The calls of the runs below: ragged_run's, over quantized rows (8-bit keys, 4-bit values,
 /// Dv 8) when bits < 16.
-AdaRun serving_run(Method method, int bits) {
+AdaRun serving_run(CorePolicy method, int bits) {
   AdaRun r = ragged_run<float>(method);
   if (bits < 16) {
     r.key_bits = 8;
@@ -1628,7 +1615,7 @@ AdaRun serving_run(Method method, int bits) {
 /// A model of two layers of `method` (squeeze: with the coordinator the builder wires, which
 /// gives each layer its budget after the first call: a pending re-budget of the pools),
 /// adaptive heads, floor 0.25.
-vc::KVCacheConfig model_config(Method method, int bits) {
+vc::KVCacheConfig model_config(CorePolicy method, int bits) {
   const AdaRun r = serving_run(method, bits);
   vc::KVCacheConfig c = config_of(r);
   c.squeeze_calibration_tokens = 16;
@@ -1644,7 +1631,7 @@ const std::vector<Index>& run_sizes() {
   return sizes;
 }
 template <class T>
-std::vector<unsigned char> model_step(Caches<T>& set, Method method, int bits, std::size_t i,
+std::vector<unsigned char> model_step(Caches<T>& set, CorePolicy method, int bits, std::size_t i,
                                       unsigned seed = 0) {
   const AdaRun r = serving_run(method, bits);
   std::vector<unsigned char> out;
@@ -1711,8 +1698,8 @@ bool any_ragged(const Caches<T>& set) {
 TEST(AdaptiveHeadsServingTest, ForkRollbackAndPromptCachesContinueBitIdentically) {
   using T = Eigen::half;
   for (const int bits : {16, 8})
-    for (const Method method : kMethods) {
-      const std::string name = std::string(method_name(method)) + (bits < 16 ? " quantized" : "");
+    for (const CorePolicy method : kCorePolicies) {
+      const std::string name = std::string(core_method(method)) + (bits < 16 ? " quantized" : "");
       const vc::KVCacheConfig config = model_config(method, bits);
       const std::size_t n = run_sizes().size();
       // The uninterrupted run.
@@ -1799,7 +1786,7 @@ TEST(AdaptiveHeadsCoordinatorTest, AdoptedBudgetsRebudgetThePoolsAtTheNextCall) 
     for (const Mode& mode : modes) {
       for (const double floor : {0.25, 0.5}) {
         AdaRun r;
-        r.method = Method::kSqueeze;
+        r.method = CorePolicy::kSqueeze;
         r.budget = 8;
         r.n_sink = 1;
         r.recent = 0.25;

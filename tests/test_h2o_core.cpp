@@ -38,23 +38,9 @@ using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
 using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 using Scorer = ref::H2OHeadOracle::Scorer;
 
-enum class Policy { kH2O, kPyramid, kSqueeze };
-
-const char* policy_name(Policy p) {
-  switch (p) {
-    case Policy::kH2O:
-      return "h2o";
-    case Policy::kPyramid:
-      return "pyramidkv";
-    case Policy::kSqueeze:
-      return "squeeze";
-  }
-  return "?";
-}
-
 /// One configuration of a run.
 struct CoreRun {
-  Policy policy = Policy::kH2O;
+  CorePolicy policy = CorePolicy::kH2O;
   int budget = 8;  // PyramidKV from the builder: the average over its 3 layers
   int n_sink = 0;
   double ratio = 0.5;  // squeeze / pyramid
@@ -69,7 +55,7 @@ struct CoreRun {
 
   std::string describe() const {
     std::ostringstream os;
-    os << policy_name(policy) << " budget=" << budget << " n_sink=" << n_sink << " ratio=" << ratio
+    os << core_method(policy) << " budget=" << budget << " n_sink=" << n_sink << " ratio=" << ratio
        << " grace=" << grace << " decay=" << decay << " resolved=" << resolved << " layer=" << layer
        << " value_power=" << value_power << " B=" << dims.B << " H=" << dims.H << " Dk=" << dims.Dk
        << " Dv=" << dims.Dv << " seed=" << seed
@@ -81,7 +67,7 @@ struct CoreRun {
 /// The protected-recent rule of `r` for the oracle.
 std::function<int(int)> grace_rule(const CoreRun& r) {
   const int n_sink = r.n_sink;
-  if (r.policy == Policy::kH2O) {
+  if (r.policy == CorePolicy::kH2O) {
     const int grace = r.grace;
     return [grace, n_sink](int budget) { return ref::protected_recent_fixed(grace, budget, n_sink); };
   }
@@ -94,17 +80,17 @@ template <class T>
 Subject<T> make_core_subject(const CoreRun& r, int& budget) {
   vc::KVCacheConfig c;
   switch (r.policy) {
-    case Policy::kH2O:
+    case CorePolicy::kH2O:
       c = h2o_config(r.budget, r.n_sink, r.grace, r.decay);
       break;
-    case Policy::kPyramid:
+    case CorePolicy::kPyramid:
       c = pyramid_config(r.budget, r.n_sink, r.ratio, r.decay);
       if (r.resolved) {
         c.pyramid_budget = 300;  // must be ignored in favour of the resolved budget
         c.pyramid_resolved_budget = r.budget;
       }
       break;
-    case Policy::kSqueeze:
+    case CorePolicy::kSqueeze:
       c = squeeze_config(r.budget, r.n_sink, r.ratio, r.decay);
       if (r.resolved) {
         c.squeeze_budget = 300;  // must be ignored in favour of the resolved budget
@@ -116,7 +102,7 @@ Subject<T> make_core_subject(const CoreRun& r, int& budget) {
   c.value_norm_power = r.value_power;
   budget = r.budget;
   Subject<T> s;
-  if (r.policy == Policy::kPyramid && r.layer >= 0) {
+  if (r.policy == CorePolicy::kPyramid && r.layer >= 0) {
     // Three layers from the builder; the run drives one, whose budget is its share of the
     // pyramid (possibly the floor n_sink + 1).
     auto model = vc::KVCacheBuilder::for_model<T>(3, c);
@@ -191,7 +177,7 @@ RunOutcome run_proxy(const CoreRun& r, Index prefill, int calls) {
 /// Random runs of `policy` over a grid of n_sink x recent ratio (or grace) x decay, with random
 /// B, H, D, budget and call sizes, prefills over and under the budget.
 template <class T>
-void run_grid(Policy policy, unsigned seed_base) {
+void run_grid(CorePolicy policy, unsigned seed_base) {
   const std::vector<int> budgets = {2, 5, 8, 13, 32, 64};
   const std::vector<double> ratios = {0.0, 0.25, 0.5, 1.0};
   const std::vector<int> graces = {0, 3, 16, -1};  // -1: larger than the budget (clamped)
@@ -244,15 +230,15 @@ using SweepTypes = ::testing::Types<Eigen::half, Eigen::bfloat16>;
 TYPED_TEST_SUITE(H2OCoreOracleTest, SweepTypes);
 
 TYPED_TEST(H2OCoreOracleTest, H2OCacheMatchesOracleOnRandomCalls) {
-  run_grid<TypeParam>(Policy::kH2O, 1001u);
+  run_grid<TypeParam>(CorePolicy::kH2O, 1001u);
 }
 
 TYPED_TEST(H2OCoreOracleTest, PyramidKVCacheMatchesOracleOnRandomCalls) {
-  run_grid<TypeParam>(Policy::kPyramid, 2002u);
+  run_grid<TypeParam>(CorePolicy::kPyramid, 2002u);
 }
 
 TYPED_TEST(H2OCoreOracleTest, SqueezeAttentionCacheWithoutCoordinatorMatchesOracleOnRandomCalls) {
-  run_grid<TypeParam>(Policy::kSqueeze, 3003u);
+  run_grid<TypeParam>(CorePolicy::kSqueeze, 3003u);
 }
 
 /// The query-free scorers of docs/design.md 4.7 against the oracle: every policy, KeyDiff and
@@ -262,7 +248,7 @@ TYPED_TEST(H2OCoreOracleTest, QueryFreeScorersMatchTheOracleOnRandomCalls) {
   const std::vector<int> budgets = {2, 5, 8, 13, 32};
   std::mt19937 rng(4004u);
   GridStats stats;
-  for (const Policy policy : {Policy::kH2O, Policy::kPyramid, Policy::kSqueeze}) {
+  for (const CorePolicy policy : {CorePolicy::kH2O, CorePolicy::kPyramid, CorePolicy::kSqueeze}) {
     for (const Scorer scorer : {Scorer::keydiff, Scorer::knorm}) {
       for (const int sink : {0, 1, 4}) {
         for (const double ratio : {0.0, 0.5, 1.0}) {
@@ -310,7 +296,7 @@ TYPED_TEST_SUITE(H2OCoreQueryOracleTest, StorageTypes);
 /// Seeds 0..5 cover (G, D) = (1,3) (2,8) (4,20) (1,8) (2,20) (4,3); the rest is random. Seeds 3-5
 /// rank by score * |v|^2, 6-8 by score * |v|^1.5 (docs/design.md 4.8). PyramidKV: a layer of a
 /// 3-layer model from the builder.
-CoreRun random_query_run(Policy policy, unsigned seed, Index& G, bool& vary_g) {
+CoreRun random_query_run(CorePolicy policy, unsigned seed, Index& G, bool& vary_g) {
   std::mt19937 rng(1009u * seed + 17u * static_cast<unsigned>(policy) + 3u);
   const auto pick = [&rng](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   CoreRun r;
@@ -331,8 +317,8 @@ CoreRun random_query_run(Policy policy, unsigned seed, Index& G, bool& vary_g) {
   const double ratios[] = {0.0, 0.25, 0.5, 0.8};
   r.ratio = ratios[pick(0, 3)];
   r.grace = pick(0, 12);
-  r.layer = policy == Policy::kPyramid ? pick(0, 2) : -1;
-  r.resolved = policy == Policy::kSqueeze && pick(0, 1) == 1;
+  r.layer = policy == CorePolicy::kPyramid ? pick(0, 2) : -1;
+  r.resolved = policy == CorePolicy::kSqueeze && pick(0, 1) == 1;
   const double powers[] = {0.0, 2.0, 1.5};
   r.value_power = powers[seed / 3 % 3];
   return r;
@@ -344,7 +330,7 @@ CoreRun random_query_run(Policy policy, unsigned seed, Index& G, bool& vary_g) {
 // hit a near-tie, pick another seed rather than loosening the comparison.
 TYPED_TEST(H2OCoreQueryOracleTest, MatchesOracleOnRandomCallSequences) {
   using T = TypeParam;
-  for (const Policy policy : {Policy::kSqueeze, Policy::kH2O, Policy::kPyramid}) {
+  for (const CorePolicy policy : {CorePolicy::kSqueeze, CorePolicy::kH2O, CorePolicy::kPyramid}) {
     for (unsigned seed = 0; seed < 10; ++seed) {
       Index G = 1;
       bool vary_g = false;
@@ -377,7 +363,7 @@ TYPED_TEST(H2OCoreQueryOracleTest, MatchesOracleOnRandomCallSequences) {
 // the default protected share (H2O: grace 6).
 TYPED_TEST(H2OCoreQueryOracleTest, LongPrefillThenDecodeMatchesOracle) {
   using T = TypeParam;
-  for (const Policy policy : {Policy::kSqueeze, Policy::kH2O, Policy::kPyramid}) {
+  for (const CorePolicy policy : {CorePolicy::kSqueeze, CorePolicy::kH2O, CorePolicy::kPyramid}) {
     for (const Index G : {Index{1}, Index{4}}) {
       CoreRun r;
       r.policy = policy;
@@ -386,7 +372,7 @@ TYPED_TEST(H2OCoreQueryOracleTest, LongPrefillThenDecodeMatchesOracle) {
       r.n_sink = 4;
       r.ratio = 0.5;
       r.grace = 6;
-      r.layer = policy == Policy::kPyramid ? 0 : -1;
+      r.layer = policy == CorePolicy::kPyramid ? 0 : -1;
       int budget = 0;
       Subject<T> subject = make_core_subject<T>(r, budget);
       CoreHeads oracle = core_heads(r, budget);
@@ -493,7 +479,7 @@ TYPED_TEST(H2OCoreQueryOracleTest, SqueezeWithCoordinatorAdoptsBudgetsBetweenQue
 TYPED_TEST(H2OCoreOracleTest, KeyDiffRescoresBeforeADeferredRebudget) {
   using T = TypeParam;
   CoreRun r;
-  r.policy = Policy::kSqueeze;
+  r.policy = CorePolicy::kSqueeze;
   r.scorer = Scorer::keydiff;
   r.n_sink = 1;
   r.ratio = 0.25;

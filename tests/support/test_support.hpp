@@ -456,6 +456,23 @@ inline cache::KVCacheConfig core_config(const std::string& method, int budget, i
   return c;
 }
 
+/// The policies on the H2O core, as the tests that sweep them name them.
+enum class CorePolicy { kH2O, kSqueeze, kPyramid };
+inline constexpr CorePolicy kCorePolicies[] = {CorePolicy::kH2O, CorePolicy::kSqueeze,
+                                               CorePolicy::kPyramid};
+/// Its KVCacheConfig::method: "h2o", "squeeze" or "pyramidkv" (core_config's methods).
+inline const char* core_method(CorePolicy p) {
+  switch (p) {
+    case CorePolicy::kH2O:
+      return "h2o";
+    case CorePolicy::kSqueeze:
+      return "squeeze";
+    case CorePolicy::kPyramid:
+      return "pyramidkv";
+  }
+  return "?";
+}
+
 /// core_config of method "h2o", "squeeze" and "pyramidkv".
 inline cache::KVCacheConfig h2o_config(int budget, int n_sink, int grace, double decay) {
   return core_config("h2o", budget, n_sink, grace, decay);
