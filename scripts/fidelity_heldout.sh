@@ -47,20 +47,26 @@ RUNS=(
   "vnorm2_decay0.95_sink1|--methods squeeze --scoring queries --set value_norm_power=2 --set squeeze_decay=0.95 --set squeeze_n_sink=1"
   "vnorm2_decay0.95_sink0|--methods squeeze,h2o --scoring queries --set value_norm_power=2 --set squeeze_decay=0.95 --set h2o_decay=0.95 --set squeeze_n_sink=0 --set h2o_n_sink=0"
 )
+run_one() {  # half name prefix harness-arguments...: CSV and plot at prefix.csv / .svg, the
+  # printed table and the log in $OUT
+  local half=$1 name=$2 prefix=$3
+  shift 3
+  "$BUILD"/examples/llama2c_fidelity "${COMMON[@]}" "$@" --csv "$prefix.csv" --svg "$prefix.svg" \
+    >"$OUT/${half}_${name}.txt" 2>"$OUT/${half}_${name}.log" || {
+    echo "[fidelity] $half $name failed: $OUT/${half}_${name}.log" >&2
+    tail -3 "$OUT/${half}_${name}.log" >&2
+    return 1
+  }
+  echo "[fidelity] $half $name done"
+}
 run_half() {  # half range
   local half=$1 range=$2 entry name args
   for entry in "${RUNS[@]}"; do
     name=${entry%%|*}
     if [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",$name,"* ]]; then continue; fi
     read -r -a args <<<"${entry#*|}"
-    "$BUILD"/examples/llama2c_fidelity "${COMMON[@]}" --range "$range" ${args[@]+"${args[@]}"} \
-      --csv "$OUT/${half}_${name}.csv" --svg "$OUT/${half}_${name}.svg" \
-      >"$OUT/${half}_${name}.txt" 2>"$OUT/${half}_${name}.log" || {
-      echo "[fidelity] $half $name failed: $OUT/${half}_${name}.log" >&2
-      tail -3 "$OUT/${half}_${name}.log" >&2
+    run_one "$half" "$name" "$OUT/${half}_${name}" --range "$range" ${args[@]+"${args[@]}"} ||
       return 1
-    }
-    echo "[fidelity] $half $name done"
   done
 }
 run_half dev 0:400000 &
@@ -91,14 +97,8 @@ for entry in "${ADAPTIVE_RUNS[@]}"; do
   read -r -a args <<<"${rest%%|*}"
   for half in dev report; do
     if [ "$half" = dev ]; then range=0:400000 heads=${rest#*|}; else range=400000: heads=uniform,adaptive:$FLOOR; fi
-    "$BUILD"/examples/llama2c_fidelity "${COMMON[@]}" --range "$range" "${args[@]}" --heads "$heads" \
-      --csv "$ADAPTIVE_DIR/fidelity_${name}_${half}.csv" --svg "$ADAPTIVE_DIR/fidelity_${name}_${half}.svg" \
-      >"$OUT/${half}_${name}.txt" 2>"$OUT/${half}_${name}.log" || {
-      echo "[fidelity] $half $name failed: $OUT/${half}_${name}.log" >&2
-      tail -3 "$OUT/${half}_${name}.log" >&2
-      exit 1
-    }
-    echo "[fidelity] $half $name done"
+    run_one "$half" "$name" "$ADAPTIVE_DIR/fidelity_${name}_${half}" --range "$range" \
+      "${args[@]}" --heads "$heads" || exit 1
   done
 done
 python3 scripts/fidelity_tables.py adaptive "$ADAPTIVE_DIR"
