@@ -85,13 +85,12 @@ Index worst_live(const HeadStore<T>& head, int n_sink, int g, float* buf) {
   const Index n = head.live();
   const Index sinks = head.leading_sinks(n_sink);
   if (n - g <= sinks) return -1;
+  const float inf = std::numeric_limits<float>::infinity();
   const float* score = head.scores_data_const();
   ranks_by_slot(head, score, true, sinks, n - g, buf);
   int hits = 0;
   const Index k = argmin(buf, head.physical(), false, &hits);
-  if (k >= 0 && hits == 1 && buf[k] < std::numeric_limits<float>::infinity()) {
-    return head.order_index(static_cast<Slot>(k));
-  }
+  if (k >= 0 && hits == 1 && buf[k] < inf) return head.order_index(static_cast<Slot>(k));
   return worst_in_order(head.order().data(), sinks, n - g, score, Tie::evict_earliest, buf);
 }
 
