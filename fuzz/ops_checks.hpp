@@ -235,20 +235,8 @@ class Checks {
                          " rows, below its floor " + std::to_string(floor_rows) + " (it held " +
                          std::to_string(was) + " + " + std::to_string(S) + ")");
     }
-    const std::size_t row_bytes = static_cast<std::size_t>(seq_.Dk + seq_.Dv) * sizeof(T);
-    report_.expect(c.kept_bytes() == total * row_bytes,
-                   "kept_bytes() " + std::to_string(c.kept_bytes()) + " is not the " +
-                       std::to_string(total) + " rows held");
     report_.expect(c.tokens_kept() == rows.front(), "tokens_kept() is not head (0, 0)'s rows");
-    report_.expect(c.full_seq_bytes() == static_cast<std::size_t>(B * H) *
-                                             static_cast<std::size_t>(seq_.offset) * row_bytes,
-                   "full_seq_bytes() is wrong");
-    if (total > 0) {
-      const double ratio =
-          static_cast<double>(c.full_seq_bytes()) / static_cast<double>(c.kept_bytes());
-      report_.expect(c.compression_ratio() == ratio, "compression_ratio() is wrong");
-    }
-    report_.expect(c.heap_bytes() >= c.kept_bytes(), "heap_bytes() < kept_bytes()");
+    byte_accounting(static_cast<std::size_t>(total));
     // state() serves equal heads only; an empty call's view serves every head.
     const bool ragged =
         std::adjacent_find(rows.begin(), rows.end(), std::not_equal_to<>()) != rows.end();
@@ -507,7 +495,6 @@ class Checks {
   /// returns state().
   vc::KVPair<T> accounting() const {
     const vc::KVCache<T>& c = *cache_.layer;
-    const std::int64_t offset = seq_.offset;
     const Index B = seq_.B, H = seq_.H, Dk = seq_.Dk, Dv = seq_.Dv;
     counters();
     vc::KVPair<T> st = c.state();
@@ -520,19 +507,28 @@ class Checks {
     report_.expect(n == seq_.count, "state() holds " + std::to_string(n) +
                                         " rows per head, expected " + std::to_string(seq_.count));
     report_.expect(c.tokens_kept() == n, "tokens_kept() differs from state()");
-    const std::size_t row_bytes = static_cast<std::size_t>(Dk + Dv) * sizeof(T);
-    const auto heads = static_cast<std::size_t>(B * H);
-    report_.expect(c.kept_bytes() == heads * static_cast<std::size_t>(n) * row_bytes,
-                   "kept_bytes() is wrong");
-    report_.expect(c.full_seq_bytes() == heads * static_cast<std::size_t>(offset) * row_bytes,
+    byte_accounting(static_cast<std::size_t>(B * H * n));
+    return st;
+  }
+
+  /// The byte accounting of a cache holding `rows` rows over all its heads (unquantized):
+  /// kept_bytes() those rows, full_seq_bytes() every head's `offset` rows, compression_ratio()
+  /// their quotient, heap_bytes() at least kept_bytes().
+  void byte_accounting(std::size_t rows) const {
+    const vc::KVCache<T>& c = *cache_.layer;
+    const std::size_t row_bytes = static_cast<std::size_t>(seq_.Dk + seq_.Dv) * sizeof(T);
+    report_.expect(c.kept_bytes() == rows * row_bytes,
+                   "kept_bytes() " + std::to_string(c.kept_bytes()) + " is not the " +
+                       std::to_string(rows) + " rows held");
+    report_.expect(c.full_seq_bytes() == static_cast<std::size_t>(seq_.B * seq_.H) *
+                                             static_cast<std::size_t>(seq_.offset) * row_bytes,
                    "full_seq_bytes() is wrong");
-    if (n > 0) {
+    if (rows > 0) {
       const double ratio =
           static_cast<double>(c.full_seq_bytes()) / static_cast<double>(c.kept_bytes());
       report_.expect(c.compression_ratio() == ratio, "compression_ratio() is wrong");
     }
     report_.expect(c.heap_bytes() >= c.kept_bytes(), "heap_bytes() < kept_bytes()");
-    return st;
   }
 
   /// The H2O core's budget(), n_sink() and protected_recent().
