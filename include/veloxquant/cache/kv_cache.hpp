@@ -287,6 +287,9 @@ class KVCache {
     }
     return head_at(b, h).live();
   }
+  /// The most rows any head holds (tokens_kept() unless adaptive heads differ; 0 before the first
+  /// call).
+  std::int64_t max_head_rows() const { return live_rows(); }
   /// Whether the heads hold different numbers of rows (only adaptive heads can, SPEC 14): then
   /// update_and_fetch(_into) and state() refuse, and a view's rows() throws.
   bool ragged_heads() const { return ragged(); }
