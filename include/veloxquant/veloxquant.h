@@ -50,7 +50,17 @@ extern "C" {
 typedef struct vq_config vq_config; /* a KVCacheConfig */
 typedef struct vq_caches vq_caches; /* one model's cache set, one cache per layer */
 
-typedef enum {
+/* The enums are passed as ints: a C caller may pass any int where one is declared. C++ is told
+ * their underlying type is int (the size and passing of a C enum of these values), so the
+ * library reads any value without undefined behaviour and refuses one outside its enum with
+ * VQ_EINVAL, naming it; the C ABI is the same as without the macro. */
+#ifdef __cplusplus
+#define VQ_ENUM enum : int
+#else
+#define VQ_ENUM enum
+#endif
+
+typedef VQ_ENUM {
   VQ_OK = 0,
   VQ_EINVAL,   /* a bad argument: null, shape, field, value, layer; nothing changed */
   VQ_ENOMEM,   /* memory ran out; nothing changed */
@@ -60,9 +70,10 @@ typedef enum {
   VQ_ECALLBACK /* the engine's parallel-for failed (vq_set_parallel_for): the layer was reset */
 } vq_status;
 
-typedef enum { VQ_HALF, VQ_BFLOAT16, VQ_FLOAT } vq_storage; /* how rows are stored */
-typedef enum { VQ_HEAD_MAJOR, VQ_TOKEN_MAJOR } vq_layout;   /* how a buffer is ordered */
-typedef enum { VQ_F16, VQ_BF16, VQ_F32, VQ_F64 } vq_dtype;  /* an input buffer's element type */
+typedef VQ_ENUM { VQ_HALF, VQ_BFLOAT16, VQ_FLOAT } vq_storage; /* how rows are stored */
+typedef VQ_ENUM { VQ_HEAD_MAJOR, VQ_TOKEN_MAJOR } vq_layout;   /* how a buffer is ordered */
+typedef VQ_ENUM { VQ_F16, VQ_BF16, VQ_F32, VQ_F64 } vq_dtype;  /* an input buffer's element type */
+#undef VQ_ENUM
 
 /* ---- version and errors ---------------------------------------------------------------------- */
 

@@ -564,6 +564,7 @@ static void test_abi_and_errors(void) {
   CHECK(strcmp(vq_status_name(VQ_ECALLBACK), "VQ_ECALLBACK") == 0);
   CHECK(strcmp(vq_status_name((vq_status)99), "unknown") == 0);
   CHECK(strcmp(vq_status_name((vq_status)-1), "unknown") == 0);
+  CHECK(strcmp(vq_status_name((vq_status)INT_MIN), "unknown") == 0);
   CHECK(VQ_OK == 0);
 
   /* Successful calls leave the message alone: still "" after all of the above. */
@@ -904,10 +905,18 @@ static void test_caches_new(void) {
   CHECK_FAIL(vq_caches_new(c, INT_MIN, VQ_HALF, &s), VQ_EINVAL, "n_layers");
   CHECK(s == NULL);
   s = SENTINEL_CACHES;
-  CHECK_FAIL(vq_caches_new(c, 2, (vq_storage)7, &s), VQ_EINVAL, "storage");
+  /* Any int may come where a vq_storage is declared: the library reads it as an int (C++ gives the
+   * enum a fixed underlying type, so no value is undefined behaviour) and names it. */
+  CHECK_FAIL(vq_caches_new(c, 2, (vq_storage)7, &s), VQ_EINVAL, "storage 7");
   CHECK(s == NULL);
   s = SENTINEL_CACHES;
-  CHECK_FAIL(vq_caches_new(c, 2, (vq_storage)-1, &s), VQ_EINVAL, "storage");
+  CHECK_FAIL(vq_caches_new(c, 2, (vq_storage)-1, &s), VQ_EINVAL, "storage -1");
+  CHECK(s == NULL);
+  s = SENTINEL_CACHES;
+  CHECK_FAIL(vq_caches_new(c, 2, (vq_storage)INT_MAX, &s), VQ_EINVAL, "storage 2147483647");
+  CHECK(s == NULL);
+  s = SENTINEL_CACHES;
+  CHECK_FAIL(vq_caches_new(c, 2, (vq_storage)INT_MIN, &s), VQ_EINVAL, "storage -2147483648");
   CHECK(s == NULL);
 
   for (i = 0; i < 3; ++i) {
@@ -1141,8 +1150,9 @@ static const bad_attend_t kBadAttend[] = {
     {"q_heads 3 over 2 KV heads", 1, 3, 2, 2, 8, VQ_HEAD_MAJOR, 0, "multiple"},
     {"q_heads 5 over 2 KV heads", 1, 5, 2, 2, 8, VQ_HEAD_MAJOR, 0, "multiple"},
     {"q_heads 0", 1, 0, 2, 2, 8, VQ_HEAD_MAJOR, 0, "multiple"},
-    {"layout 9", 1, 4, 2, 2, 8, 9, 0, "layout"},
-    {"layout -1", 1, 4, 2, 2, 8, -1, 0, "layout"},
+    {"layout 9", 1, 4, 2, 2, 8, 9, 0, "layout 9"},
+    {"layout -1", 1, 4, 2, 2, 8, -1, 0, "layout -1"},
+    {"layout INT_MIN", 1, 4, 2, 2, 8, INT_MIN, 0, "layout -2147483648"},
     {"a NaN key", 1, 4, 2, 2, 8, VQ_HEAD_MAJOR, 1, "non-finite"},
     {"an infinite query", 1, 4, 2, 2, 8, VQ_HEAD_MAJOR, 2, "query"},
     {"a key beyond the storage type", 1, 4, 2, 2, 8, VQ_HEAD_MAJOR, 3, "key"},
@@ -1238,12 +1248,14 @@ typedef struct {
 } bad_tensor_t;
 
 static const bad_tensor_t kBadTensors[] = {
-    {"q dtype 12", 0, 0, 12, "dtype"},
-    {"k dtype 12", 1, 0, 12, "dtype"},
-    {"v dtype -1", 2, 0, -1, "dtype"},
-    {"q layout 9", 0, 1, 9, "layout"},
-    {"k layout 9", 1, 1, 9, "layout"},
-    {"v layout -1", 2, 1, -1, "layout"},
+    {"q dtype 12", 0, 0, 12, "dtype 12"},
+    {"k dtype 12", 1, 0, 12, "dtype 12"},
+    {"v dtype -1", 2, 0, -1, "dtype -1"},
+    {"k dtype INT_MAX", 1, 0, INT_MAX, "dtype 2147483647"},
+    {"q layout 9", 0, 1, 9, "layout 9"},
+    {"k layout 9", 1, 1, 9, "layout 9"},
+    {"v layout -1", 2, 1, -1, "layout -1"},
+    {"q layout INT_MAX", 0, 1, INT_MAX, "layout 2147483647"},
     {"k batch -1", 1, 2, -1, "negative"},
     {"q heads -4", 0, 3, -4, "negative"},
     {"v seq -1", 2, 4, -1, "negative"},
@@ -1317,7 +1329,7 @@ static void test_attend_ex_bad_inputs(void) {
     CHECK_FAIL(vq_attend_ex(t.a, 0, &q, &k, &v, g_junk_out, VQ_HEAD_MAJOR), VQ_EINVAL, "dtype");
     CHECK_TWIN(t, 0);
     /* out_layout out of range */
-    CHECK_FAIL(vq_attend_ex(t.a, 1, &q, &k, &k, g_junk_out, (vq_layout)9), VQ_EINVAL, "layout");
+    CHECK_FAIL(vq_attend_ex(t.a, 1, &q, &k, &k, g_junk_out, (vq_layout)9), VQ_EINVAL, "layout 9");
     CHECK_TWIN(t, 1);
     /* a NaN key in half precision (0x7E00) */
     for (i = 0; i < 32; ++i) half_keys[i] = f32_to_f16(0.5f);
@@ -1474,7 +1486,7 @@ static void test_seq_zero(void) {
   /* seq 0 does not excuse a bad argument. */
   CHECK_FAIL(vq_attend(t.a, 0, q, k, v, out, -1, 4, 2, 0, 8, VQ_HEAD_MAJOR), VQ_EINVAL, "negative");
   CHECK_FAIL(vq_attend(t.a, 0, q, k, v, out, 1, 4, 2, 0, -8, VQ_HEAD_MAJOR), VQ_EINVAL, "negative");
-  CHECK_FAIL(vq_attend(t.a, 0, q, k, v, out, 1, 4, 2, 0, 8, (vq_layout)9), VQ_EINVAL, "layout");
+  CHECK_FAIL(vq_attend(t.a, 0, q, k, v, out, 1, 4, 2, 0, 8, (vq_layout)9), VQ_EINVAL, "layout 9");
   CHECK_FAIL(vq_attend(t.a, 0, NULL, k, v, out, 1, 4, 2, 0, 8, VQ_HEAD_MAJOR), VQ_EINVAL, "NULL");
   {
     vq_tensor bad = tq;
@@ -1907,7 +1919,7 @@ static void test_update_fetch(void) {
     CHECK_OK(vq_fetch(s, 0, NULL, values_t, VQ_HEAD_MAJOR));
     CHECK(memcmp(values_t, values, sizeof values) == 0);
     CHECK_OK(vq_fetch(s, 0, NULL, NULL, VQ_HEAD_MAJOR));
-    CHECK_FAIL(vq_fetch(s, 0, keys, values, (vq_layout)9), VQ_EINVAL, "layout");
+    CHECK_FAIL(vq_fetch(s, 0, keys, values, (vq_layout)9), VQ_EINVAL, "layout 9");
     CHECK(vq_kept_bytes(s) ==
           (size_t)(B * H * N * (D + DV)) * (storages[si] == VQ_FLOAT ? 4u : 2u));
     vq_caches_free(s);
@@ -2123,7 +2135,7 @@ static void test_caches_new_dims(void) {
     CHECK(s == NULL);
     CHECK_FAIL(vq_caches_new_dims(c, huge, 1, VQ_HALF, &s), VQ_EINVAL, "70000");
     CHECK_FAIL(vq_caches_new_dims(c, eight, 0, VQ_HALF, &s), VQ_EINVAL, "n_layers");
-    CHECK_FAIL(vq_caches_new_dims(c, eight, 1, (vq_storage)7, &s), VQ_EINVAL, "storage");
+    CHECK_FAIL(vq_caches_new_dims(c, eight, 1, (vq_storage)7, &s), VQ_EINVAL, "storage 7");
     CHECK_FAIL(vq_caches_new_dims(NULL, eight, 1, VQ_HALF, &s), VQ_EINVAL, "config");
     CHECK_FAIL(vq_caches_new_dims(c, eight, 1, VQ_HALF, NULL), VQ_EINVAL, "out");
     /* Quantized rows: the group must divide the declared dim, checked now. */
