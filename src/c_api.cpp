@@ -174,6 +174,31 @@ void check_layer(const vq_caches& s, int layer) {
   }
 }
 
+// Every call on one layer takes this path: under guarded(api, logic), the handle ("caches is
+// NULL"), the call's own arguments (`checks()`), the layer's range, then body(set, cache) with
+// the set's Set<T> and the layer's KVCache<T>.
+template <class Handle, class Checks, class Body>
+vq_status on_layer(const char* api, vq_status logic, Handle* s, int layer, Checks&& checks,
+                   Body&& body) noexcept {
+  return guarded(api, logic, [&] {
+    need(s, "caches");
+    checks();
+    check_layer(*s, layer);
+    visit(*s, [&](auto& set) { body(set, *set.caches[static_cast<std::size_t>(layer)]); });
+  });
+}
+
+// A value of one layer, read by get(cache); `on_error` when the handle or the layer is bad (or
+// get throws), with the message set.
+template <class R, class Get>
+R layer_value(const char* api, const vq_caches* s, int layer, R on_error, Get&& get) noexcept {
+  R value = on_error;
+  (void)on_layer(
+      api, VQ_EINVAL, s, layer, [] {},
+      [&](auto&, const auto& cache) { value = static_cast<R>(get(cache)); });
+  return value;
+}
+
 // ---- inputs
 // --------------------------------------------------------------------------------------
 
@@ -720,151 +745,115 @@ vq_status vq_storage_of(const vq_caches* s, vq_storage* out) {
 vq_status vq_attend(vq_caches* s, int layer, const float* q, const float* k, const float* v,
                     float* out, int batch, int q_heads, int kv_heads, int seq, int head_dim,
                     vq_layout layout) {
-  return guarded("vq_attend", VQ_ESTATE, [&] {
-    need(s, "caches");
-    need(q, "q");
-    need(k, "k");
-    need(v, "v");
-    need(out, "out");
-    check_layer(*s, layer);
-    const vc::Layout l = layout_of(layout, "vq_attend");
-    if (seq == 0 && batch >= 0 && q_heads >= 0 && kv_heads >= 0 && head_dim >= 0) return;
-    visit(*s, [&](auto& set) {
-      auto& cache = *set.caches[static_cast<std::size_t>(layer)];
-      layer_call(set, layer, [&] {
-        cache.attend(vc::TensorRef<float>(q, batch, q_heads, seq, head_dim, l),
-                     vc::TensorRef<float>(k, batch, kv_heads, seq, head_dim, l),
-                     vc::TensorRef<float>(v, batch, kv_heads, seq, head_dim, l), out, l);
+  return on_layer(
+      "vq_attend", VQ_ESTATE, s, layer,
+      [&] {
+        need(q, "q");
+        need(k, "k");
+        need(v, "v");
+        need(out, "out");
+      },
+      [&](auto& set, auto& cache) {
+        const vc::Layout l = layout_of(layout, "vq_attend");
+        if (seq == 0 && batch >= 0 && q_heads >= 0 && kv_heads >= 0 && head_dim >= 0) return;
+        layer_call(set, layer, [&] {
+          cache.attend(vc::TensorRef<float>(q, batch, q_heads, seq, head_dim, l),
+                       vc::TensorRef<float>(k, batch, kv_heads, seq, head_dim, l),
+                       vc::TensorRef<float>(v, batch, kv_heads, seq, head_dim, l), out, l);
+        });
       });
-    });
-  });
 }
 
 vq_status vq_attend_ex(vq_caches* s, int layer, const vq_tensor* q, const vq_tensor* k,
                        const vq_tensor* v, float* out, vq_layout out_layout) {
-  return guarded("vq_attend_ex", VQ_ESTATE, [&] {
-    need(s, "caches");
-    check_tensor(q, "q");
-    check_tensor(k, "k");
-    check_tensor(v, "v");
-    need(out, "out");
-    check_layer(*s, layer);
-    const vc::Layout l = layout_of(out_layout, "out_layout");
-    const vq_tensor* all[] = {q, k, v};
-    bool empty = true;
-    for (const vq_tensor* t : all) {
-      empty = empty && t->seq == 0 && t->batch >= 0 && t->heads >= 0 && t->dim >= 0;
-    }
-    if (empty) return;
-    visit(*s, [&](auto& set) { attend_typed(set, layer, *q, *k, *v, out, l); });
-  });
+  return on_layer(
+      "vq_attend_ex", VQ_ESTATE, s, layer,
+      [&] {
+        check_tensor(q, "q");
+        check_tensor(k, "k");
+        check_tensor(v, "v");
+        need(out, "out");
+      },
+      [&](auto& set, auto&) {
+        const vc::Layout l = layout_of(out_layout, "out_layout");
+        const vq_tensor* all[] = {q, k, v};
+        bool empty = true;
+        for (const vq_tensor* t : all) {
+          empty = empty && t->seq == 0 && t->batch >= 0 && t->heads >= 0 && t->dim >= 0;
+        }
+        if (empty) return;
+        attend_typed(set, layer, *q, *k, *v, out, l);
+      });
 }
 
 vq_status vq_update(vq_caches* s, int layer, const vq_tensor* k, const vq_tensor* v,
                     const vq_tensor* q, int64_t* rows) {
-  return guarded("vq_update", VQ_ESTATE, [&] {
-    need(s, "caches");
-    check_tensor(k, "k");
-    check_tensor(v, "v");
-    if (q != nullptr) check_tensor(q, "q");
-    need(rows, "rows");
-    check_layer(*s, layer);
-    *rows = visit(*s, [&](auto& set) { return update_typed(set, layer, *k, *v, q); });
-  });
+  return on_layer(
+      "vq_update", VQ_ESTATE, s, layer,
+      [&] {
+        check_tensor(k, "k");
+        check_tensor(v, "v");
+        if (q != nullptr) check_tensor(q, "q");
+        need(rows, "rows");
+      },
+      [&](auto& set, auto&) { *rows = update_typed(set, layer, *k, *v, q); });
 }
 
 vq_status vq_fetch(const vq_caches* s, int layer, float* keys, float* values, vq_layout layout) {
-  return guarded("vq_fetch", VQ_ESTATE, [&] {
-    need(s, "caches");
-    check_layer(*s, layer);
-    const vc::Layout l = layout_of(layout, "vq_fetch");
-    visit(*s, [&](auto& set) {
-      const auto& view = set.views[static_cast<std::size_t>(layer)];
-      if (!view) {
-        fail(VQ_ESTATE, "layer " + std::to_string(layer) +
-                            " has no window to fetch: no vq_update since the set was built, "
-                            "reset, loaded, forked or rolled back, or a vq_attend after it");
-      }
-      if (view->ragged()) {
-        fail(VQ_EINVAL, "layer " + std::to_string(layer) +
-                            ": its heads hold different numbers of rows (adaptive head "
-                            "budgets), which one dense buffer cannot return; use vq_attend");
-      }
-      if (keys != nullptr) {
-        copy_rows(
-            *view, [&](Eigen::Index b, Eigen::Index h) { return view->keys(b, h); },
-            view->key_dim(), keys, l);
-      }
-      if (values != nullptr) {
-        copy_rows(
-            *view, [&](Eigen::Index b, Eigen::Index h) { return view->values(b, h); },
-            view->value_dim(), values, l);
-      }
-    });
-  });
+  return on_layer(
+      "vq_fetch", VQ_ESTATE, s, layer, [] {},
+      [&](auto& set, auto&) {
+        const vc::Layout l = layout_of(layout, "vq_fetch");
+        const auto& view = set.views[static_cast<std::size_t>(layer)];
+        if (!view) {
+          fail(VQ_ESTATE, "layer " + std::to_string(layer) +
+                              " has no window to fetch: no vq_update since the set was built, "
+                              "reset, loaded, forked or rolled back, or a vq_attend after it");
+        }
+        if (view->ragged()) {
+          fail(VQ_EINVAL, "layer " + std::to_string(layer) +
+                              ": its heads hold different numbers of rows (adaptive head "
+                              "budgets), which one dense buffer cannot return; use vq_attend");
+        }
+        if (keys != nullptr) {
+          copy_rows(
+              *view, [&](Eigen::Index b, Eigen::Index h) { return view->keys(b, h); },
+              view->key_dim(), keys, l);
+        }
+        if (values != nullptr) {
+          copy_rows(
+              *view, [&](Eigen::Index b, Eigen::Index h) { return view->values(b, h); },
+              view->value_dim(), values, l);
+        }
+      });
 }
 
 int64_t vq_offset(const vq_caches* s, int layer) {
-  std::int64_t offset = -1;
-  (void)guarded("vq_offset", VQ_EINVAL, [&] {
-    need(s, "caches");
-    check_layer(*s, layer);
-    offset =
-        visit(*s, [&](auto& set) { return set.caches[static_cast<std::size_t>(layer)]->offset(); });
-  });
-  return offset;
+  return layer_value("vq_offset", s, layer, std::int64_t{-1},
+                     [](const auto& cache) { return cache.offset(); });
 }
 
 int vq_layer_budget(const vq_caches* s, int layer) {
-  int budget = -1;
-  (void)guarded("vq_layer_budget", VQ_EINVAL, [&] {
-    need(s, "caches");
-    check_layer(*s, layer);
-    budget = visit(
-        *s, [&](auto& set) { return set.caches[static_cast<std::size_t>(layer)]->layer_budget(); });
-  });
-  return budget;
+  return layer_value("vq_layer_budget", s, layer, -1,
+                     [](const auto& cache) { return cache.layer_budget(); });
 }
 
 int64_t vq_rows(const vq_caches* s, int layer) {
-  std::int64_t rows = -1;
-  (void)guarded("vq_rows", VQ_EINVAL, [&] {
-    need(s, "caches");
-    check_layer(*s, layer);
-    rows = visit(*s, [&](auto& set) {
-      const auto& cache = *set.caches[static_cast<std::size_t>(layer)];
-      std::int64_t most = cache.tokens_kept();
-      if (cache.ragged_heads()) {
-        for (Eigen::Index b = 0; b < cache.batch(); ++b) {
-          for (Eigen::Index h = 0; h < cache.heads(); ++h) {
-            most = std::max(most, cache.head_rows(b, h));
-          }
-        }
-      }
-      return most;
-    });
-  });
-  return rows;
+  return layer_value("vq_rows", s, layer, std::int64_t{-1},
+                     [](const auto& cache) { return cache.max_head_rows(); });
 }
 
 int64_t vq_head_rows(const vq_caches* s, int layer, int b, int h) {
-  std::int64_t rows = -1;
-  (void)guarded("vq_head_rows", VQ_EINVAL, [&] {
-    need(s, "caches");
-    check_layer(*s, layer);
-    rows = visit(*s, [&](auto& set) {
-      const auto& cache = *set.caches[static_cast<std::size_t>(layer)];
-      if (cache.batch() == 0) return std::int64_t{0};  // before the layer's first call
-      if (b < 0 || b >= cache.batch() || h < 0 || h >= cache.heads()) {
-        fail(VQ_EINVAL, "head (" + std::to_string(b) + ", " + std::to_string(h) +
-                            ") is outside layer " + std::to_string(layer) + "'s " +
-                            std::to_string(cache.batch()) + " x " + std::to_string(cache.heads()) +
-                            " heads");
-      }
-      return cache.head_rows(b, h);
-    });
+  return layer_value("vq_head_rows", s, layer, std::int64_t{-1}, [&](const auto& cache) {
+    if (cache.batch() == 0) return std::int64_t{0};  // before the layer's first call
+    if (b < 0 || b >= cache.batch() || h < 0 || h >= cache.heads()) {
+      fail(VQ_EINVAL, "head (" + std::to_string(b) + ", " + std::to_string(h) +
+                          ") is outside layer " + std::to_string(layer) + "'s " +
+                          std::to_string(cache.batch()) + " x " + std::to_string(cache.heads()) +
+                          " heads");
+    }
+    return cache.head_rows(b, h);
   });
-  return rows;
 }
 
 size_t vq_kept_bytes(const vq_caches* s) {
@@ -879,14 +868,8 @@ size_t vq_kept_bytes(const vq_caches* s) {
 }
 
 size_t vq_layer_kept_bytes(const vq_caches* s, int layer) {
-  std::size_t bytes = 0;
-  (void)guarded("vq_layer_kept_bytes", VQ_EINVAL, [&] {
-    need(s, "caches");
-    check_layer(*s, layer);
-    bytes = visit(
-        *s, [&](auto& set) { return set.caches[static_cast<std::size_t>(layer)]->kept_bytes(); });
-  });
-  return bytes;
+  return layer_value("vq_layer_kept_bytes", s, layer, std::size_t{0},
+                     [](const auto& cache) { return cache.kept_bytes(); });
 }
 
 void vq_reset(vq_caches* s) {
