@@ -32,7 +32,7 @@
 
 namespace vc = veloxquant::cache;
 
-// The header gives the enums a fixed underlying type in C++ (VQ_ENUM): any int a C caller passes
+// The header gives the enums a fixed underlying type in C++ (VQ_INT_BASE): any int a C caller passes
 // is then a value of the type, read without undefined behaviour, and each function refuses one
 // outside its enum (layout_of, check_tensor, new_set; vq_status_name says "unknown").
 static_assert(std::is_same_v<std::underlying_type_t<vq_status>, int> &&

@@ -51,16 +51,16 @@ typedef struct vq_config vq_config; /* a KVCacheConfig */
 typedef struct vq_caches vq_caches; /* one model's cache set, one cache per layer */
 
 /* The enums are passed as ints: a C caller may pass any int where one is declared. C++ is told
- * their underlying type is int (the size and passing of a C enum of these values), so the
- * library reads any value without undefined behaviour and refuses one outside its enum with
- * VQ_EINVAL, naming it; the C ABI is the same as without the macro. */
+ * their underlying type is int (VQ_INT_BASE: the size and passing of a C enum of these values),
+ * so the library reads any value without undefined behaviour and refuses one outside its enum
+ * with VQ_EINVAL, naming it; in C the macro is empty and the ABI is the same as without it. */
 #ifdef __cplusplus
-#define VQ_ENUM enum : int
+#define VQ_INT_BASE : int
 #else
-#define VQ_ENUM enum
+#define VQ_INT_BASE
 #endif
 
-typedef VQ_ENUM {
+typedef enum VQ_INT_BASE {
   VQ_OK = 0,
   VQ_EINVAL,   /* a bad argument: null, shape, field, value, layer; nothing changed */
   VQ_ENOMEM,   /* memory ran out; nothing changed */
@@ -70,10 +70,11 @@ typedef VQ_ENUM {
   VQ_ECALLBACK /* the engine's parallel-for failed (vq_set_parallel_for): the layer was reset */
 } vq_status;
 
-typedef VQ_ENUM { VQ_HALF, VQ_BFLOAT16, VQ_FLOAT } vq_storage; /* how rows are stored */
-typedef VQ_ENUM { VQ_HEAD_MAJOR, VQ_TOKEN_MAJOR } vq_layout;   /* how a buffer is ordered */
-typedef VQ_ENUM { VQ_F16, VQ_BF16, VQ_F32, VQ_F64 } vq_dtype;  /* an input buffer's element type */
-#undef VQ_ENUM
+/* How rows are stored; how a buffer is ordered; an input buffer's element type. */
+typedef enum VQ_INT_BASE { VQ_HALF, VQ_BFLOAT16, VQ_FLOAT } vq_storage;
+typedef enum VQ_INT_BASE { VQ_HEAD_MAJOR, VQ_TOKEN_MAJOR } vq_layout;
+typedef enum VQ_INT_BASE { VQ_F16, VQ_BF16, VQ_F32, VQ_F64 } vq_dtype;
+#undef VQ_INT_BASE
 
 /* ---- version and errors ---------------------------------------------------------------------- */
 
