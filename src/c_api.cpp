@@ -199,6 +199,13 @@ R layer_value(const char* api, const vq_caches* s, int layer, R on_error, Get&& 
   return value;
 }
 
+// SqueezeAttentionCache::concentration(); 0.0 for a layer of another method, which measures none.
+template <class T>
+double concentration_of(const vc::KVCache<T>& cache) {
+  const auto* squeeze = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(&cache);
+  return squeeze == nullptr ? 0.0 : squeeze->concentration();
+}
+
 // ---- inputs
 // --------------------------------------------------------------------------------------
 
@@ -870,6 +877,36 @@ size_t vq_kept_bytes(const vq_caches* s) {
 size_t vq_layer_kept_bytes(const vq_caches* s, int layer) {
   return layer_value("vq_layer_kept_bytes", s, layer, std::size_t{0},
                      [](const auto& cache) { return cache.kept_bytes(); });
+}
+
+size_t vq_layer_full_seq_bytes(const vq_caches* s, int layer) {
+  return layer_value("vq_layer_full_seq_bytes", s, layer, std::size_t{0},
+                     [](const auto& cache) { return cache.full_seq_bytes(); });
+}
+
+double vq_layer_compression_ratio(const vq_caches* s, int layer) {
+  return layer_value("vq_layer_compression_ratio", s, layer, -1.0,
+                     [](const auto& cache) { return cache.compression_ratio(); });
+}
+
+int64_t vq_layer_tokens_seen(const vq_caches* s, int layer) {
+  return layer_value("vq_layer_tokens_seen", s, layer, std::int64_t{-1},
+                     [](const auto& cache) { return cache.tokens_seen(); });
+}
+
+int64_t vq_layer_tokens_kept(const vq_caches* s, int layer) {
+  return layer_value("vq_layer_tokens_kept", s, layer, std::int64_t{-1},
+                     [](const auto& cache) { return cache.tokens_kept(); });
+}
+
+int vq_layer_is_trimmable(const vq_caches* s, int layer) {
+  return layer_value("vq_layer_is_trimmable", s, layer, -1,
+                     [](const auto& cache) { return cache.is_trimmable() ? 1 : 0; });
+}
+
+double vq_layer_concentration(const vq_caches* s, int layer) {
+  return layer_value("vq_layer_concentration", s, layer, std::nan(""),
+                     [](const auto& cache) { return concentration_of(cache); });
 }
 
 void vq_reset(vq_caches* s) {

@@ -34,7 +34,7 @@ extern "C" {
  * (a program built against another major must not load this library); the minor when functions
  * are added. vq_abi_version() returns the library's VQ_ABI_VERSION. */
 #define VQ_ABI_VERSION_MAJOR 1
-#define VQ_ABI_VERSION_MINOR 1
+#define VQ_ABI_VERSION_MINOR 2
 #define VQ_ABI_VERSION (VQ_ABI_VERSION_MAJOR * 1000 + VQ_ABI_VERSION_MINOR)
 
 #if defined(_WIN32) && defined(VQ_BUILDING_SHARED)
@@ -176,8 +176,32 @@ VQ_API int64_t vq_rows(const vq_caches* s, int layer);
 VQ_API int64_t vq_head_rows(const vq_caches* s, int layer, int b, int h);
 /* Bytes of rows the whole set holds (KVCache::kept_bytes summed); 0 for NULL. */
 VQ_API size_t vq_kept_bytes(const vq_caches* s);
-/* Bytes of rows one layer holds (KVCache::kept_bytes); 0 for NULL or a bad layer. */
+/* Bytes of rows one layer holds (KVCache::kept_bytes; the reference's squeeze_kept_bytes); 0 for
+ * NULL or a bad layer. */
 VQ_API size_t vq_layer_kept_bytes(const vq_caches* s, int layer);
+
+/* A layer's diagnostics, as the reference names them (KVCache's accounting, docs/design.md 2.2).
+ * Bytes the layer would hold if every token were kept: batch x kv_heads x offset x (key dim +
+ * value dim) x sizeof the storage type (KVCache::full_seq_bytes); 0 for NULL or a bad layer. */
+VQ_API size_t vq_layer_full_seq_bytes(const vq_caches* s, int layer);
+/* vq_layer_full_seq_bytes / vq_layer_kept_bytes (> 1: memory saved), 1.0 while the layer holds
+ * nothing (KVCache::compression_ratio); -1.0 for NULL or a bad layer. */
+VQ_API double vq_layer_compression_ratio(const vq_caches* s, int layer);
+/* batch x kv_heads x seq summed over the layer's calls since the set was built or reset
+ * (KVCache::tokens_seen); -1 for NULL or a bad layer. */
+VQ_API int64_t vq_layer_tokens_seen(const vq_caches* s, int layer);
+/* Rows head (0, 0) of the layer holds (KVCache::tokens_kept; vq_rows is the most any head
+ * holds, the same unless adaptive heads differ); -1 for NULL or a bad layer. */
+VQ_API int64_t vq_layer_tokens_kept(const vq_caches* s, int layer);
+/* 1 when KVCache::trim could roll the layer back (only a standard cache: method "standard", or a
+ * layer without attention), else 0; -1 for NULL or a bad layer. */
+VQ_API int vq_layer_is_trimmable(const vq_caches* s, int layer);
+/* A SqueezeAttention layer's measured concentration (SqueezeAttentionCache::concentration: the
+ * mean over heads of the keys' mean pairwise cosine similarity, frozen once calibrated; 0.0
+ * before its first call); 0.0 for a layer of any other method, which measures none. NaN for NULL
+ * or a bad layer (a concentration lies in [-1, 1] and is never NaN). */
+VQ_API double vq_layer_concentration(const vq_caches* s, int layer);
+
 VQ_API void vq_reset(vq_caches* s); /* every layer back to empty (before an unrelated sequence) */
 
 /* ---- many sequences (docs/design.md 10) ------------------------------------------------------ */

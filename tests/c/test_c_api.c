@@ -385,6 +385,9 @@ typedef struct {
   int64_t offset[MAX_LAYERS];
   int64_t rows[MAX_LAYERS];
   int budget[MAX_LAYERS];
+  int64_t seen[MAX_LAYERS]; /* vq_layer_tokens_seen */
+  size_t full[MAX_LAYERS];  /* vq_layer_full_seq_bytes */
+  double concentration[MAX_LAYERS];
   size_t kept;
   int meta;
 } snap_t;
@@ -398,6 +401,9 @@ static snap_t snap_of(const vq_caches* s) {
     r.offset[l] = vq_offset(s, l);
     r.rows[l] = vq_rows(s, l);
     r.budget[l] = vq_layer_budget(s, l);
+    r.seen[l] = vq_layer_tokens_seen(s, l);
+    r.full[l] = vq_layer_full_seq_bytes(s, l);
+    r.concentration[l] = vq_layer_concentration(s, l);
   }
   r.kept = vq_kept_bytes(s);
   r.meta = vq_metadata_count(s);
@@ -410,6 +416,8 @@ static int snap_same(const snap_t* x, const snap_t* y) {
   for (l = 0; l < x->layers && l < MAX_LAYERS; ++l) {
     if (x->offset[l] != y->offset[l] || x->rows[l] != y->rows[l] || x->budget[l] != y->budget[l])
       return 0;
+    if (x->seen[l] != y->seen[l] || x->full[l] != y->full[l]) return 0;
+    if (memcmp(&x->concentration[l], &y->concentration[l], sizeof(double)) != 0) return 0;
   }
   return 1;
 }
@@ -419,8 +427,9 @@ static void print_snap(const char* name, const snap_t* s) {
   fprintf(stderr, "    %s: layers %d, kept %lu bytes, metadata %d;", name, s->layers,
           (unsigned long)s->kept, s->meta);
   for (l = 0; l < s->layers && l < MAX_LAYERS; ++l) {
-    fprintf(stderr, " [%d: offset %lld rows %lld budget %d]", l, (long long)s->offset[l],
-            (long long)s->rows[l], s->budget[l]);
+    fprintf(stderr, " [%d: offset %lld rows %lld budget %d seen %lld full %lu concentration %.17g]",
+            l, (long long)s->offset[l], (long long)s->rows[l], s->budget[l], (long long)s->seen[l],
+            (unsigned long)s->full[l], s->concentration[l]);
   }
   fprintf(stderr, "\n");
 }
@@ -1040,7 +1049,15 @@ static void test_null_arguments(void) {
   CHECK_FAIL_VALUE(vq_offset(NULL, 0) == -1, "NULL");
   CHECK_FAIL_VALUE(vq_rows(NULL, 0) == -1, "NULL");
   CHECK_FAIL_VALUE(vq_layer_budget(NULL, 0) == -1, "NULL");
+  CHECK_FAIL_VALUE(vq_head_rows(NULL, 0, 0, 0) == -1, "NULL");
   CHECK_FAIL_VALUE(vq_kept_bytes(NULL) == 0, "NULL");
+  CHECK_FAIL_VALUE(vq_layer_kept_bytes(NULL, 0) == 0, "NULL");
+  CHECK_FAIL_VALUE(vq_layer_full_seq_bytes(NULL, 0) == 0, "NULL");
+  CHECK_FAIL_VALUE(vq_layer_compression_ratio(NULL, 0) == -1.0, "NULL");
+  CHECK_FAIL_VALUE(vq_layer_tokens_seen(NULL, 0) == -1, "NULL");
+  CHECK_FAIL_VALUE(vq_layer_tokens_kept(NULL, 0) == -1, "NULL");
+  CHECK_FAIL_VALUE(vq_layer_is_trimmable(NULL, 0) == -1, "NULL");
+  CHECK_FAIL_VALUE(isnan(vq_layer_concentration(NULL, 0)), "NULL");
   CHECK_FAIL_VALUE(vq_layers(NULL) == -1, "NULL");
   CHECK_FAIL_VALUE(vq_metadata_count(NULL) == -1, "NULL");
   CHECK_FAIL(vq_storage_of(NULL, &st), VQ_EINVAL, "NULL");
@@ -1120,6 +1137,14 @@ static void test_layer_range(void) {
     CHECK_FAIL_VALUE(vq_offset(t.a, layer) == -1, "layer");
     CHECK_FAIL_VALUE(vq_rows(t.a, layer) == -1, "layer");
     CHECK_FAIL_VALUE(vq_layer_budget(t.a, layer) == -1, "layer");
+    CHECK_FAIL_VALUE(vq_head_rows(t.a, layer, 0, 0) == -1, "layer");
+    CHECK_FAIL_VALUE(vq_layer_kept_bytes(t.a, layer) == 0, "layer");
+    CHECK_FAIL_VALUE(vq_layer_full_seq_bytes(t.a, layer) == 0, "layer");
+    CHECK_FAIL_VALUE(vq_layer_compression_ratio(t.a, layer) == -1.0, "layer");
+    CHECK_FAIL_VALUE(vq_layer_tokens_seen(t.a, layer) == -1, "layer");
+    CHECK_FAIL_VALUE(vq_layer_tokens_kept(t.a, layer) == -1, "layer");
+    CHECK_FAIL_VALUE(vq_layer_is_trimmable(t.a, layer) == -1, "layer");
+    CHECK_FAIL_VALUE(isnan(vq_layer_concentration(t.a, layer)), "layer");
   }
   CHECK_TWIN(t, 0);
   CHECK_TWIN(t, 1);
@@ -2194,6 +2219,197 @@ static void test_counters(void) {
   }
 }
 
+/* ---- the reference's diagnostics: tokens seen and kept, bytes, ratio, trimmable, concentration --
+ */
+
+/* The concentration of a layer whose keys were these [B, H, S, D] (head-major, exact in the
+ * storage type), computed here in double: per head the mean over ordered pairs i != j of the
+ * cosine similarity of rows i and j, then the mean over the B x H heads (docs/design.md 5.2). */
+static double concentration_of_keys(const float* k, int B, int H, int S, int D) {
+  double total = 0.0;
+  int b, h, i, j, d;
+  for (b = 0; b < B; ++b) {
+    for (h = 0; h < H; ++h) {
+      double sum = 0.0;
+      for (i = 0; i < S; ++i) {
+        for (j = 0; j < S; ++j) {
+          double dot = 0.0, ni = 0.0, nj = 0.0;
+          if (i == j) continue;
+          for (d = 0; d < D; ++d) {
+            const double x = k[at4(VQ_HEAD_MAJOR, H, S, D, b, h, i, d)];
+            const double y = k[at4(VQ_HEAD_MAJOR, H, S, D, b, h, j, d)];
+            dot += x * y;
+            ni += x * x;
+            nj += y * y;
+          }
+          sum += dot / (sqrt(ni) * sqrt(nj));
+        }
+      }
+      total += S < 2 ? 0.0 : sum / ((double)S * (double)(S - 1));
+    }
+  }
+  return total / ((double)B * (double)H);
+}
+
+/* Layer `l`'s bytes and ratio agree: full = B x H x offset x (D + Dv) x `elem` bytes, kept = B x
+ * H x rows x (D + Dv) x `elem` (unquantized, every head alike), ratio = full / kept exactly. */
+static void check_bytes_at(const vq_caches* s, int l, int B, int H, int D, int Dv, size_t elem,
+                           const char* file, int line) {
+  const size_t full = vq_layer_full_seq_bytes(s, l), kept = vq_layer_kept_bytes(s, l);
+  const size_t row = (size_t)B * (size_t)H * (size_t)(D + Dv) * elem;
+  check_at(full == row * (size_t)vq_offset(s, l), "full_seq_bytes = B H offset (D + Dv) bytes",
+           file, line);
+  check_at(kept == row * (size_t)vq_rows(s, l), "kept_bytes = B H rows (D + Dv) bytes", file, line);
+  check_at(vq_layer_compression_ratio(s, l) == (kept == 0 ? 1.0 : (double)full / (double)kept),
+           "compression_ratio = full_seq_bytes / kept_bytes (1.0 while nothing is kept)", file,
+           line);
+}
+#define CHECK_BYTES(s, l, B, H, D, Dv, elem) \
+  check_bytes_at((s), (l), (B), (H), (D), (Dv), (elem), __FILE__, __LINE__)
+
+static void test_diagnostics(void) {
+  int i, l;
+  /* SqueezeAttention over 2 layers, budget 8, calibrated over 4 tokens (config_of): before any
+   * call, nothing seen or kept, ratio 1.0, concentration 0.0 ("0.0 before prefill"). */
+  {
+    vq_caches* s = new_set("squeeze", 8, 2, VQ_HALF);
+    call_t prompt = call_new(shape_std(20), 4100u);
+    double want;
+    for (l = 0; l < 2; ++l) {
+      CHECK(vq_layer_tokens_seen(s, l) == 0 && vq_layer_tokens_kept(s, l) == 0);
+      CHECK(vq_layer_full_seq_bytes(s, l) == 0 && vq_layer_kept_bytes(s, l) == 0);
+      CHECK(vq_layer_compression_ratio(s, l) == 1.0);
+      CHECK(vq_layer_concentration(s, l) == 0.0);
+      CHECK(vq_layer_is_trimmable(s, l) == 0);
+    }
+    /* A 20-token prompt on layer 0: 1 x 2 heads x 20 tokens seen; the fallback budget (8) kept,
+     * 2 x 8 x 16 elements x 2 bytes = 512 of 1280 bytes, ratio 2.5. */
+    CHECK_OK(attend_hm(s, 0, &prompt, prompt.out));
+    CHECK(vq_layer_tokens_seen(s, 0) == 40 && vq_layer_tokens_kept(s, 0) == 8);
+    CHECK(vq_layer_full_seq_bytes(s, 0) == 1280u && vq_layer_kept_bytes(s, 0) == 512u);
+    CHECK(vq_layer_compression_ratio(s, 0) == 2.5);
+    CHECK_BYTES(s, 0, 1, 2, 8, 8, 2);
+    CHECK(vq_layer_tokens_seen(s, 1) == 0 && vq_layer_compression_ratio(s, 1) == 1.0);
+    /* The concentration of the prompt's keys (grid values, exact in half), within rounding. */
+    want = concentration_of_keys(prompt.k, 1, 2, 20, 8);
+    CHECK(want != 0.0);
+    CHECK(fabs(vq_layer_concentration(s, 0) - want) <= 1e-9);
+    CHECK(vq_layer_concentration(s, 1) == 0.0);
+    /* Decode steps: seen grows by 2 a token, the concentration is frozen (calibrated). */
+    want = vq_layer_concentration(s, 0);
+    for (i = 0; i < 5; ++i) {
+      call_t c = call_new(shape_std(1), 4200u + (uint32_t)i);
+      CHECK_OK(attend_hm(s, 0, &c, c.out));
+      CHECK(vq_layer_tokens_seen(s, 0) == 40 + 2 * (i + 1));
+      CHECK(vq_layer_tokens_kept(s, 0) == 8);
+      CHECK_BYTES(s, 0, 1, 2, 8, 8, 2);
+      CHECK(vq_layer_concentration(s, 0) == want);
+      call_free(&c);
+    }
+    CHECK(vq_layer_full_seq_bytes(s, 0) == 1600u && vq_layer_compression_ratio(s, 0) == 3.125);
+    /* Layer 1's prompt: its own concentration; the coordinator then sets both budgets. */
+    {
+      call_t p1 = call_new(shape_std(12), 4300u);
+      CHECK_OK(attend_hm(s, 1, &p1, p1.out));
+      CHECK(vq_layer_tokens_seen(s, 1) == 24);
+      CHECK(fabs(vq_layer_concentration(s, 1) - concentration_of_keys(p1.k, 1, 2, 12, 8)) <= 1e-9);
+      CHECK(vq_layer_tokens_kept(s, 1) == vq_rows(s, 1));
+      CHECK(vq_layer_tokens_kept(s, 1) <= vq_layer_budget(s, 1));
+      CHECK_BYTES(s, 1, 1, 2, 8, 8, 2);
+      call_free(&p1);
+    }
+    /* A fork and a saved copy show the same diagnostics; a reset clears them. */
+    {
+      vq_caches* f = NULL;
+      vq_caches* loaded = NULL;
+      char path[1200];
+      path_in_dir(path, sizeof path, "diagnostics.vqkv");
+      CHECK_OK(vq_fork(s, &f));
+      CHECK_SAME_STATE(f, s);
+      CHECK_OK(vq_save(s, path));
+      CHECK_OK(vq_load(path, &loaded));
+      CHECK_SAME_STATE(loaded, s);
+      for (l = 0; l < 2; ++l) {
+        CHECK(vq_layer_tokens_kept(loaded, l) == vq_layer_tokens_kept(s, l));
+        CHECK(vq_layer_compression_ratio(loaded, l) == vq_layer_compression_ratio(s, l));
+      }
+      CHECK(remove(path) == 0);
+      vq_reset(f);
+      for (l = 0; l < 2; ++l) {
+        CHECK(vq_layer_tokens_seen(f, l) == 0 && vq_layer_full_seq_bytes(f, l) == 0);
+        CHECK(vq_layer_compression_ratio(f, l) == 1.0 && vq_layer_concentration(f, l) == 0.0);
+      }
+      CHECK(vq_layer_tokens_seen(s, 0) == 50); /* the fork's reset is its own */
+      vq_caches_free(loaded);
+      vq_caches_free(f);
+    }
+    call_free(&prompt);
+    vq_caches_free(s);
+  }
+  /* Two sequences: seen counts B x H x S (2 x 2 x 6 a call); H2O measures no concentration. */
+  {
+    vq_caches* s = new_set("h2o", 6, 1, VQ_FLOAT);
+    shape_t sh = shape_std(6);
+    sh.batch = 2;
+    for (i = 0; i < 3; ++i) {
+      call_t c = call_new(sh, 4400u + (uint32_t)i);
+      CHECK_OK(attend_hm(s, 0, &c, c.out));
+      CHECK(vq_layer_tokens_seen(s, 0) == 2 * 2 * 6 * (i + 1));
+      CHECK(vq_layer_tokens_kept(s, 0) == 6);
+      CHECK_BYTES(s, 0, 2, 2, 8, 8, 4);
+      call_free(&c);
+    }
+    CHECK(vq_layer_compression_ratio(s, 0) == 3.0); /* 18 tokens in 6 rows */
+    CHECK(vq_layer_concentration(s, 0) == 0.0);
+    CHECK(vq_layer_is_trimmable(s, 0) == 0);
+    vq_caches_free(s);
+  }
+  /* The standard cache keeps every row (ratio 1.0) and is the one a trim could roll back; so is a
+   * layer without attention. */
+  {
+    vq_caches* s = new_set("standard", 0, 1, VQ_BFLOAT16);
+    call_t c = call_new(shape_std(9), 4500u);
+    CHECK(vq_layer_is_trimmable(s, 0) == 1);
+    CHECK_OK(attend_hm(s, 0, &c, c.out));
+    CHECK(vq_layer_tokens_seen(s, 0) == 18 && vq_layer_tokens_kept(s, 0) == 9);
+    CHECK(vq_layer_compression_ratio(s, 0) == 1.0);
+    CHECK_BYTES(s, 0, 1, 2, 8, 8, 2);
+    call_free(&c);
+    vq_caches_free(s);
+  }
+  {
+    vq_config* c = config_of("pyramidkv", 8);
+    vq_caches* s = NULL;
+    const int dims[2] = {0, 8};
+    CHECK_OK(vq_caches_new_dims(c, dims, 2, VQ_HALF, &s));
+    if (s != NULL) {
+      CHECK(vq_layer_is_trimmable(s, 0) == 1 && vq_layer_is_trimmable(s, 1) == 0);
+      CHECK(vq_layer_concentration(s, 0) == 0.0 && vq_layer_concentration(s, 1) == 0.0);
+    }
+    vq_caches_free(s);
+    vq_config_free(c);
+  }
+  /* Quantized rows: kept bytes hold codes and scales, the ratio is still full / kept. */
+  {
+    vq_config* c = config_of("h2o", 8);
+    vq_caches* s;
+    call_t p = call_new(shape_std(20), 4600u);
+    CHECK_OK(vq_config_set(c, "key_bits", "4"));
+    CHECK_OK(vq_config_set(c, "value_bits", "4"));
+    CHECK_OK(vq_config_set(c, "quant_group", "8"));
+    s = caches_of(c, 1, VQ_HALF);
+    CHECK_OK(attend_hm(s, 0, &p, p.out));
+    CHECK(vq_layer_full_seq_bytes(s, 0) == 1280u);
+    CHECK(vq_layer_kept_bytes(s, 0) > 0u && vq_layer_kept_bytes(s, 0) < 512u);
+    CHECK(vq_layer_compression_ratio(s, 0) ==
+          (double)vq_layer_full_seq_bytes(s, 0) / (double)vq_layer_kept_bytes(s, 0));
+    CHECK(vq_layer_compression_ratio(s, 0) > 2.5);
+    call_free(&p);
+    vq_caches_free(s);
+    vq_config_free(c);
+  }
+}
+
 /* ---- 17. vq_reset
  * ---------------------------------------------------------------------------------- */
 
@@ -2983,6 +3199,8 @@ static void test_adaptive_heads(void) {
     if (vq_head_rows(t.a, 0, 0, h) > most) most = vq_head_rows(t.a, 0, 0, h);
   }
   CHECK(vq_rows(t.a, 0) == most);
+  /* tokens_kept is head (0, 0)'s, as the reference counts it; vq_rows the most any head holds. */
+  CHECK(vq_layer_tokens_kept(t.a, 0) == vq_head_rows(t.a, 0, 0, 0));
   CHECK(vq_layer_kept_bytes(t.a, 0) == (size_t)(H * BUDGET) * (8 + 8) * sizeof(float));
 
   /* vq_head_rows: bad handles and heads. */
@@ -3084,6 +3302,7 @@ int main(void) {
       {"update_fetch", test_update_fetch},
       {"fetch_state", test_fetch_state},
       {"counters", test_counters},
+      {"diagnostics", test_diagnostics},
       {"caches_new_dims", test_caches_new_dims},
       {"reset", test_reset},
       {"fork", test_fork},
