@@ -7,6 +7,9 @@ over the C ABI of libveloxquant_c, with ctypes and numpy, under the names of vel
     caches = vq.KVCacheBuilder.for_model(n_layers, cfg, storage="half")
     K, V = caches[layer].update_and_fetch(k, v, q)   # numpy [B, H, S, D] in, float32 out
     out = caches[layer].attend(q, k, v)              # or the fused attention: [B, Hq, S, Dv]
+    caches[layer].compression_ratio                  # the reference's diagnostics: tokens_seen,
+                                                     # tokens_kept, full_seq_bytes, concentration,
+                                                     # squeeze_kept_bytes, is_trimmable(), ...
 
 The library is $VELOXQUANT_C_LIBRARY (a full path), else ctypes.util.find_library("veloxquant_c").
 A failing call raises a VeloxQuantError carrying vq_last_error(): InvalidArgumentError

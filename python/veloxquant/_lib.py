@@ -95,6 +95,12 @@ _PROTOTYPES = {  # name: (restype, argtypes)
     "vq_head_rows": (_i64, [_p, _i, _i, _i]),
     "vq_kept_bytes": (ctypes.c_size_t, [_p]),
     "vq_layer_kept_bytes": (ctypes.c_size_t, [_p, _i]),
+    "vq_layer_full_seq_bytes": (ctypes.c_size_t, [_p, _i]),
+    "vq_layer_compression_ratio": (ctypes.c_double, [_p, _i]),
+    "vq_layer_tokens_seen": (_i64, [_p, _i]),
+    "vq_layer_tokens_kept": (_i64, [_p, _i]),
+    "vq_layer_is_trimmable": (_i, [_p, _i]),
+    "vq_layer_concentration": (ctypes.c_double, [_p, _i]),
     "vq_reset": (None, [_p]),
     "vq_fork": (_st, [_p, _PP]),
     "vq_checkpoint": (_st, [_p]),
@@ -105,6 +111,9 @@ _PROTOTYPES = {  # name: (restype, argtypes)
     "vq_save": (_st, [_p, _s]),
     "vq_load": (_st, [_s, _PP]),
 }
+
+# The ABI this module needs: major 1, minor 2 or later (the per-layer diagnostics).
+ABI_MAJOR, ABI_MINOR = 1, 2
 
 _lib = None
 
@@ -122,12 +131,14 @@ def lib():
         handle = ctypes.CDLL(path)
     except OSError as e:
         raise OSError(f"veloxquant: cannot load the C library '{path}': {e}") from e
+    handle.vq_abi_version.restype, handle.vq_abi_version.argtypes = ctypes.c_int, []
+    abi = handle.vq_abi_version()  # before the prototypes: an older library lacks some
+    if abi // 1000 != ABI_MAJOR or abi % 1000 < ABI_MINOR:
+        raise OSError(f"veloxquant: '{path}' has ABI {abi // 1000}.{abi % 1000}; this module "
+                      f"needs {ABI_MAJOR}.{ABI_MINOR} or a later {ABI_MAJOR}.x")
     for name, (restype, argtypes) in _PROTOTYPES.items():
         fn = getattr(handle, name)
         fn.restype, fn.argtypes = restype, argtypes
-    if handle.vq_abi_version() // 1000 != 1:
-        raise OSError(f"veloxquant: '{path}' has ABI {handle.vq_abi_version()}; this module "
-                      "needs major version 1")
     _lib = handle
     return _lib
 

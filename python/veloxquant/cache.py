@@ -207,18 +207,31 @@ class KVCache:
     @property
     def offset(self):
         """The true position of the layer's next token (its RoPE position)."""
-        return lib().vq_offset(self._set._handle, self.layer)
+        return self._value(lib().vq_offset, -1)
 
     @property
     def layer_budget(self):
-        """Rows per KV head kept after a call; None without one (standard, or not yet known)."""
-        b = lib().vq_layer_budget(self._set._handle, self.layer)
+        """This layer's resolved (or fallback) per-layer budget: rows per KV head kept after a
+        call; None without one (a standard cache)."""
+        b = lib().vq_layer_budget(self._set._handle, self.layer)  # -1: no budget
         return None if b < 0 else b
 
     @property
     def tokens_kept(self):
-        """Rows per KV head the layer holds now."""
-        return lib().vq_rows(self._set._handle, self.layer)
+        """Tokens currently in the (B=0, H=0) head's cache (the reference's diagnostic; heads
+        differ only with adaptive head budgets: max_head_rows())."""
+        return self._value(lib().vq_layer_tokens_kept, -1)
+
+    @property
+    def tokens_seen(self):
+        """Total token positions ever passed to the layer, all heads summed: B * H * S over its
+        calls since the set was built or reset."""
+        return self._value(lib().vq_layer_tokens_seen, -1)
+
+    def max_head_rows(self):
+        """The most rows any KV head of the layer holds now (tokens_kept unless adaptive head
+        budgets made the heads differ)."""
+        return self._value(lib().vq_rows, -1)
 
     def head_rows(self, b, h):
         """Rows head (b, h) holds now (adaptive head budgets: heads differ)."""
@@ -237,8 +250,46 @@ class KVCache:
 
     @property
     def kept_bytes(self):
-        """Bytes of rows this layer holds (C++ KVCache::kept_bytes)."""
-        return lib().vq_layer_kept_bytes(self._set._handle, self.layer)
+        """Bytes of the K and V rows this layer holds, as stored (C++ KVCache::kept_bytes)."""
+        return self._value(lib().vq_layer_kept_bytes)
+
+    @property
+    def squeeze_kept_bytes(self):
+        """Bytes currently stored across all heads (K + V, kept tokens only): kept_bytes, under
+        the reference's name."""
+        return self.kept_bytes
+
+    @property
+    def full_seq_bytes(self):
+        """Hypothetical K + V cost if all tokens were kept, in the storage type:
+        B * H * offset * (Dk + Dv) * its size."""
+        return self._value(lib().vq_layer_full_seq_bytes)
+
+    @property
+    def compression_ratio(self):
+        """full_seq_bytes / kept_bytes; > 1 means memory savings (1.0 while nothing is kept)."""
+        return self._value(lib().vq_layer_compression_ratio, -1.0)
+
+    @property
+    def concentration(self):
+        """This layer's measured concentration score (SqueezeAttention: the mean over heads of
+        the keys' mean pairwise cosine similarity, frozen once calibrated; 0.0 before prefill).
+        0.0 for a layer of another method, which measures none."""
+        return self._value(lib().vq_layer_concentration, "nan")
+
+    def is_trimmable(self):
+        """False for every eviction policy: trim() could not roll back their per-token state
+        (only the standard cache, method "standard" or a layer without attention, is)."""
+        return self._value(lib().vq_layer_is_trimmable, -1) == 1
+
+    def _value(self, fn, error=None):
+        """fn(set, layer), a vq_ function that returns a value; raises the library's message when
+        it returned its error value (`error`: -1, -1.0 or "nan"; None for the byte counts, whose
+        error value 0 is also a count: a KVCache's layer and set are always valid)."""
+        value = fn(self._set._handle, self.layer)
+        if error is not None and (value != value if error == "nan" else value == error):
+            raise _lib.InvalidArgumentError(_lib.last_error())
+        return value
 
     def __repr__(self):
         return f"<veloxquant.KVCache layer {self.layer} offset {self.offset}>"

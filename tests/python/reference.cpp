@@ -16,6 +16,9 @@
 //   fork <set> <new set> | checkpoint <set> | rollback <set> | reset <set>
 //   saveload <set> <file>   (saved with metadata scenario=<name>, then replaced by the loaded set)
 //   state <set> <layer> <offset> <layer_budget> <tokens_kept> <kept_bytes of the set>
+//         <tokens_seen> <kept_bytes> <full_seq_bytes> <compression_ratio> <concentration>
+//         <is_trimmable 0/1>   (the layer's; the doubles in %.17g, which reads back exactly;
+//         concentration 0 for a layer not SqueezeAttention's)
 //   end
 // A state record follows every call (its layer) and every set operation (every layer).
 #include <charconv>
@@ -150,8 +153,15 @@ class Runner {
     std::size_t kept = 0;
     for (const auto& c : set) kept += c->kept_bytes();
     const vc::KVCache<T>& c = *set[static_cast<std::size_t>(layer)];
+    const auto* squeeze = dynamic_cast<const vc::SqueezeAttentionCache<T>*>(&c);
+    char ratio[32], concentration[32];
+    std::snprintf(ratio, sizeof ratio, "%.17g", c.compression_ratio());
+    std::snprintf(concentration, sizeof concentration, "%.17g",
+                  squeeze == nullptr ? 0.0 : squeeze->concentration());
     tr_.out() << "state " << s << ' ' << layer << ' ' << c.offset() << ' ' << c.layer_budget()
-              << ' ' << c.tokens_kept() << ' ' << kept << '\n';
+              << ' ' << c.tokens_kept() << ' ' << kept << ' ' << c.tokens_seen() << ' '
+              << c.kept_bytes() << ' ' << c.full_seq_bytes() << ' ' << ratio << ' ' << concentration
+              << ' ' << (c.is_trimmable() ? 1 : 0) << '\n';
   }
   void state(int s) {
     for (int l = 0; l < sc_.n_layers; ++l) state(s, l);

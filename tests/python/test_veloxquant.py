@@ -138,10 +138,17 @@ class ReferenceTest(unittest.TestCase):
                 self.assertEqual(sets[s].metadata, {"scenario": name}, where)
                 self.assertEqual(sets[s].storage, sc["storage"], where)
             elif op == "state":
-                s, layer, offset, budget, rows, kept = args
+                s, layer, offset, budget, rows, kept = args[:6]
+                seen, layer_kept, full, ratio, concentration, trimmable = args[6:]
                 c = sets[s][layer]
                 self.assertEqual((c.offset, c.layer_budget, c.tokens_kept, sets[s].kept_bytes),
                                  (offset, None if budget < 0 else budget, rows, kept), where)
+                # The reference's diagnostics, the doubles to the bit (%.17g reads back exactly).
+                self.assertEqual((c.tokens_seen, c.kept_bytes, c.squeeze_kept_bytes,
+                                  c.full_seq_bytes, c.compression_ratio, c.concentration,
+                                  c.is_trimmable()),
+                                 (seen, layer_kept, layer_kept, full, float(ratio),
+                                  float(concentration), trimmable == 1), where)
             else:
                 self.fail(f"{where}: unknown record")
 
@@ -424,7 +431,8 @@ class AdaptiveHeadsTest(unittest.TestCase):
             rows = [layer.head_rows(0, h) for h in range(4)]
             self.assertEqual(sum(rows), 4 * 8)
             self.assertGreaterEqual(min(rows), 2)
-            self.assertEqual(layer.tokens_kept, max(rows))
+            # tokens_kept is head (0, 0)'s, as the reference counts it.
+            self.assertEqual((layer.tokens_kept, layer.max_head_rows()), (rows[0], max(rows)))
             counts.add(len(set(rows)))
         self.assertGreater(max(counts), 1)  # the heads did come to differ
         self.assertGreater(len(set(layer.head_rows(0, h) for h in range(4))), 1)
@@ -441,6 +449,108 @@ class AdaptiveHeadsTest(unittest.TestCase):
             vq.KVCacheConfig(head_budgets="per_head").validate()
         with self.assertRaises(vq.InvalidArgumentError):
             vq.KVCacheConfig(head_budget_floor=0.0).validate()
+
+
+def grid(rng, shape):
+    """float32 multiples of 1/64 in [-1, 1]: exact in half, bfloat16 and float."""
+    return (rng.integers(-64, 65, size=shape) / 64.0).astype(np.float32)
+
+
+def concentration_of(keys):
+    """The concentration of keys [B, H, S, D] computed here in double: per head the mean pairwise
+    cosine similarity of its rows (i != j), then the mean over the heads."""
+    k = np.asarray(keys, np.float64)
+    scores = []
+    for b in range(k.shape[0]):
+        for h in range(k.shape[1]):
+            u = k[b, h] / np.linalg.norm(k[b, h], axis=1, keepdims=True)
+            g, n = u @ u.T, u.shape[0]
+            scores.append((g.sum() - np.trace(g)) / (n * (n - 1)))
+    return float(np.mean(scores))
+
+
+class DiagnosticsTest(unittest.TestCase):
+    """The reference's per-layer diagnostics, under its names and of its kinds (properties, and
+    the method is_trimmable()), with their values (ReferenceTest also requires them to be the C++
+    library's, bit for bit, after every call of its scenarios)."""
+
+    PROPERTIES = ("layer_budget", "concentration", "squeeze_kept_bytes", "full_seq_bytes",
+                  "compression_ratio", "tokens_seen", "tokens_kept")
+
+    def test_kinds(self):
+        for name in self.PROPERTIES:
+            self.assertIsInstance(getattr(vq.KVCache, name), property, name)
+        self.assertTrue(callable(vq.KVCache.is_trimmable))
+        self.assertNotIsInstance(vq.KVCache.__dict__["is_trimmable"], property)
+        layer = squeeze_set()[0]
+        for name in self.PROPERTIES:
+            self.assertIsInstance(getattr(layer, name), (int, float), name)
+        self.assertIs(layer.is_trimmable(), False)
+
+    def test_squeeze_values(self):
+        """Two sequences, 2 KV heads, keys of 8 and values of 4 elements, rows in half."""
+        config = vq.KVCacheConfig(squeeze_n_sink=1, squeeze_calibration_tokens=4)
+        config.set_budget(8)
+        caches = vq.KVCacheBuilder.for_model(2, config, storage="half")
+        layer = caches[0]
+        self.assertEqual((layer.tokens_seen, layer.tokens_kept, layer.full_seq_bytes,
+                          layer.squeeze_kept_bytes, layer.compression_ratio, layer.concentration,
+                          layer.layer_budget), (0, 0, 0, 0, 1.0, 0.0, 8))  # 0.0 before prefill
+        rng = np.random.default_rng(11)
+        B, H, D, Dv = 2, 2, 8, 4
+        k = grid(rng, (B, H, 20, D))
+        layer.attend(grid(rng, (B, 2 * H, 20, D)), k, grid(rng, (B, H, 20, Dv)))
+        # B x H x S seen; the fallback budget kept (the coordinator waits for layer 1).
+        self.assertEqual((layer.tokens_seen, layer.tokens_kept), (B * H * 20, 8))
+        self.assertEqual(layer.full_seq_bytes, B * H * 20 * (D + Dv) * 2)
+        self.assertEqual(layer.squeeze_kept_bytes, B * H * 8 * (D + Dv) * 2)
+        self.assertEqual(layer.squeeze_kept_bytes, layer.kept_bytes)
+        self.assertEqual(layer.compression_ratio, 2.5)
+        want = concentration_of(k)
+        self.assertNotEqual(want, 0.0)
+        self.assertLessEqual(abs(layer.concentration - want), 1e-9)
+        self.assertEqual(caches[1].concentration, 0.0)
+        frozen = layer.concentration
+        for i in range(3):  # decode: seen grows, the concentration stays (calibrated)
+            layer.attend(grid(rng, (B, 2 * H, 1, D)), grid(rng, (B, H, 1, D)),
+                         grid(rng, (B, H, 1, Dv)))
+            self.assertEqual(layer.tokens_seen, B * H * (21 + i))
+            self.assertEqual(layer.concentration, frozen)
+            self.assertEqual(layer.compression_ratio,
+                             layer.full_seq_bytes / layer.squeeze_kept_bytes)
+        self.assertEqual(layer.compression_ratio, 23 / 8)
+        # Layer 1's prompt: its own concentration, and the coordinator's budgets (total 2 x 8).
+        k1 = grid(rng, (B, H, 12, D))
+        caches[1].update_and_fetch(k1, grid(rng, (B, H, 12, Dv)))
+        self.assertLessEqual(abs(caches[1].concentration - concentration_of(k1)), 1e-9)
+        self.assertEqual(caches[0].layer_budget + caches[1].layer_budget, 16)
+        self.assertEqual([c.is_trimmable() for c in caches], [False, False])
+        copy = caches.fork()
+        self.assertEqual([(c.tokens_seen, c.concentration, c.compression_ratio) for c in copy],
+                         [(c.tokens_seen, c.concentration, c.compression_ratio) for c in caches])
+        caches.reset()
+        self.assertEqual((layer.tokens_seen, layer.tokens_kept, layer.full_seq_bytes,
+                          layer.compression_ratio, layer.concentration), (0, 0, 0, 1.0, 0.0))
+        self.assertEqual(copy[0].tokens_seen, B * H * 23)
+
+    def test_other_methods(self):
+        rng = np.random.default_rng(12)
+        h2o = vq.KVCacheBuilder.for_model(1, vq.KVCacheConfig(method="h2o", h2o_budget=6),
+                                          storage="float")
+        standard = vq.KVCacheBuilder.for_model(1, vq.KVCacheConfig(method="standard"))
+        for caches in (h2o, standard):
+            for seq in (9, 1, 1):
+                caches[0].update_and_fetch(grid(rng, (1, 2, seq, 8)), grid(rng, (1, 2, seq, 8)))
+        a, b = h2o[0], standard[0]
+        self.assertEqual((a.tokens_seen, a.tokens_kept, a.concentration, a.is_trimmable()),
+                         (2 * 11, 6, 0.0, False))  # H2O measures no concentration
+        self.assertEqual(a.compression_ratio, 11 / 6)
+        self.assertEqual(a.full_seq_bytes, 2 * 11 * 16 * 4)
+        self.assertEqual((b.tokens_seen, b.tokens_kept, b.compression_ratio, b.is_trimmable(),
+                          b.layer_budget), (2 * 11, 11, 1.0, True, None))
+        # A layer without attention is a standard cache too.
+        dims = vq.KVCacheBuilder.for_model([8, None], vq.KVCacheConfig(method="pyramidkv"))
+        self.assertEqual([c.is_trimmable() for c in dims], [False, True])
 
 
 class ErrorTest(unittest.TestCase):
