@@ -11,7 +11,8 @@ over the C ABI of libveloxquant_c, with ctypes and numpy, under the names of vel
                                                      # tokens_kept, full_seq_bytes, concentration,
                                                      # squeeze_kept_bytes, is_trimmable(), ...
 
-The library is $VELOXQUANT_C_LIBRARY (a full path), else ctypes.util.find_library("veloxquant_c").
+The library is $VELOXQUANT_C_LIBRARY (a full path), else the one pip installed beside this module
+(pip install <the repository>: docs/c_abi.md), else ctypes.util.find_library("veloxquant_c").
 A failing call raises a VeloxQuantError carrying vq_last_error(): InvalidArgumentError
 (a ValueError), OutOfMemoryError (MemoryError), CacheIOError (OSError), FormatError (ValueError),
 StateError or CallbackError (RuntimeError).

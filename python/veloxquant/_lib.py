@@ -2,6 +2,7 @@
 import ctypes
 import ctypes.util
 import os
+import sys
 
 # vq_status
 OK, EINVAL, ENOMEM, EIO, EFORMAT, ESTATE, ECALLBACK = range(7)
@@ -114,19 +115,33 @@ _PROTOTYPES = {  # name: (restype, argtypes)
 
 # The ABI this module needs: major 1, minor 2 or later (the per-layer diagnostics).
 ABI_MAJOR, ABI_MINOR = 1, 2
+# The library's file name where an installed package carries it beside this module (pip install
+# of the repository: python/pip_backend/veloxquant_backend.py puts it there).
+BUNDLED = {"darwin": "libveloxquant_c.dylib", "win32": "veloxquant_c.dll"}.get(
+    sys.platform, "libveloxquant_c.so")
 
 _lib = None
 
 
+def library_path():
+    """The library to load: $VELOXQUANT_C_LIBRARY (a full path) when set, else the one installed
+    beside this module, else ctypes.util.find_library("veloxquant_c"); None if none is found."""
+    bundled = os.path.join(os.path.dirname(os.path.abspath(__file__)), BUNDLED)
+    return (os.environ.get("VELOXQUANT_C_LIBRARY")
+            or (bundled if os.path.isfile(bundled) else None)
+            or ctypes.util.find_library("veloxquant_c"))
+
+
 def lib():
-    """The loaded libveloxquant_c: $VELOXQUANT_C_LIBRARY (a full path), else find_library."""
+    """The loaded libveloxquant_c (library_path())."""
     global _lib
     if _lib is not None:
         return _lib
-    path = os.environ.get("VELOXQUANT_C_LIBRARY") or ctypes.util.find_library("veloxquant_c")
+    path = library_path()
     if not path:
-        raise OSError("veloxquant: libveloxquant_c not found; set VELOXQUANT_C_LIBRARY to the "
-                      "full path of libveloxquant_c.so (CMake target veloxquant_c)")
+        raise OSError("veloxquant: libveloxquant_c not found; install the package (pip install "
+                      "<the repository>) or set VELOXQUANT_C_LIBRARY to the full path of "
+                      "libveloxquant_c.so (CMake target veloxquant_c)")
     try:
         handle = ctypes.CDLL(path)
     except OSError as e:
