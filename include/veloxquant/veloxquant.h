@@ -54,9 +54,9 @@ typedef struct vq_caches vq_caches; /* one model's cache set, one cache per laye
  * their underlying type is int (VQ_INT_BASE: the size and passing of a C enum of these values),
  * so the library reads any value without undefined behaviour and refuses one outside its enum
  * with VQ_EINVAL, naming it; in C the macro is empty and the ABI is the same as without it. */
-#ifdef __cplusplus
+#if defined(__cplusplus) && (__cplusplus >= 201103L || defined(_MSC_VER))
 #define VQ_INT_BASE : int
-#else
+#else /* C, or C++98 (no enum base; the library itself is C++17) */
 #define VQ_INT_BASE
 #endif
 
