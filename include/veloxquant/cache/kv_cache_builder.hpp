@@ -11,7 +11,6 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
-#include <typeinfo>
 #include <vector>
 
 #include "kv_cache.hpp"
@@ -76,13 +75,12 @@ class KVCacheBuilder {
     out.reserve(caches.size());
     for (std::size_t i = 0; i < caches.size(); ++i) {
       KVCache<T>& src = *caches[i];
-      std::unique_ptr<KVCache<T>> copy = KVCacheFactory::create<T>(src.config());
-      const KVCache<T>& made = *copy;
-      if (typeid(made) != typeid(src)) {
+      if (!KVCacheFactory::builds_class_of(src)) {
         throw std::invalid_argument("KVCacheBuilder::fork: cache " + std::to_string(i) +
                                     " is of a class the library does not build; it cannot be "
                                     "forked");
       }
+      std::unique_ptr<KVCache<T>> copy = KVCacheFactory::create<T>(src.config());
       copy->fork_from(src, links);
       out.push_back(std::move(copy));
     }
@@ -159,10 +157,8 @@ class KVCacheBuilder {
       const std::vector<std::unique_ptr<KVCache<T>>>& caches) {
     std::vector<SqueezeCoordinator*> out;
     for (const auto& c : caches) {
-      if (const auto* sq = dynamic_cast<const SqueezeAttentionCache<T>*>(c.get())) {
-        SqueezeCoordinator* co = sq->coordinator().get();
-        if (co && std::find(out.begin(), out.end(), co) == out.end()) out.push_back(co);
-      }
+      SqueezeCoordinator* co = c->shared_coordinator();
+      if (co && std::find(out.begin(), out.end(), co) == out.end()) out.push_back(co);
     }
     return out;
   }
@@ -177,7 +173,7 @@ class KVCacheBuilder {
     for (const auto& c : caches) {
       if (std::find(seen.begin(), seen.end(), c.get()) != seen.end()) continue;
       seen.push_back(c.get());
-      entries.push_back(c->gate_.enter(api));
+      entries.push_back(c->enter_set_operation(api));
     }
     return entries;
   }

@@ -10,6 +10,7 @@
 
 #include "detail/budgets.hpp"
 #include "detail/policy.hpp"
+#include "h2o_cache.hpp"
 #include "kv_cache.hpp"
 #include "kv_cache_config.hpp"
 

@@ -26,11 +26,13 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "detail/concentration.hpp"
 #include "detail/input.hpp"
 #include "detail/policy.hpp"
+#include "h2o_cache.hpp"
 #include "kv_cache.hpp"
 #include "kv_cache_config.hpp"
 #include "squeeze_coordinator.hpp"
@@ -69,14 +71,14 @@ class SqueezeAttentionCache : public KVCache<T> {
     return b ? *b : fallback_budget();
   }
   /// True once the coordinator's budget has been adopted.
-  bool budget_adopted() const { return adopted_; }
+  bool budget_adopted() const { return own_.adopted; }
   /// The layer's concentration (docs/design.md 5.2): the mean over its heads of concentration_score
   /// of every key it has been given since its reset, frozen once it has absorbed
   /// squeeze_calibration_tokens tokens (0.0 before the first call).
-  double concentration() const { return concentration_; }
+  double concentration() const { return own_.concentration; }
   /// True once the layer has absorbed squeeze_calibration_tokens tokens since its reset: its
   /// concentration is final (and reported, when it has a coordinator).
-  bool calibrated() const { return calibrated_; }
+  bool calibrated() const { return own_.calibrated; }
   /// Same as kept_bytes() (the reference's name).
   std::size_t squeeze_kept_bytes() const { return this->kept_bytes(); }
   /// The shared coordinator, or nullptr.
@@ -93,19 +95,20 @@ class SqueezeAttentionCache : public KVCache<T> {
   /// index of its coordinator in the container's table, report generation, concentration) and,
   /// while it calibrates, its concentration sums in every head block (docs/design.md G).
   void write_state(detail::StateWriter& w) const override {
-    this->write_descriptor(w);
+    detail::write_descriptor(this->layer(), w);
     detail::ByteWriter& out = w.out();
-    out.u8(static_cast<std::uint8_t>((layer_id_ ? kHasLayerId : 0) |
-                                     (calibrated_ ? kCalibrated : 0) | (reported_ ? kReported : 0) |
-                                     (adopted_ ? kAdopted : 0) | (sums_.empty() ? 0 : kHasSums)));
+    out.u8(static_cast<std::uint8_t>(
+        (layer_id_ ? kHasLayerId : 0) | (own_.calibrated ? kCalibrated : 0) |
+        (own_.reported ? kReported : 0) | (own_.adopted ? kAdopted : 0) |
+        (own_.sums.empty() ? 0 : kHasSums)));
     out.i32(layer_id_.value_or(0));
     out.i32(w.links().link(coordinator_.get()));
-    out.u64(report_generation_);
-    out.f64(concentration_);
+    out.u64(own_.report_generation);
+    out.f64(own_.concentration);
     w.end_descriptor();
-    this->write_heads(w, [this](detail::ByteWriter& o, std::size_t head) {
-      if (sums_.empty()) return;
-      const detail::ConcentrationSums& sums = sums_[head];
+    detail::write_heads(this->layer(), w, [this](detail::ByteWriter& o, std::size_t head) {
+      if (own_.sums.empty()) return;
+      const detail::ConcentrationSums& sums = own_.sums[head];
       o.bytes(sums.direction_sum().data(), sums.direction_sum().size() * sizeof(double));
       o.f64(sums.diagonal());
       o.i64(sums.rows());
@@ -114,38 +117,32 @@ class SqueezeAttentionCache : public KVCache<T> {
   /// read_state, with the layer's own state and the rules it keeps (docs/design.md G): its
   /// coordinator is the entry of the container's table its state names.
   void read_state(detail::StateReader& r) override {
-    typename KVCache<T>::SavedState s = this->read_descriptor(r);
+    typename KVCache<T>::SavedState s = detail::read_descriptor<T>(r);
     SavedLayer q = read_layer(r.in());
     r.end_descriptor();
-    this->check_flags(s);
+    detail::check_saved_flags(s);
     check_layer_flags(q);
     q.coordinator = r.links().take(q.coordinator_index);
     check_layer_id(q);
-    this->check_descriptor(s, false);
+    detail::check_descriptor(this->layer(), s, false);
     check_calibration(s, q);
     check_budget(s, q);
     SumsReader sums;
     sums.on = q.has(kHasSums);
     sums.dim = s.key_dim;
-    this->read_heads(r, s, sums);
+    detail::read_heads(this->layer(), r, s, sums);
     this->install(s);
     install_layer(q, sums.sums);
   }
   void link_state(detail::StateLinks& links) const override {
     (void)links.link(coordinator_.get());
   }
+  SqueezeCoordinator* shared_coordinator() const override { return coordinator_.get(); }
 
   void reset() override {
     KVCache<T>::reset();
-    concentration_ = 0.0;
-    pending_concentration_ = 0.0;
-    sums_.clear();
-    pending_sums_.clear();
-    calibrated_ = false;
-    reported_ = false;
-    reported_now_ = false;
-    adopted_ = false;
-    report_generation_ = 0;
+    own_ = Calibration{};
+    pending_ = Pending{};
     if (coordinated() && this->config().squeeze_defer) {
       this->set_budget(std::nullopt);
     } else {
@@ -154,56 +151,44 @@ class SqueezeAttentionCache : public KVCache<T> {
   }
 
  protected:
-  /// Fork: the base state, then the layer's own (layer id, calibration and its sums, report,
-  /// adoption) with the copy of its coordinator that `links` holds.
+  /// Fork: the base state, then the layer's own (its calibration, report and adoption, and its
+  /// layer id) with the copy of its coordinator that `links` holds.
   void fork_from(const KVCache<T>& src, detail::StateLinks& links) override {
     const auto& from = static_cast<const SqueezeAttentionCache&>(src);
     std::shared_ptr<SqueezeCoordinator> coordinator = links.counterpart(from.coordinator_.get());
-    std::vector<detail::ConcentrationSums> copied = from.sums_;
+    Calibration own = from.own_;
     KVCache<T>::fork_from(src, links);
     // No-throw from here on.
     layer_id_ = from.layer_id_;
     coordinator_.swap(coordinator);
-    concentration_ = from.concentration_;
-    sums_.swap(copied);
-    calibrated_ = from.calibrated_;
-    reported_ = from.reported_;
-    adopted_ = from.adopted_;
-    report_generation_ = from.report_generation_;
+    std::swap(own_, own);
   }
-
-  /// Checkpoint: the base's, then the layer's own (calibration and its sums, report, adoption).
+  /// Checkpoint: the base's, then a copy of the layer's own state.
   void take_checkpoint(std::uint64_t token) override {
-    std::vector<detail::ConcentrationSums> sums = sums_;
+    Calibration own = own_;
     KVCache<T>::take_checkpoint(token);
-    kept_ = Kept{concentration_, {}, calibrated_, reported_, adopted_, report_generation_};
-    kept_.sums.swap(sums);
+    std::swap(kept_, own);
   }
   void roll_back() noexcept override {
     KVCache<T>::roll_back();
-    concentration_ = kept_.concentration;
-    sums_.swap(kept_.sums);
-    calibrated_ = kept_.calibrated;
-    reported_ = kept_.reported;
-    adopted_ = kept_.adopted;
-    report_generation_ = kept_.report_generation;
+    std::swap(own_, kept_);
   }
 
   void inspect_call(const detail::InputRows& keys) override {
-    if (calibrated_) return;
+    if (own_.calibrated) return;
     // The running sums of every (b, h) with this call's keys as stored (T) added; the
     // concentration is their mean over heads (the reference sampled head (0,0) of the first call).
     // Computed aside: start_call commits them once nothing can fail any more.
     const Index n_heads = keys.batch * keys.heads;
-    pending_sums_ = sums_.empty()
+    pending_.sums = own_.sums.empty()
                         ? std::vector<detail::ConcentrationSums>(static_cast<std::size_t>(n_heads))
-                        : sums_;
+                        : own_.sums;
     std::vector<T> row(static_cast<std::size_t>(keys.dim));
     double sum = 0.0;
     for (Index b = 0; b < keys.batch; ++b) {
       for (Index h = 0; h < keys.heads; ++h) {
         detail::ConcentrationSums& sums =
-            pending_sums_[static_cast<std::size_t>(b * keys.heads + h)];
+            pending_.sums[static_cast<std::size_t>(b * keys.heads + h)];
         for (Index s = 0; s < keys.seq; ++s) {
           detail::read_row(keys, b, h, s, row.data());
           sums.add(keys.dim,
@@ -212,41 +197,43 @@ class SqueezeAttentionCache : public KVCache<T> {
         sum += sums.score();
       }
     }
-    pending_concentration_ = sum / static_cast<double>(n_heads);
-    if (!std::isfinite(pending_concentration_)) {
+    pending_.concentration = sum / static_cast<double>(n_heads);
+    if (!std::isfinite(pending_.concentration)) {
       throw std::invalid_argument(
           "SqueezeAttentionCache: the concentration of the keys is not "
           "finite");
     }
-    pending_calibrated_ = this->offset() + keys.seq >= this->config().squeeze_calibration_tokens;
+    pending_.calibrated = this->offset() + keys.seq >= this->config().squeeze_calibration_tokens;
   }
 
   void start_call() override {
-    reported_now_ = false;
-    if (!calibrated_) {
+    pending_.reported_now = false;
+    if (!own_.calibrated) {
       // The report is the only step here that can throw (bad_alloc, a mutex error); it comes
       // before any change to this cache, so a throw leaves the cache as it was.
-      if (pending_calibrated_ && coordinated()) {
-        report_generation_ = coordinator_->report(*layer_id_, pending_concentration_);
-        reported_ = true;
-        reported_now_ = true;
+      if (pending_.calibrated && coordinated()) {
+        own_.report_generation = coordinator_->report(*layer_id_, pending_.concentration);
+        own_.reported = true;
+        pending_.reported_now = true;
       }
-      sums_.swap(pending_sums_);
-      concentration_ = pending_concentration_;
-      calibrated_ = pending_calibrated_;
-      pending_sums_.clear();
-      if (calibrated_) sums_ = {};  // the running sums are done with
+      own_.sums.swap(pending_.sums);
+      own_.concentration = pending_.concentration;
+      own_.calibrated = pending_.calibrated;
+      pending_.sums.clear();
+      if (own_.calibrated) own_.sums = {};  // the running sums are done with
     }
-    if (coordinated() && !adopted_ && reported_) {
+    if (coordinated() && !own_.adopted && own_.reported) {
       if (const std::optional<int> b =
-              coordinator_->resolved_budget(*layer_id_, report_generation_)) {
+              coordinator_->resolved_budget(*layer_id_, own_.report_generation)) {
         this->set_budget(*b);
-        adopted_ = true;
+        own_.adopted = true;
       }
     }
     // A deferring cache whose call after its own report still finds no budget falls back
     // (docs/design.md 5.4.4).
-    if (!this->budget() && reported_ && !reported_now_) this->set_budget(fallback_budget());
+    if (!this->budget() && own_.reported && !pending_.reported_now) {
+      this->set_budget(fallback_budget());
+    }
   }
 
  private:
@@ -405,40 +392,40 @@ class SqueezeAttentionCache : public KVCache<T> {
     }
   }
   void install_layer(SavedLayer& q, std::vector<detail::ConcentrationSums>& sums) noexcept {
+    Calibration own;
+    own.concentration = q.concentration;
+    own.sums.swap(sums);
+    own.calibrated = q.has(kCalibrated);
+    own.reported = q.has(kReported);
+    own.adopted = q.has(kAdopted);
+    own.report_generation = q.report_generation;
     layer_id_ = q.has(kHasLayerId) ? std::optional<int>(q.layer_id) : std::nullopt;
     coordinator_ = std::move(q.coordinator);
-    concentration_ = q.concentration;
-    pending_concentration_ = 0.0;
-    sums_.swap(sums);
-    pending_sums_.clear();
-    pending_calibrated_ = false;
-    calibrated_ = q.has(kCalibrated);
-    reported_ = q.has(kReported);
-    reported_now_ = false;
-    adopted_ = q.has(kAdopted);
-    report_generation_ = q.report_generation;
+    std::swap(own_, own);
+    pending_ = Pending{};
   }
 
-  std::optional<int> layer_id_;
-  std::shared_ptr<SqueezeCoordinator> coordinator_;
-  double concentration_ = 0.0;
-  double pending_concentration_ = 0.0;
-  std::vector<detail::ConcentrationSums> sums_;          // per (b, h), until calibrated
-  std::vector<detail::ConcentrationSums> pending_sums_;  // this call's, until start_call
-  bool pending_calibrated_ = false;
-  bool calibrated_ = false;
-  bool reported_ = false;
-  bool reported_now_ = false;  // in the call in progress
-  bool adopted_ = false;
-  std::uint64_t report_generation_ = 0;
-  // The layer's part of the live checkpoint (take_checkpoint).
-  struct Kept {
+  // What the layer keeps between calls besides the base's, as one value (fork copies it, a
+  // checkpoint keeps a copy, a rollback and a load swap one in: moves that cannot throw).
+  struct Calibration {
     double concentration = 0.0;
-    std::vector<detail::ConcentrationSums> sums;
+    std::vector<detail::ConcentrationSums> sums;  // per (b, h), until calibrated
     bool calibrated = false, reported = false, adopted = false;
     std::uint64_t report_generation = 0;
   };
-  Kept kept_;
+  // What inspect_call computed for the call in progress, until start_call commits it.
+  struct Pending {
+    double concentration = 0.0;
+    std::vector<detail::ConcentrationSums> sums;
+    bool calibrated = false;
+    bool reported_now = false;
+  };
+
+  std::optional<int> layer_id_;
+  std::shared_ptr<SqueezeCoordinator> coordinator_;
+  Calibration own_;
+  Pending pending_;
+  Calibration kept_;  // the layer's part of the live checkpoint (take_checkpoint)
 };
 
 }  // namespace veloxquant::cache

@@ -5,7 +5,7 @@
 #include <cstdlib>
 
 /// Internal invariant check on the hot path. Compiled out under NDEBUG unless the user
-/// defines VELOXQUANT_ASSERT first (the tests redefine it to throw so violations are testable).
+/// defines VELOXQUANT_ASSERT first (the tests redefine it to abort in every build, NDEBUG or not: tests/support/checked_asserts.hpp).
 #ifndef VELOXQUANT_ASSERT
 #ifdef NDEBUG
 #define VELOXQUANT_ASSERT(cond, msg) ((void)0)

@@ -336,7 +336,7 @@ void check_update_rows(const InputRows& keys, const InputRows& values, const cha
 /// `what`: "keys" or "values"; `bits_field`: "key_bits" or "value_bits". rows: [B, H, S, D]
 template <class T>
 void check_quantizable(const InputRows& rows, const RowFormat& f, const char* what,
-                              const char* bits_field, const char* api) {
+                       const char* bits_field, const char* api) {
   if (rows.dim % f.group != 0) {
     std::ostringstream os;
     os << api << ": quant_group (" << f.group << ") must divide the " << what << "' head dim D ("
@@ -433,6 +433,17 @@ inline void check_attend_output(const InputRows& queries, const InputRows& value
        << queries.seq << ", " << values.dim << "] has more elements than an Index holds";
     throw std::invalid_argument(os.str());
   }
+}
+
+/// The rows of an engine's tensor reference `t` (a TensorRef: data, batch, heads, seq, dim and a
+/// layout; `what` names it in errors), checked first by check_tensor_ref.
+template <class Ref>
+InputRows rows_of(const Ref& t, const char* what, const char* api) {
+  const Index dims[4] = {t.batch, t.heads, t.seq, t.dim};
+  check_tensor_ref(t.data, dims, what, api);
+  return t.layout == decltype(t.layout)::head_major
+             ? head_major_rows(t.data, t.batch, t.heads, t.seq, t.dim)
+             : token_major_rows(t.data, t.batch, t.heads, t.seq, t.dim);
 }
 
 }  // namespace veloxquant::cache::detail
