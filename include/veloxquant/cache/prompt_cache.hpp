@@ -26,7 +26,6 @@
 #include <random>
 #include <stdexcept>
 #include <string>
-#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -113,12 +112,11 @@ class PromptCacheIO {
       if (c == nullptr) {
         throw std::invalid_argument(std::string(api) + ": cache " + std::to_string(i) + " is null");
       }
-      if (!library_class(*c)) {
+      if (!KVCacheFactory::builds_class_of(*c)) {
         throw std::invalid_argument(std::string(api) + ": cache " + std::to_string(i) +
-                                    " is of a class derived from the library's (" +
-                                    typeid(*c).name() +
-                                    "); only the library's own cache "
-                                    "classes can be saved");
+                                    " is of a class derived from the library's (method " +
+                                    printable(c->config().method) +
+                                    "); only the library's own cache classes can be saved");
       }
       c->link_state(links);
     }
@@ -180,7 +178,7 @@ class PromptCacheIO {
     w.end_section();
 
     w.begin_section();
-    for (const SqueezeCoordinator* co : links.saved()) write_coordinator(w, *co);
+    for (const SqueezeCoordinator* co : links.saved()) co->write_state(w);
     w.end_section();
 
     // Per cache: its config, then the state the cache writes itself (docs/design.md G).
@@ -193,16 +191,6 @@ class PromptCacheIO {
     }
   }
 
-  /// True when `c` is of exactly the class its method builds (a class derived from one may hold
-  /// state the library's write_state does not know).
-  static bool library_class(const KVCache<T>& c) {
-    try {
-      const std::unique_ptr<KVCache<T>> built = KVCacheFactory::create<T>(c.config());
-      return typeid(c) == typeid(*built);
-    } catch (const std::invalid_argument&) {
-      return false;
-    }
-  }
   static std::string printable(const std::string& s) {
     std::string out;
     for (const char ch : s.substr(0, 64)) out += (ch >= 32 && ch < 127) ? ch : '?';
@@ -321,22 +309,6 @@ class PromptCacheIO {
 
   // ---- coordinators ----------------------------------------------------------------------------
 
-  static void write_coordinator(ByteWriter& w, const SqueezeCoordinator& co) {
-    const SqueezeCoordinator::SavedState s = co.saved_state();
-    w.charge(kChargeCoordinator, "the coordinators");
-    w.i32(s.n_layers);
-    w.i32(s.avg_budget);
-    w.i32(s.n_sink);
-    w.f64(s.strength);
-    w.u64(s.generation);
-    w.u32(static_cast<std::uint32_t>(s.reports.size()));
-    for (const auto& [layer, c] : s.reports) {
-      w.i32(layer);
-      w.f64(c);
-      w.charge(kChargeReport, "the coordinators' reports");
-    }
-  }
-
   /// The coordinator table: every entry read (one section), then each built by
   /// SqueezeCoordinator::from_saved_state, which checks it.
   static std::vector<std::shared_ptr<SqueezeCoordinator>> read_coordinators(ByteReader& r,
@@ -344,23 +316,7 @@ class PromptCacheIO {
     r.set_where("coordinator table");
     r.begin_section();
     std::vector<SqueezeCoordinator::SavedState> saved;
-    for (std::uint32_t i = 0; i < n; ++i) {
-      r.charge(kChargeCoordinator, "the coordinators");
-      SqueezeCoordinator::SavedState s;
-      s.n_layers = r.i32();
-      s.avg_budget = r.i32();
-      s.n_sink = r.i32();
-      s.strength = r.f64();
-      s.generation = r.u64();
-      const std::uint32_t reports = r.u32();
-      for (std::uint32_t k = 0; k < reports; ++k) {
-        const std::int32_t layer = r.i32();
-        const double c = r.f64();
-        r.charge(kChargeReport, "the coordinators' reports");
-        s.reports.emplace_back(layer, c);
-      }
-      saved.push_back(std::move(s));
-    }
+    for (std::uint32_t i = 0; i < n; ++i) saved.push_back(SqueezeCoordinator::read_state(r));
     r.end_section();
     std::vector<std::shared_ptr<SqueezeCoordinator>> table;
     for (std::size_t i = 0; i < saved.size(); ++i) {

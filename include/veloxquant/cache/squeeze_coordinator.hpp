@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "detail/budgets.hpp"
+#include "detail/byte_io.hpp"
+#include "detail/state_io.hpp"
 
 namespace veloxquant::cache {
 
@@ -142,6 +144,41 @@ class SqueezeCoordinator {
     std::lock_guard<std::mutex> lock(mutex_);
     s.generation = generation_;
     s.reports.assign(reports_.begin(), reports_.end());
+    return s;
+  }
+  /// Writes its state now to a prompt cache (docs/design.md G): parameters, generation, then the
+  /// reports, each charged to the loader's memory bound.
+  void write_state(detail::ByteWriter& w) const {
+    const SavedState s = saved_state();
+    w.charge(detail::kChargeCoordinator, "the coordinators");
+    w.i32(s.n_layers);
+    w.i32(s.avg_budget);
+    w.i32(s.n_sink);
+    w.f64(s.strength);
+    w.u64(s.generation);
+    w.u32(static_cast<std::uint32_t>(s.reports.size()));
+    for (const auto& [layer, c] : s.reports) {
+      w.i32(layer);
+      w.f64(c);
+      w.charge(detail::kChargeReport, "the coordinators' reports");
+    }
+  }
+  /// Reads what write_state wrote; from_saved_state checks it.
+  static SavedState read_state(detail::ByteReader& r) {
+    r.charge(detail::kChargeCoordinator, "the coordinators");
+    SavedState s;
+    s.n_layers = r.i32();
+    s.avg_budget = r.i32();
+    s.n_sink = r.i32();
+    s.strength = r.f64();
+    s.generation = r.u64();
+    const std::uint32_t reports = r.u32();
+    for (std::uint32_t k = 0; k < reports; ++k) {
+      const std::int32_t layer = r.i32();
+      const double c = r.f64();
+      r.charge(detail::kChargeReport, "the coordinators' reports");
+      s.reports.emplace_back(layer, c);
+    }
     return s;
   }
   /// A coordinator in state `s`: finalised exactly when every layer has reported, with the
