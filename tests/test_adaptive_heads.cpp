@@ -1,7 +1,3 @@
-// clang-format off
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-// clang-format on
-
 // Adaptive head budgets (SPEC 14, docs/design.md 4.9) through the public API: SqueezeAttention
 // (no coordinator, and in a model's set with one), H2O and PyramidKV with head_budgets =
 // "adaptive".

@@ -1,7 +1,3 @@
-// clang-format off
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-// clang-format on
-
 // Engine integration through the public API (docs/design.md 2.3, 2.8):
 //  * attend(queries, keys, values, out) on every policy leaves bit for bit the state of
 //    update_and_view(keys, values, queries) on a twin, and writes the attention output over the
@@ -23,6 +19,7 @@
 #include <veloxquant/cache.hpp>
 
 #include "support/contract.hpp"
+#include "support/storage_types.hpp"
 #include "support/test_support.hpp"
 
 namespace {
@@ -32,7 +29,6 @@ using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
 
 template <class T>
 class AttendTest : public ::testing::Test {};
-using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 TYPED_TEST_SUITE(AttendTest, StorageTypes);
 
 /// The attention the engine computes over what update_and_view returned, in double: token s of

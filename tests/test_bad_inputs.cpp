@@ -1,7 +1,3 @@
-// clang-format off
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-// clang-format on
-
 // Bad input at every public entry point, beyond what test_errors.cpp, test_config.cpp,
 // test_budgets.cpp, test_squeeze_coordinator.cpp, test_queries.cpp and the per-policy tests
 // already cover:

@@ -1,7 +1,3 @@
-// clang-format off
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-// clang-format on
-
 // Concurrency (docs/design.md 2.4: "all methods are thread-safe: layers may run on different
 // threads"; docs/design.md 7: results identical to a serial run). Built and run under
 // ThreadSanitizer by scripts/sanitize.sh.
@@ -34,6 +30,7 @@
 #include <vector>
 #include <veloxquant/cache.hpp>
 
+#include "support/storage_types.hpp"
 #include "support/test_support.hpp"
 
 namespace {
@@ -41,7 +38,7 @@ namespace {
 namespace vc = veloxquant::cache;
 using Index = Eigen::Index;
 using Blob = std::vector<unsigned char>;
-using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
+using veloxquant::test::StorageTypes;
 
 // ---------------------------------------------------------------------------------------------
 // Recording what a call returns

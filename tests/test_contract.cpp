@@ -1,7 +1,3 @@
-// clang-format off
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-// clang-format on
-
 // The contract every cache keeps, swept over every policy (tests/support/contract.hpp: standard,
 // squeeze without and with a coordinator, deferring squeeze, H2O, PyramidKV, TOVA, StreamingLLM,
 // SnapKV, and H2O, squeeze, deferring squeeze and PyramidKV with adaptive head budgets, SPEC 14)
@@ -47,6 +43,7 @@
 #include <veloxquant/cache.hpp>
 
 #include "support/contract.hpp"
+#include "support/storage_types.hpp"
 #include "support/test_support.hpp"
 
 namespace {
@@ -60,11 +57,11 @@ class ContractTest : public ::testing::Test {};
 // values) the suite runs on half storage, the default (float and bfloat16 over quantized rows:
 // test_quant.cpp, every policy).
 #if VELOXQUANT_TEST_KEY_BITS < 16 || VELOXQUANT_TEST_VALUE_BITS < 16
-using StorageTypes = ::testing::Types<Eigen::half>;
+using ContractTypes = ::testing::Types<Eigen::half>;
 #else
-using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
+using ContractTypes = StorageTypes;
 #endif
-TYPED_TEST_SUITE(ContractTest, StorageTypes);
+TYPED_TEST_SUITE(ContractTest, ContractTypes);
 
 // ---------------------------------------------------------------------------------------------
 // What a head may hold after a call

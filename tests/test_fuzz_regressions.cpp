@@ -1,7 +1,3 @@
-// clang-format off
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-// clang-format on
-
 // Replays every input of the fuzzer's seed corpus (fuzz/corpus/) and every saved regression
 // (fuzz/regressions/) through the fuzz harness (fuzz/fuzz_ops.hpp), built with the project's
 // compiler and warning flags, so a violation found once by `bash scripts/fuzz.sh` stays fixed.

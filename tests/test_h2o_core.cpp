@@ -7,10 +7,6 @@
 // reference algorithm special case (docs/design.md 4.3, 9.1).
 
 // Internal invariants of the library are checked (and abort) even in Release builds.
-// clang-format off
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-// clang-format on
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -27,6 +23,7 @@
 
 #include "reference/oracle.hpp"
 #include "support/oracle_driver.hpp"
+#include "support/storage_types.hpp"
 #include "support/test_support.hpp"
 
 namespace {
@@ -35,7 +32,6 @@ namespace vc = veloxquant::cache;
 namespace ref = veloxquant::reference;
 using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
 
-using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 using Scorer = ref::H2OHeadOracle::Scorer;
 
 /// One configuration of a run.

@@ -1,7 +1,3 @@
-// clang-format off
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-// clang-format on
-
 // Kernel test, on purpose: detail/checks.hpp alone. The limits no tensor built in a test can
 // reach through the public API, and the word-at-a-time magnitude scan against its definition.
 

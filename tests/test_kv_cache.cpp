@@ -14,6 +14,7 @@
 #include <vector>
 #include <veloxquant/cache.hpp>
 
+#include "support/storage_types.hpp"
 #include "support/test_support.hpp"
 
 namespace {
@@ -22,7 +23,7 @@ namespace vc = veloxquant::cache;
 using veloxquant::test::Index;
 using veloxquant::test::random_tensor;
 
-using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
+using veloxquant::test::StorageTypes;
 
 template <class T>
 float f(T x) {

@@ -1,7 +1,3 @@
-// clang-format off
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-// clang-format on
-
 // The llama2.c example engine (examples/llama2c) on the real stories260K model: end-to-end greedy
 // decoding against llama2.c's published output, every eviction policy against the full cache,
 // the tokenizer, the loaders' errors and the model's NLL on TinyStories text.

@@ -17,6 +17,7 @@
 #include <vector>
 #include <veloxquant/cache.hpp>
 
+#include "support/storage_types.hpp"
 #include "support/subjects.hpp"
 #include "support/test_support.hpp"
 
@@ -155,7 +156,6 @@ TEST(ParallelHeadsTest, QuantizedRowsAreBitIdenticalToSerialOnEveryPolicyAndEntr
 
 template <class T>
 class BlockedPrefillTest : public ::testing::Test {};
-using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 TYPED_TEST_SUITE(BlockedPrefillTest, StorageTypes);
 
 TYPED_TEST(BlockedPrefillTest, BlockedPrefillMatchesTokenByTokenCalls) {

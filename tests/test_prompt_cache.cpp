@@ -1,7 +1,3 @@
-// clang-format off
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-// clang-format on
-
 // Prompt caches on disk (docs/design.md G): save_prompt_cache / load_prompt_cache beyond the
 // contract suite's per-policy round trip (test_contract.cpp):
 //  * a whole model (the builder's: squeeze layers sharing one coordinator, standard caches for
@@ -40,6 +36,7 @@
 #include "support/contract.hpp"
 #include "support/prompt_cache_format.hpp"
 #include "support/simd_levels.hpp"
+#include "support/storage_types.hpp"
 #include "support/test_support.hpp"
 
 // The heap a load holds at its peak, and its largest single allocation
@@ -199,7 +196,6 @@ std::vector<std::vector<unsigned char>> run_step(Caches<T>& caches, const Step& 
 
 template <class T>
 class PromptCacheTest : public ::testing::Test {};
-using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 TYPED_TEST_SUITE(PromptCacheTest, StorageTypes);
 
 /// The builder's model saved after any step (before its first call, mid-calibration with the

@@ -6,8 +6,6 @@
 // groups and elements are rejected and change nothing; kept_bytes() counts what is held; the
 // view of a quantized cache shows the dequantized rows. (The contract suite runs over quantized
 // rows too: test_contract_q84.)
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -1,7 +1,3 @@
-// clang-format off
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-// clang-format on
-
 // Real-query scoring ("observed attention", docs/design.md 4.6) on the fast caches: the overloads
 // update_and_fetch / update_and_view / update_and_fetch_into(keys, values, queries) of every cache.
 //
@@ -44,6 +40,7 @@
 #include "reference/oracle.hpp"
 #include "reference/policy_oracles.hpp"
 #include "support/oracle_driver.hpp"
+#include "support/storage_types.hpp"
 #include "support/subjects.hpp"
 #include "support/test_support.hpp"
 
@@ -53,7 +50,6 @@ namespace vc = veloxquant::cache;
 namespace ref = veloxquant::reference;
 using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
 
-using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 using Positions = std::vector<std::int64_t>;
 using QTensor = vc::Tensor4<float>;
 

@@ -1,8 +1,6 @@
 // The selection kernel alone, on purpose (docs/design.md 4.2, 4.5, 6): which row goes first, with
 // both tie rules, protection by position, dead rows, NaN scores, and the k-worst ordering against
 // a full sort.
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -1,7 +1,3 @@
-// clang-format off
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-// clang-format on
-
 // Serving many sequences with a model's set of caches (docs/design.md 10, SPEC 13), where the
 // set matters: fork and checkpoint / rollback of a model's layers sharing a coordinator, sets
 // loaded from a prompt cache, the errors, and the memory a copy holds at a real head size. (That

@@ -1,8 +1,6 @@
 // The SIMD kernels alone, on purpose (docs/design.md 7.2): every path this CPU runs against a
 // double-precision reference, exact ties wherever equal inputs sit, tails of every length, the
 // softmax underflow rule, and the scalar path bitwise equal to the AVX2 path.
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,6 +14,7 @@
 #include <veloxquant/cache.hpp>
 
 #include "support/simd_levels.hpp"
+#include "support/storage_types.hpp"
 
 namespace {
 
@@ -58,7 +57,7 @@ std::vector<float> run_logits(const std::vector<float>& q, Index m, const std::v
 
 template <class T>
 class SimdKernelsTest : public ::testing::Test {};
-using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
+using veloxquant::test::StorageTypes;
 TYPED_TEST_SUITE(SimdKernelsTest, StorageTypes);
 
 /// Scaled dot products against a double reference for head dims with every tail length, query

@@ -2,8 +2,6 @@
 // same call sequence keeps the same rows at every path, with scores within float32 rounding of
 // each other; the scalar path is bitwise equal to the AVX2 and NEON paths. (The oracle tests run at
 // the best path; this ties the other paths to it.)
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,6 +12,7 @@
 #include <veloxquant/cache.hpp>
 
 #include "support/simd_levels.hpp"
+#include "support/storage_types.hpp"
 #include "support/subjects.hpp"
 
 namespace {
@@ -71,7 +70,6 @@ std::string compare_loosely(const Snapshot& a, const Snapshot& b) {
 
 template <class T>
 class SimdLevelsTest : public ::testing::Test {};
-using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 TYPED_TEST_SUITE(SimdLevelsTest, StorageTypes);
 
 TYPED_TEST(SimdLevelsTest, EveryPathKeepsTheSameRowsAsTheBestPath) {

@@ -9,10 +9,6 @@
 // compress) and bounded memory over a long decode. Parallel heads: test_parallel.cpp.
 
 // Internal invariants of the library are checked (and abort) even in Release builds.
-// clang-format off
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-// clang-format on
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -33,6 +29,7 @@
 
 #include "reference/policy_oracles.hpp"
 #include "support/oracle_driver.hpp"
+#include "support/storage_types.hpp"
 #include "support/subjects.hpp"
 #include "support/test_support.hpp"
 
@@ -43,7 +40,6 @@ namespace ref = veloxquant::reference;
 using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
 using Positions = std::vector<std::int64_t>;
 
-using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 
 /// Call-relative indices SnapKV keeps from scores `score`: the first `sinks`, then the best others
 /// (ties: earliest). Returns them ascending.

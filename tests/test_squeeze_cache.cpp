@@ -26,6 +26,7 @@
 #include <veloxquant/cache.hpp>
 
 #include "reference/oracle.hpp"
+#include "support/storage_types.hpp"
 
 namespace {
 
@@ -241,7 +242,7 @@ class SqueezeAttentionCacheTest : public ::testing::Test {};
 template <class T>
 class KVCacheBuilderSqueezeTest : public ::testing::Test {};
 
-using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
+using veloxquant::test::StorageTypes;
 
 struct StorageTypeNames {
   template <class T>

@@ -7,10 +7,6 @@
 // every cache keeps: test_contract.cpp.
 
 // Internal invariants of the library are checked (and abort) even in Release builds.
-// clang-format off
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-// clang-format on
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -34,6 +30,7 @@
 
 #include "reference/policy_oracles.hpp"
 #include "support/oracle_driver.hpp"
+#include "support/storage_types.hpp"
 #include "support/test_support.hpp"
 
 namespace {
@@ -43,7 +40,6 @@ namespace ref = veloxquant::reference;
 using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
 using Positions = std::vector<std::int64_t>;
 
-using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 
 /// The closed form (docs/design.md 6): positions p < offset with p < n_sink or p >= offset - window.
 Positions closed_form(std::int64_t offset, int n_sink, int window) {

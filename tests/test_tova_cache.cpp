@@ -7,10 +7,6 @@
 // the contract every cache keeps (test_contract.cpp); parallel heads: test_parallel.cpp.
 
 // Internal invariants of the library are checked (and abort) even in Release builds.
-// clang-format off
-#include "support/checked_asserts.hpp"  // must precede every veloxquant header
-// clang-format on
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -35,6 +31,7 @@
 
 #include "reference/policy_oracles.hpp"
 #include "support/oracle_driver.hpp"
+#include "support/storage_types.hpp"
 #include "support/test_support.hpp"
 
 namespace {
@@ -43,7 +40,6 @@ namespace vc = veloxquant::cache;
 namespace ref = veloxquant::reference;
 using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
 
-using StorageTypes = ::testing::Types<Eigen::half, Eigen::bfloat16, float>;
 
 /// [B, H, S, D] of uniform(lo, hi) entries rounded to T.
 template <class T>

@@ -1,8 +1,8 @@
-// The one differential driver of the suite: a cache under test, fed a call sequence through the
-// public API (any update API, with or without queries), against one double-precision oracle head
-// per (b, h) of tests/reference/ fed the same rows. After every call it checks what the call
-// returned (docs/design.md 4.4, 2.3), the retained rows (state(), positions and scores of a
-// scored policy), offset(), the accounting; a policy adds its own checks through RunChecks.
+// The differential driver of the uniform-head sweeps: a cache under test, fed a call sequence
+// through the public API (any update API, with or without queries), against one double-precision
+// oracle head per (b, h) of tests/reference/ fed the same rows. After every call it checks what
+// the call returned (docs/design.md 4.4, 2.3), the retained rows (state(), positions and scores of
+// a scored policy), offset(), the accounting; a policy adds its own checks through RunChecks.
 //
 // A policy plugs in through its oracle heads (CoreHeads: SqueezeAttention, H2O, PyramidKV;
 // TovaHeads; SnapHeads; StreamingHeads), each of which takes a call per head and says whether the
@@ -11,7 +11,9 @@
 // call sequences and the statistics their grid must reach; the driver is compiled once, with the
 // library's instances (support/oracle_driver.cpp, -O1 in scripts/test.sh), for the three storage
 // types and four oracle kinds, since the oracles' double loops were most of these tests' run time
-// at -O0.
+// at -O0. Adaptive heads (SPEC 14), whose heads hold different numbers of rows and share one pool
+// per sequence, have a driver of their own against the pooled oracle (test_adaptive_heads.cpp,
+// tests/reference/adaptive_oracle.hpp): the checks here read state(), which ragged heads refuse.
 #pragma once
 
 #include <cstdint>
