@@ -6,10 +6,10 @@ Environment: VELOXQUANT_SOURCE_DIR (the repository; default: two levels up), and
 VELOXQUANT_PIP_BUILD_DIR, an already configured build tree of that repository for the backend
 to reuse (pip's --config-settings build-dir=...: it runs `cmake --build` for veloxquant_c there,
 so an up-to-date tree compiles nothing); without it the backend builds the library from scratch
-(Release: about a minute on 2 cores). tests/python/CMakeLists.txt registers this as python.pip_install with the
-suite's own build tree. Skipped, saying why, when the interpreter cannot make a virtual
-environment with pip (Debian: python3-venv) or has no numpy (the module's one dependency, taken
-from the system's site-packages: pip cannot download it offline).
+(Release: about a minute on 2 cores). tests/python/CMakeLists.txt registers this as
+python.pip_install with the suite's own build tree. Skipped, saying why, when the interpreter
+cannot make a virtual environment with pip (Debian: python3-venv) or has no numpy (the module's
+one dependency, taken from the system's site-packages: pip cannot download it offline).
 """
 import os
 import shutil
