@@ -4,7 +4,9 @@
 #
 #   consumer.install           `cmake --install` of this build tree into a scratch prefix (fixture)
 #   consumer.find_package      find_package(veloxquant CONFIG) against that prefix
-#   consumer.pkg_config        $(pkg-config --cflags veloxquant) against that prefix
+#   consumer.pkg_config        $(pkg-config --cflags veloxquant) against that prefix, and a C
+#                              program through veloxquant-c.pc (shared; static: --static against
+#                              an archive-only copy, and -static) and veloxquant-c-static.pc
 #   consumer.add_subdirectory  add_subdirectory(<source dir>)
 #   consumer.fetchcontent      FetchContent_Declare(SOURCE_DIR <source dir>) + MakeAvailable
 

@@ -197,37 +197,71 @@ elseif(MODE STREQUAL "pkg-config")
            -o "${exe}" ${libs})
   run_step("${exe}")
 
-  # The C ABI: veloxquant-c.pc (lib/pkgconfig), a C99 program built with the C compiler, linked
-  # to the shared library (its directory as the run path) and, with --static, to the static one.
+  # The C ABI: veloxquant-c.pc (lib/pkgconfig), a C99 program built with the C compiler and linked
+  #   shared       $(pkg-config --cflags --libs veloxquant-c): the shared library (its directory
+  #                as the run path);
+  #   static       $(pkg-config --cflags --libs veloxquant-c-static): the archive by its path;
+  #   static_only  $(pkg-config --static --cflags --libs veloxquant-c) against a copy of the
+  #                install that holds the archive and no shared library (Libs.private: the C++
+  #                runtime the archive needs);
+  #   all_static   `-static` and $(pkg-config --static --cflags --libs veloxquant-c) against the
+  #                install (skipped, with a message, where the C compiler cannot link a static
+  #                program: no libc.a).
+  # The static ones must not load libveloxquant_c.so.
   if(NOT C_COMPILER)
     message(FATAL_ERROR "run_consumer.cmake: C_COMPILER is not set")
   endif()
-  file(GLOB c_pc_dirs "${PREFIX}/lib*/pkgconfig")
-  list(JOIN c_pc_dirs ":" c_pc_path)
-  set(ENV{PKG_CONFIG_PATH} "${c_pc_path}:$ENV{PKG_CONFIG_PATH}")
-  foreach(kind shared static)
-    set(pc veloxquant-c)
+  file(GLOB c_pc "${PREFIX}/lib*/pkgconfig/veloxquant-c.pc")
+  get_filename_component(c_pc_dir "${c_pc}" DIRECTORY)
+  get_filename_component(c_libdir "${c_pc_dir}" DIRECTORY)
+  file(RELATIVE_PATH c_libdir_rel "${PREFIX}" "${c_libdir}")
+  set(static_only "${WORK_DIR}/static_only")
+  file(COPY "${PREFIX}/include/veloxquant/veloxquant.h" DESTINATION "${static_only}/include/veloxquant")
+  file(COPY "${c_libdir}/libveloxquant_c.a" DESTINATION "${static_only}/${c_libdir_rel}")
+  file(COPY "${c_pc}" DESTINATION "${static_only}/${c_libdir_rel}/pkgconfig")
+  set(probe "${WORK_DIR}/static_probe")
+  file(WRITE "${probe}.c" "int main(void) { return 0; }\n")
+  execute_process(COMMAND "${C_COMPILER}" -static "${probe}.c" -o "${probe}" RESULT_VARIABLE probe_rc
+                  OUTPUT_QUIET ERROR_QUIET)
+  set(kinds shared static static_only all_static)
+  if(NOT probe_rc EQUAL 0)
+    message(STATUS "all_static skipped: ${C_COMPILER} -static cannot link a C program here")
+    list(REMOVE_ITEM kinds all_static)
+  endif()
+  foreach(kind IN LISTS kinds)
+    set(ENV{PKG_CONFIG_PATH} "${c_pc_dir}")
+    set(pkg_args --cflags --libs veloxquant-c)
+    set(link_flags "")
     if(kind STREQUAL "static")
-      set(pc veloxquant-c-static)  # the archive by its path, and the C++ runtime
+      set(pkg_args --cflags --libs veloxquant-c-static)
+    elseif(kind STREQUAL "static_only")
+      set(ENV{PKG_CONFIG_PATH} "${static_only}/${c_libdir_rel}/pkgconfig")
+      set(pkg_args --static --cflags --libs veloxquant-c)
+    elseif(kind STREQUAL "all_static")
+      set(pkg_args --static --cflags --libs veloxquant-c)
+      set(link_flags -static)
     endif()
-    execute_process(COMMAND "${pkg_config}" --cflags --libs ${pc}
+    execute_process(COMMAND "${pkg_config}" ${pkg_args}
                     OUTPUT_VARIABLE c_flags OUTPUT_STRIP_TRAILING_WHITESPACE
                     COMMAND_ERROR_IS_FATAL ANY)
-    message(STATUS "pkg-config --cflags --libs ${pc} = ${c_flags}")
+    list(JOIN pkg_args " " shown)
+    message(STATUS "${kind}: pkg-config ${shown} = ${c_flags}")
     separate_arguments(c_flags UNIX_COMMAND "${c_flags}")
-    set(libdir_flags "")
-    foreach(flag IN LISTS c_flags)
-      if(flag MATCHES "^-L(.+)$")
-        list(APPEND libdir_flags "-Wl,-rpath,${CMAKE_MATCH_1}")
-      endif()
-    endforeach()
+    if(kind STREQUAL "shared")
+      foreach(flag IN LISTS c_flags)
+        if(flag MATCHES "^-L(.+)$")
+          list(APPEND link_flags "-Wl,-rpath,${CMAKE_MATCH_1}")
+        endif()
+      endforeach()
+    endif()
     set(c_exe "${WORK_DIR}/consumer_c_${kind}")
-    run_step("${C_COMPILER}" -std=c99 -Wall -Wextra -Werror -pedantic -O0
-             "${consumers_dir}/main.c" -o "${c_exe}" ${c_flags} ${libdir_flags})
+    run_step("${C_COMPILER}" -std=c99 -Wall -Wextra -Werror -pedantic -O0 ${link_flags}
+             "${consumers_dir}/main.c" -o "${c_exe}" ${c_flags})
     run_step("${c_exe}")
-    if(kind STREQUAL "static")
+    if(NOT kind STREQUAL "shared")
       # Nothing of the shared library: the program runs with no libveloxquant_c.so to find.
-      execute_process(COMMAND ldd "${c_exe}" OUTPUT_VARIABLE deps RESULT_VARIABLE ldd_rc)
+      execute_process(COMMAND ldd "${c_exe}" OUTPUT_VARIABLE deps ERROR_QUIET
+                      RESULT_VARIABLE ldd_rc)
       if(ldd_rc EQUAL 0 AND deps MATCHES "libveloxquant_c")
         message(FATAL_ERROR "${c_exe} loads the shared library:\n${deps}")
       endif()
