@@ -308,4 +308,35 @@ TEST(ForkTest, BadSetsAreRefusedNamingTheCache) {
   EXPECT_TRUE(model_state(set) == before);
 }
 
+/// The set's operations each cache exposes for the builder are safe one cache at a time: a
+/// rollback without a checkpoint changes nothing (after one was consumed, too), and fork_from
+/// refuses a source of another method, naming both, changing neither.
+TEST(ForkTest, OneCachesSetOperationsAreSafeAlone) {
+  using T = float;
+  Caches<T> set = vc::KVCacheBuilder::for_model<T>(model_dims(), model_config());
+  (void)step(set, 5u, 9);
+  const std::vector<Snapshot> before = model_state(set);
+  for (auto& c : set) c->roll_back();
+  EXPECT_TRUE(model_state(set) == before);
+  vc::KVCacheBuilder::checkpoint(set);
+  (void)step(set, 6u, 3);
+  vc::KVCacheBuilder::rollback(set);
+  for (auto& c : set) c->roll_back();  // the checkpoint was consumed
+  EXPECT_TRUE(model_state(set) == before);
+
+  vc::KVCacheConfig h2o = small_config();
+  h2o.method = "h2o";
+  Caches<T> other;
+  other.push_back(vc::KVCacheFactory::create<T>(h2o));
+  const std::vector<Snapshot> fresh = model_state(other);
+  vc::detail::StateLinks links;
+  const std::string msg =
+      invalid_argument_message([&] { other.front()->fork_from(*set.front(), links); });
+  EXPECT_NE(msg.find("fork_from: the source's method 'squeeze' is not this cache's 'h2o'"),
+            std::string::npos)
+      << msg;
+  EXPECT_TRUE(model_state(other) == fresh);
+  EXPECT_TRUE(model_state(set) == before);
+}
+
 }  // namespace

@@ -335,33 +335,48 @@ class KVCache {
     return gate_.enter(api);
   }
   /// Fork (KVCacheBuilder::fork, docs/design.md 10.1): makes this cache, fresh from the factory
-  /// with `src`'s config (so of its class), an independent copy of `src`'s state: rows (only the
-  /// retained ones, compacted), positions, scores, the layer's state (budget, offset, counters,
-  /// the pending re-budget) and the engine's parallel-for. A class that adds state overrides it,
-  /// calls this and takes its coordinator's copy from `links` (StateLinks::counterpart). Only
-  /// allocates before it changes this cache; `src` is only read.
-  virtual void fork_from(const KVCache& src, detail::StateLinks& /*links*/) {
-    layer_.fork_from(src.layer_);
+  /// with `src`'s config (so of its class: the builder checks KVCacheFactory::builds_class_of),
+  /// an independent copy of `src`'s state: rows (only the retained ones, compacted), positions,
+  /// scores, the layer's state (budget, offset, counters, the pending re-budget), the class's own
+  /// state and the engine's parallel-for. Throws std::invalid_argument, changing nothing, when
+  /// `src` is of another method. Only allocates before it changes this cache; `src` is only read.
+  void fork_from(const KVCache& src, detail::StateLinks& links) {
+    if (src.config_.method != config_.method) {
+      throw std::invalid_argument("fork_from: the source's method '" + src.config_.method +
+                                  "' is not this cache's '" + config_.method + "'");
+    }
+    do_fork_from(src, links);
   }
   /// Checkpoint (KVCacheBuilder::checkpoint, docs/design.md 10.2): marks the cache's state under
   /// `token` (the set's), replacing a live checkpoint. The heads copy their bookkeeping and
   /// journal the rows later calls overwrite. Allocates only; if it throws, the cache holds no
-  /// checkpoint and its state is unchanged. A class that adds state overrides it, calls this and
-  /// keeps its own.
-  virtual void take_checkpoint(std::uint64_t token) { layer_.checkpoint(token); }
+  /// checkpoint and its state is unchanged.
+  void take_checkpoint(std::uint64_t token) { do_take_checkpoint(token); }
   /// The token of the live checkpoint, or empty (none taken, dropped by a reset or a load, or
   /// consumed by a rollback).
   std::optional<std::uint64_t> checkpoint_token() const {
     const auto& m = layer_.mark;
     return m.live ? std::optional<std::uint64_t>(m.token) : std::nullopt;
   }
-  /// Returns the cache to its live checkpoint (checkpoint_token() must hold one) and consumes
-  /// it; never throws (the heads kept the room, docs/design.md 10.2).
-  virtual void roll_back() noexcept { layer_.roll_back(); }
+  /// Returns the cache to its live checkpoint and consumes it; without one it does nothing.
+  /// Never throws (the heads kept the room, docs/design.md 10.2).
+  void roll_back() noexcept {
+    if (layer_.mark.live) do_roll_back();
+  }
   /// Forgets the live checkpoint, if any.
-  virtual void drop_checkpoint() noexcept { layer_.drop_checkpoint(); }
+  void drop_checkpoint() noexcept { layer_.drop_checkpoint(); }
 
  protected:
+  /// The set's operations as a class that adds state extends them: it overrides each, calls the
+  /// base's and adds its own (a squeeze layer takes its coordinator's copy from `links`,
+  /// StateLinks::counterpart). fork_from has checked that `src` is of this cache's method;
+  /// do_roll_back runs only with a live checkpoint.
+  virtual void do_fork_from(const KVCache& src, detail::StateLinks& /*links*/) {
+    layer_.fork_from(src.layer_);
+  }
+  virtual void do_take_checkpoint(std::uint64_t token) { layer_.checkpoint(token); }
+  virtual void do_roll_back() noexcept { layer_.roll_back(); }
+
   /// A policy's cache: `rule` says what the calls do with rows (docs/design.md 7.1).
   /// `config` gives the storage of rows (key_bits, value_bits, quant_group; docs/design.md 2.9).
   /// `method` names the policy (config().method).

@@ -153,24 +153,24 @@ class SqueezeAttentionCache : public KVCache<T> {
  protected:
   /// Fork: the base state, then the layer's own (its calibration, report and adoption, and its
   /// layer id) with the copy of its coordinator that `links` holds.
-  void fork_from(const KVCache<T>& src, detail::StateLinks& links) override {
-    const auto& from = static_cast<const SqueezeAttentionCache&>(src);
+  void do_fork_from(const KVCache<T>& src, detail::StateLinks& links) override {
+    const auto& from = static_cast<const SqueezeAttentionCache&>(src);  // a squeeze cache
     std::shared_ptr<SqueezeCoordinator> coordinator = links.counterpart(from.coordinator_.get());
     Calibration own = from.own_;
-    KVCache<T>::fork_from(src, links);
+    KVCache<T>::do_fork_from(src, links);
     // No-throw from here on.
     layer_id_ = from.layer_id_;
     coordinator_.swap(coordinator);
     std::swap(own_, own);
   }
   /// Checkpoint: the base's, then a copy of the layer's own state.
-  void take_checkpoint(std::uint64_t token) override {
+  void do_take_checkpoint(std::uint64_t token) override {
     Calibration own = own_;
-    KVCache<T>::take_checkpoint(token);
+    KVCache<T>::do_take_checkpoint(token);
     std::swap(kept_, own);
   }
-  void roll_back() noexcept override {
-    KVCache<T>::roll_back();
+  void do_roll_back() noexcept override {
+    KVCache<T>::do_roll_back();
     std::swap(own_, kept_);
   }
 
