@@ -246,6 +246,12 @@ elseif(MODE STREQUAL "pkg-config")
                     COMMAND_ERROR_IS_FATAL ANY)
     list(JOIN pkg_args " " shown)
     message(STATUS "${kind}: pkg-config ${shown} = ${c_flags}")
+    if(kind STREQUAL "all_static" AND c_flags MATCHES "-fsanitize=")
+      # A build with sanitizers in CMAKE_CXX_FLAGS passes them on in Libs (CMakeLists.txt).
+      message(STATUS "all_static skipped: the library is built with sanitizers, whose runtimes "
+                     "do not link into a fully static program")
+      continue()
+    endif()
     separate_arguments(c_flags UNIX_COMMAND "${c_flags}")
     if(kind STREQUAL "shared")
       foreach(flag IN LISTS c_flags)
