@@ -64,8 +64,10 @@ mkdir -p "$BUILD"
 if [ ! -x "$BIN" ] || [ -n "$(find include fuzz tests/reference tests/support -newer "$BIN" \
                                  \( -name '*.hpp' -o -name '*.cpp' \) -print -quit)" ]; then
   echo "[fuzz] building $BIN"
+  # -g1 (line tables): a report's stack trace names each frame's file and line, as with -g, and
+  # the build takes 112 CPU-seconds instead of 137 (2026-12-06, 2-core machine).
   clang++ -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-    -O1 -g -std=c++17 -I include -I tests -isystem /usr/include/eigen3 \
+    -O1 -g1 -std=c++17 -I include -I tests -isystem /usr/include/eigen3 \
     fuzz/fuzz_cache.cpp -o "$BIN.tmp"
   mv "$BIN.tmp" "$BIN"
 fi
