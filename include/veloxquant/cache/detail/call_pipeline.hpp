@@ -284,7 +284,7 @@ void pool_rebudget(Layer<T>& L, bool with_queries) {
       HeadStore<T>& head = seq[h];
       const bool sum_valid = keydiff && keydiff_take_out(head, slot, sc);
       head.mark_dead(slot);
-      if (sum_valid) head.set_key_sum_valid();
+      if (sum_valid) head.keydiff_sum().valid = true;
     };
     pooled_rebudget(seq, H, *rule.budget, rule.floor_rows(), rule.n_sink, rule.protected_recent(),
                     sc, rank, mark_dead);

@@ -1,35 +1,33 @@
-// veloxquant — per-head row storage shared by every policy (docs/design.md 7.1).
+// veloxquant — one head's rows and their bookkeeping, shared by every policy (docs/design.md 7.1).
 //
-// A head keeps its rows in "slots": key rows [cap, Dk] and value rows [cap, Dv] of T, and per slot
-// a position (int64), a score (float32) and an alive flag. `order` lists the live slots in
+// A head keeps its rows in "slots" (a RowBuffer: key and value rows as T or quantized), and per
+// slot a position (int64), a score (float32) and an alive flag. `order` lists the live slots in
 // ascending position. Evicting a row clears its alive flag (and drops it from `order`), with no
 // data movement; the hole is refilled at the start of the next call by moving one row from the tail
 // (O(D)), so every row the current call returned stays addressable until then: the window of a
 // call is slots [0, physical()), the rows retained before it (`window()` lists them in ascending
 // position) followed by the call's rows in arrival order.
 //
-// Keys and values are each stored as T or quantized (quant.hpp, docs/design.md 7.4); a quantized
-// row takes whole elements of T (its bytes rounded up), so one buffer and one slot arithmetic
-// serve both kinds.
+// Three pieces live beside the rows, each defined where it is used: a checkpoint's journal
+// (journal.hpp), and two scorers' state that must follow the rows: the value-weighted ranking's
+// weight per slot (ValueWeights, value_rank.hpp) and KeyDiff's running sum over the live set
+// (KeyDiffSum, proxy_scores.hpp). The head moves the first with its slots and marks the second
+// stale whenever the live set changes; what they hold is their scorers' business.
 #pragma once
 
 #include <Eigen/Core>
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <memory>
-#include <type_traits>
 #include <vector>
 
 #include "assert.hpp"
-#include "simd_kernels.hpp"
+#include "journal.hpp"
+#include "proxy_scores.hpp"
+#include "row_buffer.hpp"
 #include "value_rank.hpp"
 
 namespace veloxquant::cache::detail {
-
-using Index = Eigen::Index;
-/// Slot index; 32 bits keep the per-row bookkeeping small next to the K/V rows.
-using Slot = std::int32_t;
 
 /// Rows, positions and scores of one (batch, head).
 template <class T>
@@ -37,11 +35,10 @@ class HeadStore {
  public:
   HeadStore() = default;
   /// Rows of keys and values in the formats given (fmt.dim: the head dims).
-  HeadStore(const RowFormat& kf, const RowFormat& vf)
-      : dk_(kf.dim), dv_(vf.dim), kf_(kf), vf_(vf), ks_(stride_of(kf)), vs_(stride_of(vf)) {}
+  HeadStore(const RowFormat& kf, const RowFormat& vf) : rows_(kf, vf) {}
 
-  Index key_dim() const { return dk_; }
-  Index value_dim() const { return dv_; }
+  Index key_dim() const { return rows_.key_dim(); }
+  Index value_dim() const { return rows_.value_dim(); }
   /// Live (retained) rows.
   Index live() const { return static_cast<Index>(order_.size()); }
   /// Slots in use, live or dead (dead ones are refilled by compact()).
@@ -122,90 +119,55 @@ class HeadStore {
 
   /// An independent copy of the head holding its live rows only, in the slots compact() would
   /// leave them in, at a capacity of exactly live() and with no window: what a fork copies
-  /// (docs/design.md 10.1). Rows are copied in runs of consecutive slots (one run unless the last
-  /// call evicted). Allocates only (the source is untouched).
+  /// (docs/design.md 10.1). Allocates only (the source is untouched).
   HeadStore forked() const {
-    HeadStore c(kf_, vf_);
+    HeadStore c;
     const Index n = live();
     const auto rows = static_cast<std::size_t>(n);
-    const auto ks = static_cast<std::size_t>(ks_), vs = static_cast<std::size_t>(vs_);
-    // Rows are appended run by run into exactly reserved buffers (no zero fill first: the rows
-    // are most of the bytes); the bookkeeping at exactly `rows` slots; a quantized head's row
-    // buffer comes with its next growth (reallocate), which its next call with rows makes.
-    c.k_.reserve(rows * ks);
-    c.v_.reserve(rows * vs);
+    std::vector<Slot> src;  // src[i]: the slot whose row lands in slot i
+    compacted_slots(src);
+    c.rows_ = rows_.gathered(src.data(), n);
+    c.weights_ = weights_.gathered(src.data(), n);
+    c.key_sum_ = key_sum_;
     c.pos_.resize(rows);
     c.score_.resize(rows);
     c.alive_.resize(rows, kAlive);
     c.order_.reserve(rows);
     c.holes_.reserve(rows);
-    if (value_power_ > 0.0) {
-      c.value_weight_.resize(rows);
-      c.value_row_.resize(value_row_.size());
-      c.value_power_ = value_power_;
-    }
-    c.key_sum_ = key_sum_;
-    std::vector<Slot> src;  // src[i]: the slot whose row lands in slot i
-    compacted_slots(src);
     std::vector<Slot> to(static_cast<std::size_t>(n_phys_));  // the inverse, on live slots
-    for (Index i = 0; i < n;) {
-      Index j = i + 1;
-      while (j < n && src[at(j)] == src[at(j - 1)] + 1) ++j;
-      const auto first = static_cast<std::size_t>(src[at(i)]);
-      const auto run = static_cast<std::size_t>(j - i);
-      c.k_.insert(c.k_.end(), k_.begin() + static_cast<std::ptrdiff_t>(first * ks),
-                  k_.begin() + static_cast<std::ptrdiff_t>((first + run) * ks));
-      c.v_.insert(c.v_.end(), v_.begin() + static_cast<std::ptrdiff_t>(first * vs),
-                  v_.begin() + static_cast<std::ptrdiff_t>((first + run) * vs));
-      for (Index r = i; r < j; ++r) {
-        const Slot from = src[at(r)];
-        c.pos_[at(r)] = pos_[at(from)];
-        c.score_[at(r)] = score_[at(from)];
-        if (value_power_ > 0.0) c.value_weight_[at(r)] = value_weight_[at(from)];
-        to[at(from)] = static_cast<Slot>(r);
-      }
-      i = j;
+    for (Index r = 0; r < n; ++r) {
+      const Slot from = src[at(r)];
+      c.pos_[at(r)] = pos_[at(from)];
+      c.score_[at(r)] = score_[at(from)];
+      to[at(from)] = static_cast<Slot>(r);
     }
     c.order_.resize(order_.size());
     for (std::size_t i = 0; i < order_.size(); ++i) c.order_[i] = to[at(order_[i])];
     c.cap_ = n;
     c.n_phys_ = n;
     c.call_begin_ = n;
-    c.key_sum_valid_ = key_sum_valid_;
     return c;
   }
 
-  // ---- checkpoint and rollback (docs/design.md 10.2) ----
+  // ---- checkpoint and rollback (docs/design.md 10.2; the journal: journal.hpp) ----
 
-  /// Marks the head's state: its bookkeeping (positions, scores, flags, weights, the live order,
-  /// the holes, KeyDiff's sum) is copied now; a row is saved only when a later change is about to
-  /// overwrite it (journal). Replaces a live checkpoint. Allocates only (strong guarantee); the
-  /// buffers of the previous checkpoint are reused.
+  /// Marks the head's state: its bookkeeping is copied now, a row is saved only when a later
+  /// change is about to overwrite it. Replaces a live checkpoint. Allocates only (strong
+  /// guarantee); the buffers of the previous checkpoint are reused.
   void checkpoint() {
-    Undo& u = undo_ ? *undo_ : *(undo_ = std::make_unique<Undo>());
+    Journal<T>& u = undo_ ? *undo_ : *(undo_ = std::make_unique<Journal<T>>());
     u.live = false;
-    const auto n = static_cast<std::size_t>(n_phys_);
-    u.pos.assign(pos_.begin(), pos_.begin() + static_cast<std::ptrdiff_t>(n));
-    u.score.assign(score_.begin(), score_.begin() + static_cast<std::ptrdiff_t>(n));
-    u.alive.assign(alive_.begin(), alive_.begin() + static_cast<std::ptrdiff_t>(n));
-    u.weight.assign(
-        value_weight_.begin(),
-        value_weight_.begin() + static_cast<std::ptrdiff_t>(value_weight_.empty() ? 0 : n));
+    const auto n = static_cast<std::ptrdiff_t>(n_phys_);
+    u.pos.assign(pos_.begin(), pos_.begin() + n);
+    u.score.assign(score_.begin(), score_.begin() + n);
+    u.alive.assign(alive_.begin(), alive_.begin() + n);
+    weights_.save(n_phys_, u.weight);
     u.order.assign(order_.begin(), order_.end());
     u.holes.assign(holes_.begin(), holes_.end());
-    u.key_sum.assign(key_sum_.begin(), key_sum_.end());
-    // A slot dead at the checkpoint needs no saving: its row is never read again.
-    u.saved.resize(n);
-    u.unsaved = 0;
-    for (std::size_t i = 0; i < n; ++i) {
-      u.saved[i] = alive_[i] == kAlive ? 0 : 1;
-      u.unsaved += alive_[i] == kAlive ? 1 : 0;
-    }
-    u.slots.clear();
-    u.rows.clear();
+    key_sum_.save(u.key_sum);
+    u.open_rows(alive_.data(), n_phys_, kAlive);
     u.phys = n_phys_;
     u.call_begin = call_begin_;
-    u.key_sum_valid = key_sum_valid_;
     u.live = true;
   }
   bool has_checkpoint() const { return undo_ && undo_->live; }
@@ -215,52 +177,33 @@ class HeadStore {
   }
   /// Room in the journal for every row a compaction and then `writes` more slot writes (a call's
   /// appends, a trim's second compaction) may overwrite, taken before the call (or trim) changes
-  /// anything: a compaction overwrites at most holes().size() slots, and no more rows than the
-  /// checkpoint held live and the journal has not saved yet are ever saved. Strong guarantee.
+  /// anything: a compaction overwrites at most holes().size() slots. Strong guarantee.
   void reserve_journal(Index writes) {
     if (!has_checkpoint()) return;
-    Undo& u = *undo_;
-    const std::size_t rows = holes_.size() + static_cast<std::size_t>(writes);
-    const std::size_t want = u.slots.size() + std::min(rows, u.unsaved);
-    if (u.slots.capacity() < want) u.slots.reserve(std::max(want, 2 * u.slots.capacity()));
-    const std::size_t per = static_cast<std::size_t>(ks_ + vs_);
-    if (u.rows.capacity() < want * per) u.rows.reserve(std::max(want * per, 2 * u.rows.capacity()));
+    undo_->reserve(holes_.size() + static_cast<std::size_t>(writes),
+                   static_cast<std::size_t>(key_stride() + value_stride()));
   }
   /// Bytes the journal holds now (saved rows and bookkeeping, by capacity).
-  std::size_t journal_bytes() const {
-    if (!undo_) return 0;
-    const Undo& u = *undo_;
-    return u.pos.capacity() * sizeof(std::int64_t) +
-           (u.score.capacity() + u.weight.capacity()) * sizeof(float) + u.alive.capacity() +
-           u.saved.capacity() +
-           (u.order.capacity() + u.holes.capacity() + u.slots.capacity()) * sizeof(Slot) +
-           u.key_sum.capacity() * sizeof(std::int64_t) + u.rows.capacity() * sizeof(T);
-  }
+  std::size_t journal_bytes() const { return undo_ ? undo_->heap_bytes() : 0; }
   /// Returns the head to its checkpoint, which it consumes: the saved rows go back to their
   /// slots, the bookkeeping is restored. Never allocates: while a checkpoint is live the head
   /// keeps the capacity and the rows of the checkpoint's slots (reallocate).
   void rollback() noexcept {
     VELOXQUANT_ASSERT(has_checkpoint() && cap_ >= undo_->phys, "rollback without a checkpoint");
-    Undo& u = *undo_;
-    const std::size_t per = static_cast<std::size_t>(ks_ + vs_);
-    for (std::size_t i = 0; i < u.slots.size(); ++i) {
-      const T* row = u.rows.data() + i * per;
-      std::memcpy(key_ptr(u.slots[i]), row, sizeof(T) * static_cast<std::size_t>(ks_));
-      std::memcpy(value_ptr(u.slots[i]), row + ks_, sizeof(T) * static_cast<std::size_t>(vs_));
-    }
+    Journal<T>& u = *undo_;
+    u.put_back(rows_);
     std::copy(u.pos.begin(), u.pos.end(), pos_.begin());
     std::copy(u.score.begin(), u.score.end(), score_.begin());
     std::copy(u.alive.begin(), u.alive.end(), alive_.begin());
-    std::copy(u.weight.begin(), u.weight.end(), value_weight_.begin());
+    weights_.restore(u.weight);
     // The rows appended since are gone; order_ and holes_ keep their room (the capacity).
     std::fill(alive_.begin() + static_cast<std::ptrdiff_t>(u.phys),
               alive_.begin() + static_cast<std::ptrdiff_t>(std::max(n_phys_, u.phys)), kDead);
     order_.assign(u.order.begin(), u.order.end());
     holes_.assign(u.holes.begin(), u.holes.end());
-    std::copy(u.key_sum.begin(), u.key_sum.end(), key_sum_.begin());
+    key_sum_.restore(u.key_sum);
     n_phys_ = u.phys;
     call_begin_ = u.call_begin;
-    key_sum_valid_ = u.key_sum_valid;
     u.live = false;
   }
 
@@ -299,15 +242,15 @@ class HeadStore {
     n_phys_ = n;
     call_begin_ = n;
     holes_.clear();
-    key_sum_valid_ = false;
-    for (Index s = 0; s < n; ++s) set_value_weight(s);
+    key_sum_.valid = false;
+    for (Index s = 0; s < n; ++s) weights_.set(rows_.value_rows(), s, value_dim());
     return true;
   }
   /// Elements of T one stored key (value) row takes.
-  Index key_stride() const { return ks_; }
-  Index value_stride() const { return vs_; }
-  const RowFormat& key_format() const { return kf_; }
-  const RowFormat& value_format() const { return vf_; }
+  Index key_stride() const { return rows_.key_stride(); }
+  Index value_stride() const { return rows_.value_stride(); }
+  const RowFormat& key_format() const { return rows_.key_format(); }
+  const RowFormat& value_format() const { return rows_.value_format(); }
 
   /// Starts the window of a call at the rows retained now; `keep_order` records their ascending
   /// order too (window(), for a copy of the window: the view needs none).
@@ -323,12 +266,11 @@ class HeadStore {
     VELOXQUANT_ASSERT(n_phys_ < cap_, "append beyond reserved capacity");
     const Index s = n_phys_++;
     journal(s);
-    put_row(key, kf_, key_ptr(s));
-    put_row(value, vf_, value_ptr(s));
+    rows_.put(s, key, value);
     pos_[at(s)] = position;
     score_[at(s)] = 0.0f;
     alive_[at(s)] = kAlive;
-    set_value_weight(s);
+    weights_.set(rows_.value_rows(), s, value_dim());
     return static_cast<Slot>(s);
   }
 
@@ -336,14 +278,14 @@ class HeadStore {
   void push_live(Slot s) noexcept {
     VELOXQUANT_ASSERT(order_.size() < order_.capacity(), "order capacity");
     order_.push_back(s);
-    key_sum_valid_ = false;
+    key_sum_.valid = false;
   }
   /// Marks slot `s` dead (drop_dead() then removes it from `order`).
   void mark_dead(Slot s) noexcept {
     VELOXQUANT_ASSERT(alive_[at(s)] == kAlive, "mark_dead of a dead slot");
     alive_[at(s)] = kDead;
     holes_.push_back(s);
-    key_sum_valid_ = false;
+    key_sum_.valid = false;
   }
   /// Evicts the row at index `i` of `order` (marks it dead and removes it from `order`).
   void evict_at(Index i) noexcept {
@@ -360,18 +302,12 @@ class HeadStore {
   void assign_order(const Slot* o, Index n) noexcept {
     VELOXQUANT_ASSERT(static_cast<std::size_t>(n) <= order_.capacity(), "order capacity");
     order_.assign(o, o + n);
-    key_sum_valid_ = false;
+    key_sum_.valid = false;
   }
 
-  /// KeyDiff's running sum (docs/design.md 4.7): per key dimension, an exact integer sum over the
-  /// live rows (proxy_scores.hpp), kept by the KeyDiff scorer alone. Every change of the live set
-  /// makes it invalid; the scorer rebuilds it or, after a change it made itself, updates it and
-  /// marks it valid again. reserve_key_sum allocates it (strong exception guarantee) before a call
-  /// changes anything.
-  void reserve_key_sum() {
-    if (key_sum_.empty() && dk_ > 0) key_sum_.assign(static_cast<std::size_t>(dk_), 0);
-  }
-  std::int64_t* key_sum() { return key_sum_.data(); }
+  /// KeyDiff's running sum over the live rows (proxy_scores.hpp): stale after every change of the
+  /// live set made here; the KeyDiff scorer keeps it (proxy_call.hpp).
+  KeyDiffSum& keydiff_sum() { return key_sum_; }
 
   /// The value-weighted ranking (docs/design.md 4.8, KVCacheConfig::value_norm_power): from now
   /// on every slot holds |v|^power of its stored value row, computed once when the row is stored
@@ -379,16 +315,10 @@ class HeadStore {
   /// guarantee. power > 0.
   void enable_value_weights(double power) {
     VELOXQUANT_ASSERT(n_phys_ == 0 && power > 0.0, "value weights on a head in use");
-    std::vector<float> weight(static_cast<std::size_t>(cap_));
-    std::vector<float> row(static_cast<std::size_t>(padded_dim(dv_)));
-    value_weight_.swap(weight);
-    value_row_.swap(row);
-    value_power_ = power;
+    weights_.enable(power, cap_, value_dim());
   }
   /// |v|^power by slot ([physical()]); only after enable_value_weights.
-  const float* value_weights_data() const { return value_weight_.data(); }
-  bool key_sum_valid() const { return key_sum_valid_; }
-  void set_key_sum_valid() noexcept { key_sum_valid_ = true; }
+  const float* value_weights_data() const { return weights_.data(); }
 
   /// Drops the newest `n` live rows (standard cache trim; valid only with no holes).
   void drop_newest(Index n) noexcept {
@@ -423,24 +353,21 @@ class HeadStore {
   const std::vector<Slot>& window() const { return window_; }
 
   /// Slot s's stored key (value) row: dk (dv) elements of T, or a quantized row's bytes.
-  T* key_ptr(Index s) { return k_.data() + s * ks_; }
-  const T* key_ptr(Index s) const { return k_.data() + s * ks_; }
-  T* value_ptr(Index s) { return v_.data() + s * vs_; }
-  const T* value_ptr(Index s) const { return v_.data() + s * vs_; }
+  T* key_ptr(Index s) { return rows_.key_ptr(s); }
+  const T* key_ptr(Index s) const { return rows_.key_ptr(s); }
+  T* value_ptr(Index s) { return rows_.value_ptr(s); }
+  const T* value_ptr(Index s) const { return rows_.value_ptr(s); }
   /// The stored rows as the kernels read them, slot = row index.
-  StoredRows<T> key_rows() const { return StoredRows<T>{k_.data(), ks_, kf_}; }
-  StoredRows<T> value_rows() const { return StoredRows<T>{v_.data(), vs_, vf_}; }
-  bool quantized() const { return kf_.quantized() || vf_.quantized(); }
+  StoredRows<T> key_rows() const { return rows_.key_rows(); }
+  StoredRows<T> value_rows() const { return rows_.value_rows(); }
+  bool quantized() const { return rows_.quantized(); }
   /// Bytes one slot's key and value rows take (codes and scales of quantized rows).
-  std::size_t slot_bytes() const { return static_cast<std::size_t>(ks_ + vs_) * sizeof(T); }
+  std::size_t slot_bytes() const { return rows_.slot_bytes(); }
   /// Slot s's rows as T: key [dk], value [dv] (quantized rows dequantized; float32 through buf,
   /// [padded_dim(max(dk, dv))]).
-  void read_rows(Index s, T* key, T* value, float* buf) const {
-    get_row(kf_, key_ptr(s), key, buf);
-    get_row(vf_, value_ptr(s), value, buf);
-  }
-  const T* keys_data() const { return k_.data(); }
-  const T* values_data() const { return v_.data(); }
+  void read_rows(Index s, T* key, T* value, float* buf) const { rows_.read(s, key, value, buf); }
+  const T* keys_data() const { return rows_.key_ptr(0); }
+  const T* values_data() const { return rows_.value_ptr(0); }
   const std::int64_t* positions_data() const { return pos_.data(); }
   float* scores_data() { return score_.data(); }
   const float* scores_data_const() const { return score_.data(); }
@@ -452,11 +379,9 @@ class HeadStore {
 
   /// Heap bytes held by this head (all buffers, by capacity).
   std::size_t heap_bytes() const {
-    return k_.capacity() * sizeof(T) + v_.capacity() * sizeof(T) +
-           row_buf_.capacity() * sizeof(float) + pos_.capacity() * sizeof(std::int64_t) +
-           score_.capacity() * sizeof(float) + alive_.capacity() +
-           key_sum_.capacity() * sizeof(std::int64_t) +
-           (value_weight_.capacity() + value_row_.capacity()) * sizeof(float) +
+    return rows_.heap_bytes() + pos_.capacity() * sizeof(std::int64_t) +
+           score_.capacity() * sizeof(float) + alive_.capacity() + key_sum_.heap_bytes() +
+           weights_.heap_bytes() +
            (order_.capacity() + window_.capacity() + holes_.capacity()) * sizeof(Slot) +
            journal_bytes();
   }
@@ -469,85 +394,18 @@ class HeadStore {
 
   static std::size_t at(Index s) { return static_cast<std::size_t>(s); }
 
-  // What a checkpoint keeps (checkpoint(), rollback()).
-  struct Undo {
-    bool live = false;
-    Index phys = 0, call_begin = 0;
-    bool key_sum_valid = false;
-    std::vector<std::int64_t> pos;     // [phys]
-    std::vector<float> score, weight;  // [phys], [phys] or empty
-    std::vector<std::uint8_t> alive;   // [phys]
-    std::vector<std::uint8_t> saved;   // [phys]: 1 once the slot's row needs no saving
-    std::size_t unsaved = 0;           // slots live at the checkpoint whose rows are not saved
-    std::vector<Slot> order, holes;
-    std::vector<std::int64_t> key_sum;
-    std::vector<Slot> slots;  // the slots whose rows the journal saved, in order
-    std::vector<T> rows;      // their key and value rows, ks_ + vs_ elements each
-  };
-
-  // Before slot s is overwritten: with a live checkpoint, saves the row it held then (once). The
-  // room was reserved (reserve_journal).
+  // Before slot s is overwritten: the journal saves the row it held at a live checkpoint (once).
   void journal(Index s) noexcept {
-    if (!has_checkpoint() || s >= undo_->phys || undo_->saved[at(s)]) return;
-    Undo& u = *undo_;
-    u.saved[at(s)] = 1;
-    --u.unsaved;
-    VELOXQUANT_ASSERT(u.slots.size() < u.slots.capacity() &&
-                          u.rows.size() + static_cast<std::size_t>(ks_ + vs_) <= u.rows.capacity(),
-                      "journal capacity");
-    u.slots.push_back(static_cast<Slot>(s));
-    u.rows.insert(u.rows.end(), key_ptr(s), key_ptr(s) + ks_);
-    u.rows.insert(u.rows.end(), value_ptr(s), value_ptr(s) + vs_);
-  }
-
-  // Elements of T one row of format f takes.
-  static Index stride_of(const RowFormat& f) {
-    if (!f.quantized()) return f.dim;
-    const auto size = static_cast<Index>(sizeof(T));
-    return (f.row_bytes() + size - 1) / size;
-  }
-
-  // One input row into its slot: converted to T, and quantized from that (every input type
-  // gives the codes its conversion to T gives).
-  template <class U>
-  void put_row(const U* src, const RowFormat& f, T* dst) noexcept {
-    if (!f.quantized()) return store_row(src, dst, f.dim);
-    float* x = row_buf_.data();
-    for (Index i = 0; i < f.dim; ++i) x[i] = static_cast<float>(static_cast<T>(src[i]));
-    quantize_row(x, f, reinterpret_cast<std::uint8_t*>(dst));
-  }
-  static void get_row(const RowFormat& f, const T* src, T* dst, float* buf) noexcept {
-    if (!f.quantized()) {
-      std::memcpy(dst, src, sizeof(T) * static_cast<std::size_t>(f.dim));
-      return;
-    }
-    const QuantRows one{reinterpret_cast<const std::uint8_t*>(src), 0, f};
-    dequantize_row(one, 0, buf);
-    if constexpr (std::is_same_v<T, Eigen::half>) {
-      // A decoded element may lie up to half a step beyond the group's extremes; near +-65504
-      // that is past the largest half. The original was within +-65504: the clamp only moves the
-      // element towards it.
-      for (Index i = 0; i < f.dim; ++i) buf[i] = std::min(std::max(buf[i], -kHalfMax), kHalfMax);
-    }
-    store_row(buf, dst, f.dim);
+    if (undo_) undo_->save(s, rows_);
   }
 
   void move_slot(Index from, Index to) noexcept {
     journal(to);
-    std::memcpy(key_ptr(to), key_ptr(from), sizeof(T) * static_cast<std::size_t>(ks_));
-    std::memcpy(value_ptr(to), value_ptr(from), sizeof(T) * static_cast<std::size_t>(vs_));
+    rows_.move(from, to);
     pos_[at(to)] = pos_[at(from)];
     score_[at(to)] = score_[at(from)];
-    if (value_power_ > 0.0) value_weight_[at(to)] = value_weight_[at(from)];
+    weights_.move(from, to);
     alive_[at(to)] = kAlive;
-  }
-
-  // The weight of the value row stored in slot s (enable_value_weights; else nothing).
-  void set_value_weight(Index s) noexcept {
-    if (value_power_ > 0.0) {
-      value_weight_[at(s)] =
-          value_norm_weight(value_rows(), s, dv_, value_power_, value_row_.data());
-    }
   }
 
   // Allocates every buffer at exactly `rows` slots, copies the first `keep` slots (those in use),
@@ -560,11 +418,10 @@ class HeadStore {
   void reallocate(Index rows, Index keep) {
     const auto r = static_cast<std::size_t>(rows);
     const auto used = static_cast<std::size_t>(keep);
-    std::vector<T> k(r * static_cast<std::size_t>(ks_));
-    std::vector<T> v(r * static_cast<std::size_t>(vs_));
+    RowBuffer<T> stored = rows_.resized(rows, keep);
     std::vector<std::int64_t> pos(r);
     std::vector<float> score(r);
-    std::vector<float> value_weight(value_power_ > 0.0 ? r : 0);
+    std::vector<float> weight = weights_.resized(rows, keep);
     std::vector<std::uint8_t> alive(r, kDead);
     std::vector<Slot> order;
     order.reserve(r);
@@ -572,58 +429,38 @@ class HeadStore {
     window.reserve(r);
     std::vector<Slot> holes;
     holes.reserve(r);
-    // The buffer a quantized row is stored through, with the first rows (a head that never holds
-    // a row allocates nothing: a loaded head of 0 rows, docs/design.md G).
-    std::vector<float> row_buf;
-    if (quantized() && row_buf_.empty()) {
-      row_buf.resize(static_cast<std::size_t>(padded_dim(std::max(dk_, dv_))));
-    }
     // No-throw from here on.
-    std::copy_n(k_.begin(), used * static_cast<std::size_t>(ks_), k.begin());
-    std::copy_n(v_.begin(), used * static_cast<std::size_t>(vs_), v.begin());
     std::copy_n(pos_.begin(), used, pos.begin());
     std::copy_n(score_.begin(), used, score.begin());
-    if (!value_weight.empty()) std::copy_n(value_weight_.begin(), used, value_weight.begin());
     std::copy_n(alive_.begin(), used, alive.begin());
     order.assign(order_.begin(), order_.end());
     holes.assign(holes_.begin(), holes_.end());
     // The previous call's window is not carried over: reallocation happens only when a new call
     // starts (a long prompt's window would otherwise pin its capacity).
-    k_.swap(k);
-    v_.swap(v);
+    rows_.swap(stored);
     pos_.swap(pos);
     score_.swap(score);
-    value_weight_.swap(value_weight);
+    weights_.swap_weights(weight);
     alive_.swap(alive);
     order_.swap(order);
     window_.swap(window);
     holes_.swap(holes);
-    if (!row_buf.empty()) row_buf_.swap(row_buf);
     cap_ = rows;
   }
 
-  Index dk_ = 0;
-  Index dv_ = 0;
-  RowFormat kf_, vf_;
-  Index ks_ = 0, vs_ = 0;  // elements of T per key (value) row
+  RowBuffer<T> rows_;  // the key and value rows, by slot
   Index n_phys_ = 0;
   Index cap_ = 0;
   Index call_begin_ = 0;
-  std::vector<T> k_;                   // [cap, ks_]: Dk of T, or a quantized row's bytes
-  std::vector<T> v_;                   // [cap, vs_]
-  std::vector<float> row_buf_;         // [padded_dim(max(Dk, Dv))]: the row being quantized
-  std::vector<std::int64_t> pos_;      // [cap]
-  std::vector<float> score_;           // [cap]
-  std::vector<std::int64_t> key_sum_;  // [dk] or empty: KeyDiff's running sum
-  std::vector<float> value_weight_;    // [cap] or empty: |v|^value_power_ per slot
-  std::vector<float> value_row_;       // [padded_dim(dv)] or empty: a value row being weighed
-  std::vector<std::uint8_t> alive_;    // [cap]
-  std::vector<Slot> order_;            // live slots, ascending position
-  std::vector<Slot> window_;           // rows retained before the current call, ascending position
-  std::vector<Slot> holes_;            // slots made dead since the last compaction
-  std::unique_ptr<Undo> undo_;         // the checkpoint, or null before the first
-  bool key_sum_valid_ = false;         // key_sum_ is the sum over the live rows
-  double value_power_ = 0.0;           // > 0: value_weight_ is kept (enable_value_weights)
+  std::vector<std::int64_t> pos_;     // [cap]
+  std::vector<float> score_;          // [cap]
+  std::vector<std::uint8_t> alive_;   // [cap]
+  std::vector<Slot> order_;           // live slots, ascending position
+  std::vector<Slot> window_;          // rows retained before the current call, ascending position
+  std::vector<Slot> holes_;           // slots made dead since the last compaction
+  ValueWeights weights_;              // |v|^p per slot, when the value-weighted ranking is on
+  KeyDiffSum key_sum_;                // KeyDiff's running sum
+  std::unique_ptr<Journal<T>> undo_;  // the checkpoint, or null before the first
 };
 
 }  // namespace veloxquant::cache::detail

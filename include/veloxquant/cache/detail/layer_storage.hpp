@@ -29,7 +29,7 @@ std::vector<HeadStore<T>> fresh_heads(Index n, const RowFormat& kf, const RowFor
     out.emplace_back(kf, vf);
     if (value_power > 0.0) out.back().enable_value_weights(value_power);
     out.back().reserve(rows);
-    if (key_sum) out.back().reserve_key_sum();
+    if (key_sum) out.back().keydiff_sum().reserve(out.back().key_dim());
   }
   return out;
 }
@@ -45,7 +45,7 @@ template <class T>
 void grow_heads(std::vector<HeadStore<T>>& heads, Index rows, Index steady_rows, bool key_sum,
                 bool tight = false) {
   for (auto& h : heads) {
-    if (key_sum) h.reserve_key_sum();
+    if (key_sum) h.keydiff_sum().reserve(h.key_dim());
     // With a checkpoint: room to save every row this call may overwrite (compaction, appends).
     h.reserve_journal(rows);
     h.compact();

@@ -26,8 +26,9 @@ template <class T>
 const float* keydiff_rank_head(HeadStore<T>& head, Index lo, Index hi, Scratch& sc) {
   const Index n = head.live(), d = head.key_dim(), dp = padded_dim(d);
   const Slot* ord = head.order().data();
-  std::int64_t* sum = head.key_sum();
-  if (!head.key_sum_valid()) {
+  KeyDiffSum& state = head.keydiff_sum();
+  std::int64_t* sum = state.sum.data();
+  if (!state.valid) {
     std::fill(sum, sum + d, std::int64_t{0});
     float* row = sc.queries.data() + dp;
     for (Index j = 0; j < n; ++j) {
@@ -35,7 +36,7 @@ const float* keydiff_rank_head(HeadStore<T>& head, Index lo, Index hi, Scratch& 
       head.score(ord[j]) = w;
       key_sum_update(sum, row, d, w, 1);
     }
-    head.set_key_sum_valid();
+    state.valid = true;
   }
   const float* weight = head.scores_data_const();
   // Over the storage as it lies unless dead slots are many (a long prompt evicting as it goes).
@@ -52,11 +53,12 @@ const float* keydiff_rank_head(HeadStore<T>& head, Index lo, Index hi, Scratch& 
 /// it. Uses sc.queries row 1 for the row.
 template <class T>
 bool keydiff_take_out(HeadStore<T>& head, Slot victim, Scratch& sc) {
-  if (!head.key_sum_valid()) return false;
+  KeyDiffSum& state = head.keydiff_sum();
+  if (!state.valid) return false;
   const Index d = head.key_dim();
   float* row = sc.queries.data() + padded_dim(d);
   load_stored_row(head.key_rows(), victim, d, row);
-  key_sum_update(head.key_sum(), row, d, head.score(victim), -1);
+  key_sum_update(state.sum.data(), row, d, head.score(victim), -1);
   return true;
 }
 
@@ -78,11 +80,12 @@ void absorb_proxy(HeadStore<T>& head, const Rule& rule, Index count, Scratch& sc
     const float norm = key_norm(head.key_rows(), s, d, row, sc.keys.data());
     const float w = keydiff ? 1.0f / (norm + kUnitEps) : -norm;
     head.score(s) = w;
-    bool sum_valid = keydiff && head.key_sum_valid();
+    KeyDiffSum& state = head.keydiff_sum();
+    bool sum_valid = keydiff && state.valid;
     head.push_live(s);
     if (sum_valid) {
-      key_sum_update(head.key_sum(), row, d, w, 1);  // the row key_norm loaded
-      head.set_key_sum_valid();
+      key_sum_update(state.sum.data(), row, d, w, 1);  // the row key_norm loaded
+      state.valid = true;
     }
     if (!rule.budget || head.live() <= *rule.budget) continue;
     const Index n = head.live();
@@ -95,7 +98,7 @@ void absorb_proxy(HeadStore<T>& head, const Rule& rule, Index count, Scratch& sc
         worst_in_order(ord, sinks, n - g, rank, Tie::evict_earliest, sc.weights.data());
     sum_valid = keydiff && keydiff_take_out(head, ord[at], sc);
     head.evict_at(at);
-    if (sum_valid) head.set_key_sum_valid();
+    if (sum_valid) state.valid = true;
   }
 }
 

@@ -8,8 +8,11 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "fp.hpp"
 #include "quant.hpp"
@@ -65,6 +68,32 @@ inline void key_sum_update(std::int64_t* sum, const float* row, Index d, float w
     sum[i] += sign * static_cast<std::int64_t>(round_even(u));
   }
 }
+
+/// KeyDiff's state in one head (docs/design.md 4.7): per key dimension an exact integer sum of
+/// the live rows' weighted keys (key_sum_update), and whether it is that sum now. The head marks
+/// it stale at every change of its live set; the KeyDiff scorer (proxy_call.hpp) rebuilds it, or
+/// follows a change it makes itself and marks it valid again. Being exact, a rebuilt sum equals the
+/// one it replaces bit for bit.
+struct KeyDiffSum {
+  std::vector<std::int64_t> sum;  // [dk] or empty before the first KeyDiff call
+  bool valid = false;
+
+  /// Allocates the sum (strong exception guarantee), before a call changes anything.
+  void reserve(Index dk) {
+    if (sum.empty() && dk > 0) sum.assign(static_cast<std::size_t>(dk), 0);
+  }
+  /// A checkpoint's copy into `out`. Allocates only.
+  void save(KeyDiffSum& out) const {
+    out.sum.assign(sum.begin(), sum.end());
+    out.valid = valid;
+  }
+  /// Writes a checkpoint's copy back (the sum was allocated by then, or the copy is empty).
+  void restore(const KeyDiffSum& saved) noexcept {
+    std::copy(saved.sum.begin(), saved.sum.end(), sum.begin());
+    valid = saved.valid;
+  }
+  std::size_t heap_bytes() const { return sum.capacity() * sizeof(std::int64_t); }
+};
 
 /// KeyDiff's ranking (docs/design.md 4.7) among n >= 1 live rows of the first n_phys stored key
 /// rows, whose running sum is `sum` ([d]) and whose weights 1 / (|k| + 1e-8) are weight[slot]: with
