@@ -52,7 +52,7 @@ constexpr double kNearTie = 1e-5;
 
 /// One configuration: a cache and the calls fed to it.
 struct AdaRun {
-  CorePolicy method = CorePolicy::kH2O;
+  Method method = Method::h2o;
   int budget = 8;  // pyramidkv from the builder: the average over its 3 layers
   int n_sink = 0;
   double recent = 0.5;  // squeeze / pyramidkv: the recent ratio; h2o: the grace (an integer)
@@ -67,7 +67,7 @@ struct AdaRun {
 
   std::string describe() const {
     std::ostringstream os;
-    os << core_method(method) << " budget=" << budget << " n_sink=" << n_sink
+    os << method_name(method) << " budget=" << budget << " n_sink=" << n_sink
        << " recent=" << recent << " decay=" << decay << " floor=" << floor
        << " value_power=" << value_power
        << " proxy_scoring=" << ref::H2OHeadOracle::scorer_name(scorer) << " layer=" << pyramid_layer
@@ -78,7 +78,7 @@ struct AdaRun {
 };
 
 vc::KVCacheConfig config_of(const AdaRun& r, const std::string& mode = "adaptive") {
-  vc::KVCacheConfig c = core_config(core_method(r.method), r.budget, r.n_sink, r.recent, r.decay);
+  vc::KVCacheConfig c = core_config(method_name(r.method), r.budget, r.n_sink, r.recent, r.decay);
   c.head_budgets = mode;
   c.head_budget_floor = r.floor;
   c.value_norm_power = r.value_power;
@@ -91,7 +91,7 @@ vc::KVCacheConfig config_of(const AdaRun& r, const std::string& mode = "adaptive
 
 /// The budget in force, from the spec (docs/design.md 6 for PyramidKV's layers).
 int expected_budget(const AdaRun& r) {
-  if (r.method == CorePolicy::kPyramid && r.pyramid_layer >= 0) {
+  if (r.method == Method::pyramidkv && r.pyramid_layer >= 0) {
     return ref::pyramid_budgets(3, r.budget, r.n_sink)[static_cast<std::size_t>(r.pyramid_layer)];
   }
   return r.budget;
@@ -100,7 +100,7 @@ int expected_budget(const AdaRun& r) {
 /// The protected recent rows for a budget (before the clamp).
 std::function<int(int)> grace_rule(const AdaRun& r) {
   const int n_sink = r.n_sink;
-  if (r.method == CorePolicy::kH2O) {
+  if (r.method == Method::h2o) {
     const int grace = static_cast<int>(r.recent);
     return [grace, n_sink](int b) { return ref::protected_recent_fixed(grace, b, n_sink); };
   }
@@ -111,7 +111,7 @@ std::function<int(int)> grace_rule(const AdaRun& r) {
 template <class T>
 CachePtr<T> make_cache(const AdaRun& r, const std::string& mode = "adaptive") {
   const vc::KVCacheConfig c = config_of(r, mode);
-  if (r.method == CorePolicy::kPyramid && r.pyramid_layer >= 0) {
+  if (r.method == Method::pyramidkv && r.pyramid_layer >= 0) {
     Caches<T> model = vc::KVCacheBuilder::for_model<T>(3, c);
     return std::move(model[static_cast<std::size_t>(r.pyramid_layer)]);
   }
@@ -676,7 +676,7 @@ struct SweepStats {
 /// recent ratio (or grace) and decay drawn; value_norm_power 0, 2 or 1.5 (ignored by calls without
 /// queries).
 template <class T>
-void sweep(CorePolicy method, unsigned seed) {
+void sweep(Method method, unsigned seed) {
   std::mt19937 rng(seed);
   const auto pick = [&rng](int lo, int hi) {
     return std::uniform_int_distribution<int>(lo, hi)(rng);
@@ -705,12 +705,12 @@ void sweep(CorePolicy method, unsigned seed) {
         r.H = pick(2, 4);
         r.budget = pick(4, 12);
         r.n_sink = pick(0, 2);
-        r.recent = method == CorePolicy::kH2O ? pick(0, 3) : ratios[pick(0, 2)];
+        r.recent = method == Method::h2o ? pick(0, 3) : ratios[pick(0, 2)];
         r.decay = pick(0, 1) ? 1.0 : 0.9;
         r.value_power = powers[stats.runs % 3];
         r.Dk = std::vector<Index>{4, 8, 20}[static_cast<std::size_t>(pick(0, 2))];
         r.Dv = pick(1, 4);
-        if (method == CorePolicy::kPyramid && stats.runs % 2 == 1) r.pyramid_layer = pick(0, 2);
+        if (method == Method::pyramidkv && stats.runs % 2 == 1) r.pyramid_layer = pick(0, 2);
         if (expected_budget(r) <= r.n_sink) r.n_sink = 0;
         r.seed = static_cast<unsigned>(rng());
         stats.add(run_against_oracle<T>(r, 40), r);
@@ -726,14 +726,12 @@ class AdaptiveOracleTest : public ::testing::Test {};
 using SweepTypes = ::testing::Types<Eigen::half, float>;
 TYPED_TEST_SUITE(AdaptiveOracleTest, SweepTypes);
 
-TYPED_TEST(AdaptiveOracleTest, H2OMatchesThePooledOracle) {
-  sweep<TypeParam>(CorePolicy::kH2O, 11u);
-}
+TYPED_TEST(AdaptiveOracleTest, H2OMatchesThePooledOracle) { sweep<TypeParam>(Method::h2o, 11u); }
 TYPED_TEST(AdaptiveOracleTest, SqueezeWithoutCoordinatorMatchesThePooledOracle) {
-  sweep<TypeParam>(CorePolicy::kSqueeze, 22u);
+  sweep<TypeParam>(Method::squeeze, 22u);
 }
 TYPED_TEST(AdaptiveOracleTest, PyramidKVMatchesThePooledOracle) {
-  sweep<TypeParam>(CorePolicy::kPyramid, 33u);
+  sweep<TypeParam>(Method::pyramidkv, 33u);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -795,7 +793,7 @@ TEST(AdaptiveOracleSelfTest, TakesTheLowestRowsOfThePoolOneAtATime) {
 /// lower head (0, not 1).
 TEST(AdaptiveHeadsTest, TiesGoToTheEarlierPositionThenTheLowerHead) {
   using T = float;
-  for (const CorePolicy method : kCorePolicies) {
+  for (const Method method : kCoreMethods) {
     AdaRun r;
     r.method = method;
     r.budget = 3;
@@ -844,7 +842,7 @@ TEST(AdaptiveHeadsTest, ExactTiesAfterCompactionGoToTheEarlierPosition) {
   using T = float;
   constexpr Index D = 16;  // more than a head can hold: 2 x 6 rows, and the call's
   int runs = 0, tied = 0;
-  for (const CorePolicy method : {CorePolicy::kH2O, CorePolicy::kSqueeze}) {
+  for (const Method method : {Method::h2o, Method::squeeze}) {
     for (unsigned seed = 1; seed <= 12; ++seed) {
       std::mt19937 rng(seed);
       AdaRun r;
@@ -941,14 +939,14 @@ void expect_same_heads(const vc::KVCache<T>& a, const vc::KVCache<T>& b, const s
 /// calls give other rows (the comparison sees a difference when there is one).
 TEST(AdaptiveHeadsTest, FloorOneWithQueriesIsUniformBitForBit) {
   using T = Eigen::half;
-  for (const CorePolicy method : kCorePolicies) {
+  for (const Method method : kCoreMethods) {
     for (const double power : {0.0, 2.0}) {
       for (const Index G : {1, 2}) {
         AdaRun r;
         r.method = method;
         r.budget = 6;
         r.n_sink = 1;
-        r.recent = method == CorePolicy::kH2O ? 2.0 : 0.5;
+        r.recent = method == Method::h2o ? 2.0 : 0.5;
         r.decay = 0.95;
         r.floor = 1.0;
         r.value_power = power;
@@ -1021,12 +1019,12 @@ TEST(AdaptiveHeadsTest, FloorOneWithQueriesIsUniformBitForBit) {
 /// evict token by token inside it, adaptive ones score the whole call first.)
 TEST(AdaptiveHeadsTest, FloorOneProxyDecodeStepsAreUniform) {
   using T = float;
-  for (const CorePolicy method : kCorePolicies) {
+  for (const Method method : kCoreMethods) {
     AdaRun r;
     r.method = method;
     r.budget = 7;
     r.n_sink = 1;
-    r.recent = method == CorePolicy::kH2O ? 1.0 : 0.25;
+    r.recent = method == Method::h2o ? 1.0 : 0.25;
     r.decay = 0.9;
     r.floor = 1.0;
     r.B = 2;
@@ -1059,12 +1057,12 @@ TEST(AdaptiveHeadsTest, FloorOneProxyDecodeStepsAreUniform) {
 /// queries and with the key-as-query proxy, against the oracle too.
 TEST(AdaptiveHeadsTest, HeadsBecomeRaggedWithinTheirPoolAndFloor) {
   using T = Eigen::half;
-  for (const CorePolicy method : kCorePolicies) {
+  for (const Method method : kCoreMethods) {
     for (const Index G : {1, 0}) {
       AdaRun r;
       r.method = method;
       r.budget = 8;
-      r.recent = method == CorePolicy::kH2O ? 1.0 : 0.25;  // g = 1, 2
+      r.recent = method == Method::h2o ? 1.0 : 0.25;  // g = 1, 2
       r.floor = 0.25;
       r.B = 2;
       r.H = 2;
@@ -1169,7 +1167,7 @@ void expect_config_error(F&& f, const std::string& field, const std::string& ctx
 TEST(AdaptiveHeadsConfigTest, BadModesAndFloorsAreRefusedNamingTheField) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const double inf = std::numeric_limits<double>::infinity();
-  for (const CorePolicy method : kCorePolicies) {
+  for (const Method method : kCoreMethods) {
     AdaRun r;
     r.method = method;
     std::vector<std::pair<vc::KVCacheConfig, std::string>> bad;
@@ -1186,7 +1184,7 @@ TEST(AdaptiveHeadsConfigTest, BadModesAndFloorsAreRefusedNamingTheField) {
     for (const auto& item : bad) {
       const vc::KVCacheConfig& config = item.first;
       const std::string& field = item.second;
-      const std::string ctx = std::string(core_method(method)) + " head_budgets='" +
+      const std::string ctx = std::string(method_name(method)) + " head_budgets='" +
                               config.head_budgets +
                               "' floor=" + std::to_string(config.head_budget_floor);
       expect_config_error([&] { config.validate(); }, field, ctx + ", validate()");
@@ -1205,7 +1203,7 @@ TEST(AdaptiveHeadsConfigTest, BadModesAndFloorsAreRefusedNamingTheField) {
 }
 
 TEST(AdaptiveHeadsConfigTest, FloorOneAndTinyFloorsAreAccepted) {
-  for (const CorePolicy method : kCorePolicies) {
+  for (const Method method : kCoreMethods) {
     for (const double floor : {1.0, 1e-12, std::numeric_limits<double>::denorm_min(), 0.2}) {
       AdaRun r;
       r.method = method;
@@ -1213,7 +1211,7 @@ TEST(AdaptiveHeadsConfigTest, FloorOneAndTinyFloorsAreAccepted) {
       r.budget = 5;
       r.recent = 0.0;
       const vc::KVCacheConfig c = config_of(r);
-      const std::string ctx = std::string(core_method(method)) + " floor " + std::to_string(floor);
+      const std::string ctx = std::string(method_name(method)) + " floor " + std::to_string(floor);
       EXPECT_NO_THROW(c.validate()) << ctx;
       EXPECT_NO_THROW((void)vc::KVCacheBuilder::for_model<float>(2, c)) << ctx;
       CachePtr<float> cache;
@@ -1235,16 +1233,19 @@ TEST(AdaptiveHeadsConfigTest, FloorOneAndTinyFloorsAreAccepted) {
   }
 }
 
-/// The other methods ignore head_budgets (SPEC 14): TOVA, SnapKV, StreamingLLM and the standard
-/// cache built with "adaptive" (floor 0.2) give the uniform configuration's outputs, fetched rows
-/// and state(), bit for bit, on calls past their budgets.
+/// The other methods ignore head_budgets (SPEC 14): every method outside the H2O core
+/// (support/methods.hpp), the standard cache included, built with "adaptive" (floor 0.2) gives the
+/// uniform configuration's outputs, fetched rows and state(), bit for bit, on calls past its budget
+/// (6 rows, 1 sink; SnapKV's observation window 2).
 TEST(AdaptiveHeadsConfigTest, OtherMethodsIgnoreHeadBudgets) {
   using T = Eigen::half;
-  vc::KVCacheConfig standard;
-  standard.method = "standard";
-  const std::vector<vc::KVCacheConfig> configs = {tova_config(6, 1), snap_config(6, 1, 2),
-                                                  stream_config(1, 5), standard};
-  for (vc::KVCacheConfig uniform : configs) {
+  vc::KVCacheConfig six;
+  set_n_sinks(six, 1);
+  six.set_budget(6);
+  six.snap_obs_window = 2;
+  for (const Method m : kMethods) {
+    if (is_core(m)) continue;
+    const vc::KVCacheConfig uniform = vc::detail::with_method(six, m);
     vc::KVCacheConfig adaptive = uniform;
     adaptive.head_budgets = "adaptive";
     adaptive.head_budget_floor = 0.2;
@@ -1284,11 +1285,11 @@ TEST(AdaptiveHeadsConfigTest, OtherMethodsIgnoreHeadBudgets) {
 /// An adaptive h2o / squeeze / pyramidkv cache (B 2, H 2, budget 8, floor 0.25, G 2) and its
 /// twin, both fed the same focus_call prompt of 16 tokens: ragged.
 template <class T>
-AdaRun ragged_run(CorePolicy method) {
+AdaRun ragged_run(Method method) {
   AdaRun r;
   r.method = method;
   r.budget = 8;
-  r.recent = method == CorePolicy::kH2O ? 1.0 : 0.25;
+  r.recent = method == Method::h2o ? 1.0 : 0.25;
   r.floor = 0.25;
   r.B = 2;
   r.H = 2;
@@ -1307,7 +1308,7 @@ AdaRun ragged_run(CorePolicy method) {
 /// what a twin that never saw the refused calls gives.
 TEST(AdaptiveHeadsTest, FetchAndStateRefuseRaggedHeadsAndChangeNothing) {
   using T = Eigen::half;
-  for (const CorePolicy method : kCorePolicies) {
+  for (const Method method : kCoreMethods) {
     const AdaRun r = ragged_run<T>(method);
     const std::string ctx = r.describe();
     CachePtr<T> cache = make_cache<T>(r);
@@ -1394,7 +1395,7 @@ TEST(AdaptiveHeadsTest, FetchAndStateRefuseRaggedHeadsAndChangeNothing) {
 /// head's rows: each head must still show its own rows).
 template <class T>
 void check_ragged_views(int bits) {
-  for (const CorePolicy method : kCorePolicies) {
+  for (const Method method : kCoreMethods) {
     AdaRun r = ragged_run<T>(method);
     r.key_bits = r.value_bits = bits;
     if (bits < 16) r.Dv = 8;  // quant_group 8 divides it
@@ -1445,7 +1446,7 @@ TEST(AdaptiveHeadsViewTest, TheQuantizedRaggedViewShowsEachHeadsOwnRowsDequantiz
 /// own rows held before the call and the call's rows 0..s, times their values, in double.
 template <class T>
 void check_attend_naive(int bits) {
-  for (const CorePolicy method : kCorePolicies) {
+  for (const Method method : kCoreMethods) {
     AdaRun r = ragged_run<T>(method);
     r.key_bits = r.value_bits = bits;
     if (bits < 16) r.Dv = 8;  // quant_group 8 divides it
@@ -1523,13 +1524,13 @@ TEST(AdaptiveHeadsAttendTest, QuantizedAttendIsTheNaiveAttentionOverTheDequantiz
 /// ran (calls large enough to be split), and the heads became ragged.
 TEST(AdaptiveHeadsParallelTest, ParallelHeadsAreBitIdenticalToSerial) {
   using T = Eigen::half;
-  for (const CorePolicy method : kCorePolicies) {
+  for (const Method method : kCoreMethods) {
     for (const Index G : {2, 0}) {
       AdaRun r;
       r.method = method;
       r.budget = 10;
       r.n_sink = 1;
-      r.recent = method == CorePolicy::kH2O ? 2.0 : 0.3;
+      r.recent = method == Method::h2o ? 2.0 : 0.3;
       r.decay = 0.95;
       r.floor = 0.2;
       r.value_power = G > 0 ? 2.0 : 0.0;
@@ -1598,7 +1599,7 @@ TEST(AdaptiveHeadsParallelTest, ParallelHeadsAreBitIdenticalToSerial) {
 
 /// The calls of the runs below: ragged_run's, over quantized rows (8-bit keys, 4-bit values,
 /// Dv 8) when bits < 16.
-AdaRun serving_run(CorePolicy method, int bits) {
+AdaRun serving_run(Method method, int bits) {
   AdaRun r = ragged_run<float>(method);
   if (bits < 16) {
     r.key_bits = 8;
@@ -1611,7 +1612,7 @@ AdaRun serving_run(CorePolicy method, int bits) {
 /// A model of two layers of `method` (squeeze: with the coordinator the builder wires, which
 /// gives each layer its budget after the first call: a pending re-budget of the pools),
 /// adaptive heads, floor 0.25.
-vc::KVCacheConfig model_config(CorePolicy method, int bits) {
+vc::KVCacheConfig model_config(Method method, int bits) {
   const AdaRun r = serving_run(method, bits);
   vc::KVCacheConfig c = config_of(r);
   c.squeeze_calibration_tokens = 16;
@@ -1627,7 +1628,7 @@ const std::vector<Index>& run_sizes() {
   return sizes;
 }
 template <class T>
-std::vector<unsigned char> model_step(Caches<T>& set, CorePolicy method, int bits, std::size_t i,
+std::vector<unsigned char> model_step(Caches<T>& set, Method method, int bits, std::size_t i,
                                       unsigned seed = 0) {
   const AdaRun r = serving_run(method, bits);
   std::vector<unsigned char> out;
@@ -1694,8 +1695,8 @@ bool any_ragged(const Caches<T>& set) {
 TEST(AdaptiveHeadsServingTest, ForkRollbackAndPromptCachesContinueBitIdentically) {
   using T = Eigen::half;
   for (const int bits : {16, 8})
-    for (const CorePolicy method : kCorePolicies) {
-      const std::string name = std::string(core_method(method)) + (bits < 16 ? " quantized" : "");
+    for (const Method method : kCoreMethods) {
+      const std::string name = std::string(method_name(method)) + (bits < 16 ? " quantized" : "");
       const vc::KVCacheConfig config = model_config(method, bits);
       const std::size_t n = run_sizes().size();
       // The uninterrupted run.
@@ -1782,7 +1783,7 @@ TEST(AdaptiveHeadsCoordinatorTest, AdoptedBudgetsRebudgetThePoolsAtTheNextCall) 
     for (const Mode& mode : modes) {
       for (const double floor : {0.25, 0.5}) {
         AdaRun r;
-        r.method = CorePolicy::kSqueeze;
+        r.method = Method::squeeze;
         r.budget = 8;
         r.n_sink = 1;
         r.recent = 0.25;

@@ -111,7 +111,7 @@ TYPED_TEST(AttendTest, SameStateAsUpdateAndViewAndTheAttentionOverItsRows) {
       const std::string ctx = std::string(kind_name(kind)) + ", G = " + std::to_string(G);
       Subject<T> subject = make_subject<T>(kind);
       Subject<T> twin = make_subject<T>(kind);
-      std::mt19937 rng(40u + static_cast<unsigned>(kind) * 7u + static_cast<unsigned>(G));
+      std::mt19937 rng(40u + kind_index(kind) * 7u + static_cast<unsigned>(G));
       const Index B = 2, H = 2, Dk = 8, Dv = 5;
       for (const Index S : kSizes) {
         const auto k = random_tensor<T>(rng, B, H, S, Dk);
@@ -168,7 +168,7 @@ TYPED_TEST(AttendTest, EveryInputFormGivesTheSameStateAndOutput) {
     Subject<T> fetch =
         make_subject<T>(kind);  // update_and_fetch(_into) through TensorRef/TensorMap
     Subject<T> fetch_ref = make_subject<T>(kind);
-    std::mt19937 rng(70u + static_cast<unsigned>(kind));
+    std::mt19937 rng(70u + kind_index(kind));
     const Index B = 2, H = 2, G = 2, Dk = 8, Dv = 5, Hq = G * H;
     vc::KVPair<T> into;
     for (const Index S : kSizes) {
@@ -267,7 +267,7 @@ TYPED_TEST(AttendTest, BadCallsThrowWriteNothingAndChangeNothing) {
   for (const Kind kind : kKinds) {
     Subject<T> subject = make_subject<T>(kind);
     Subject<T> twin = make_subject<T>(kind);
-    std::mt19937 rng(11u + static_cast<unsigned>(kind));
+    std::mt19937 rng(11u + kind_index(kind));
     establish(subject, twin, rng, kind_name(kind));
     const Index B = kKeys[0], H = kKeys[1], S = 3, Dk = kKeys[3], Dv = kValues[3], Hq = 2 * H;
     const vc::Tensor4<float> k = random_tensor<float>(rng, B, H, S, Dk);
@@ -352,7 +352,7 @@ TYPED_TEST(AttendTest, EmptyCallsAreLikeUpdateAndView) {
   for (const Kind kind : kKinds) {
     Subject<T> subject = make_subject<T>(kind);
     Subject<T> twin = make_subject<T>(kind);
-    std::mt19937 rng(5u + static_cast<unsigned>(kind));
+    std::mt19937 rng(5u + kind_index(kind));
     establish(subject, twin, rng, kind_name(kind));
     float out = 7.0f;
     subject.cache->attend(vc::TensorRef<float>(nullptr, 2, 4, 0, 4),

@@ -124,15 +124,18 @@ std::vector<ExtremeCase> extreme_rejections() {
   return out;
 }
 
-const std::vector<std::string> kMethods = {"squeeze",       "h2o",    "pyramidkv", "tova",
-                                           "streaming_llm", "snapkv", "standard"};
+/// Every method's name, in the table's order (support/methods.hpp).
+std::vector<std::string> method_names() {
+  std::vector<std::string> out;
+  for (const Method m : kMethods) out.emplace_back(method_name(m));
+  return out;
+}
+const std::vector<std::string> kMethodNames = method_names();
 
 /// The method whose fields `field` belongs to, by its prefix.
 std::string method_of_field(const std::string& field) {
-  for (const auto& [prefix, method] : std::vector<std::pair<std::string, std::string>>{
-           {"squeeze_", "squeeze"}, {"h2o_", "h2o"}, {"pyramid_", "pyramidkv"}, {"tova_", "tova"},
-           {"stream_", "streaming_llm"}, {"snap_", "snapkv"}}) {
-    if (field.rfind(prefix, 0) == 0) return method;
+  for (const MethodEntry& e : kMethodEntries) {
+    if (*e.prefix != '\0' && field.rfind(e.prefix, 0) == 0) return method_name(e.id);
   }
   return "";
 }
@@ -142,7 +145,7 @@ std::string method_of_field(const std::string& field) {
 /// (docs/design.md 2.1: validate() checks the method in use only; the other methods accept it).
 TEST(BadInputConfigTest, ExtremeValuesThrowNamingTheField) {
   for (const ExtremeCase& ec : extreme_rejections()) {
-    for (const std::string& m : kMethods) {
+    for (const std::string& m : kMethodNames) {
       SCOPED_TRACE(m + ": " + ec.field + " = " + ec.value);
       vc::KVCacheConfig c;
       c.method = m;
@@ -195,7 +198,7 @@ TEST(BadInputConfigTest, IntMaxBudgetsAreValidAndBehaveLikeTheStandardCache) {
   const int big = INT_MAX;
   vc::KVCacheConfig c;
   c.squeeze_calibration_tokens = 1;  // report on the first call (docs/design.md 5.4)
-  c.squeeze_budget = c.h2o_budget = c.pyramid_budget = c.tova_budget = c.snap_budget = big;
+  c.set_budget(big);
   c.squeeze_resolved_budget = big;
   c.pyramid_resolved_budget = big;
   c.stream_window_size = big;
@@ -207,7 +210,7 @@ TEST(BadInputConfigTest, IntMaxBudgetsAreValidAndBehaveLikeTheStandardCache) {
   c.stream_window_size = big - c.stream_n_sink;
   c.snap_obs_window = big;
   c.h2o_grace = big;
-  for (const std::string& m : kMethods) {
+  for (const std::string& m : kMethodNames) {
     c.method = m;
     EXPECT_NO_THROW(c.validate()) << m;
   }
@@ -218,19 +221,19 @@ TEST(BadInputConfigTest, IntMaxBudgetsAreValidAndBehaveLikeTheStandardCache) {
     return x;
   }()),
                         "squeeze");
-  for (const std::string m : {"h2o", "pyramidkv", "tova", "snapkv", "streaming_llm"}) {
-    vc::KVCacheConfig x = c;
-    x.method = m;
-    behaves_like_standard(*vc::KVCacheFactory::create<T>(x), m);
+  for (const Method m : kMethods) {
+    if (m == Method::squeeze || m == Method::standard) continue;
+    behaves_like_standard(*vc::KVCacheFactory::create<T>(vc::detail::with_method(c, m)),
+                          method_name(m));
   }
-  // Sinks just below an INT_MAX budget: every row is a sink.
+  // Sinks just below an INT_MAX budget: every row is a sink (StreamingLLM's sit beside its
+  // window, not within a budget).
   vc::KVCacheConfig sinks = c;
-  sinks.squeeze_n_sink = sinks.h2o_n_sink = sinks.pyramid_n_sink = sinks.tova_n_sink =
-      sinks.snap_n_sink = big - 1;
-  for (const std::string m : {"squeeze", "h2o", "pyramidkv", "tova", "snapkv"}) {
-    vc::KVCacheConfig x = sinks;
-    x.method = m;
-    behaves_like_standard(*vc::KVCacheFactory::create<T>(x), m + " with INT_MAX - 1 sinks");
+  set_n_sinks(sinks, big - 1);
+  for (const Method m : kMethods) {
+    if (m == Method::streaming_llm || m == Method::standard) continue;
+    behaves_like_standard(*vc::KVCacheFactory::create<T>(vc::detail::with_method(sinks, m)),
+                          std::string(method_name(m)) + " with INT_MAX - 1 sinks");
   }
   // The H2O core's protected window is clamped to budget - n_sink - 1 without overflow.
   vc::H2OCache<T> h2o([&] {
@@ -303,7 +306,7 @@ TEST(BadInputConfigTest, DenormalDecaysAreAcceptedAndKeepScoresFinite) {
                              1e-30}) {
     vc::KVCacheConfig c = small_config();
     c.squeeze_decay = c.h2o_decay = c.pyramid_decay = decay;
-    for (const Kind kind : {Kind::kSqueeze, Kind::kH2O, Kind::kPyramid}) {
+    for (const Kind kind : {Method::squeeze, Method::h2o, Method::pyramidkv}) {
       SCOPED_TRACE(std::string(kind_name(kind)) + " decay " + std::to_string(decay));
       ASSERT_NO_THROW(c.validate());
       Subject<float> s = make_subject<float>(kind, c);
@@ -387,7 +390,7 @@ void extremes_at_the_limit_stay_finite() {
         }
       });
     }
-    if (kind != Kind::kStandard && kind != Kind::kSnap) {
+    if (kind != Method::standard && kind != Method::snapkv) {
       EXPECT_LE(s.cache->tokens_kept(), 8);
     }
   }
@@ -914,7 +917,7 @@ TEST(BadInputTrimTest, NegativeAndExtremeCountsOnEveryPolicy) {
       EXPECT_TRUE(snapshot(s) == before);
     }
     const std::int64_t trimmed = s.cache->trim(std::numeric_limits<std::int64_t>::max());
-    if (kind == Kind::kStandard) {
+    if (kind == Method::standard) {
       EXPECT_EQ(trimmed, 9);
       EXPECT_EQ(s.cache->offset(), 0);
       EXPECT_EQ(s.cache->kept_bytes(), 0u);
@@ -992,7 +995,7 @@ TEST(BadInputFactoryTest, UnknownMethodsThroughFactoryAndBuilder) {
       EXPECT_TRUE(contains(what, "method")) << what;
       // what() is a C string: a method name with a NUL cuts the message there.
       if (m.find('\0') != std::string::npos) continue;
-      for (const std::string& valid : kMethods) EXPECT_TRUE(contains(what, valid)) << what;
+      for (const std::string& valid : kMethodNames) EXPECT_TRUE(contains(what, valid)) << what;
     }
   }
 }
@@ -1004,7 +1007,7 @@ TEST(BadInputBuilderTest, BadLayerCountsAndHeadDims) {
     EXPECT_TRUE(contains(what, "n_layers")) << what;
     EXPECT_TRUE(contains(what, std::to_string(n))) << what;
   }
-  for (const std::string& m : kMethods) {
+  for (const std::string& m : kMethodNames) {
     SCOPED_TRACE(m);
     vc::KVCacheConfig c;
     c.squeeze_calibration_tokens = 1;  // report on the first call (docs/design.md 5.4)

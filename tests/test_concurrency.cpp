@@ -38,7 +38,9 @@ namespace {
 namespace vc = veloxquant::cache;
 using Index = Eigen::Index;
 using Blob = std::vector<unsigned char>;
+using veloxquant::test::Kind;
 using veloxquant::test::StorageTypes;
+using veloxquant::test::Wiring;
 
 // ---------------------------------------------------------------------------------------------
 // Recording what a call returns
@@ -476,73 +478,28 @@ TYPED_TEST(ConcurrencyModelTest, AfterAPrefillBarrierEveryLayerAdoptsByItsSecond
 }
 
 // ---------------------------------------------------------------------------------------------
-// (b) Independent caches of every policy on several threads
+// (b) Independent caches of every method on several threads
 // ---------------------------------------------------------------------------------------------
 
-enum class Policy {
-  kStandard,
-  kSqueeze,             // factory: no coordinator
-  kSqueezeCoordinated,  // its own one-layer coordinator: adopts in its first call
-  kSqueezeDeferOrphan,  // deferring, coordinator waits for a layer that never reports
-  kH2O,
-  kPyramid,
-  kTova,
-  kStreaming,
-  kSnap,
-};
-constexpr Policy kPolicies[] = {Policy::kStandard,
-                                Policy::kSqueeze,
-                                Policy::kSqueezeCoordinated,
-                                Policy::kSqueezeDeferOrphan,
-                                Policy::kH2O,
-                                Policy::kPyramid,
-                                Policy::kTova,
-                                Policy::kStreaming,
-                                Policy::kSnap};
-
-/// Policy caches of budget 12 (window 10 + 2 sinks for StreamingLLM).
+/// Caches of budget 12 and 2 sinks (StreamingLLM: a window of 10 beside them) of every subject of
+/// kKinds but the query-free scorers' (support/methods.hpp); a wired squeeze layer gets its own
+/// coordinator (coordinated: 1 layer, average 9; deferring: 2 layers, average 12, waiting for a
+/// layer that never reports).
 template <class T>
-std::unique_ptr<vc::KVCache<T>> make_policy(Policy p,
-                                            std::shared_ptr<vc::SqueezeCoordinator>& coord) {
+std::unique_ptr<vc::KVCache<T>> make_lane_cache(Kind kind,
+                                                std::shared_ptr<vc::SqueezeCoordinator>& coord) {
   vc::KVCacheConfig c;
   c.squeeze_calibration_tokens = 1;  // report on the first call (docs/design.md 5.4)
-  c.squeeze_budget = c.h2o_budget = c.pyramid_budget = c.tova_budget = c.snap_budget = 12;
-  c.squeeze_n_sink = c.h2o_n_sink = c.pyramid_n_sink = c.tova_n_sink = c.snap_n_sink = 2;
-  c.stream_n_sink = 2;
-  c.stream_window_size = 10;
+  veloxquant::test::set_n_sinks(c, 2);
+  c.set_budget(12);
   c.h2o_grace = 3;
   c.snap_obs_window = 4;
-  switch (p) {
-    case Policy::kStandard:
-      c.method = "standard";
-      break;
-    case Policy::kSqueeze:
-      c.method = "squeeze";
-      break;
-    case Policy::kSqueezeCoordinated:
-      coord = std::make_shared<vc::SqueezeCoordinator>(1, 9, 2, 1.0);
-      return std::make_unique<vc::SqueezeAttentionCache<T>>(c, 0, coord);
-    case Policy::kSqueezeDeferOrphan:
-      c.squeeze_defer = true;
-      coord = std::make_shared<vc::SqueezeCoordinator>(2, 12, 2, 1.0);
-      return std::make_unique<vc::SqueezeAttentionCache<T>>(c, 1, coord);
-    case Policy::kH2O:
-      c.method = "h2o";
-      break;
-    case Policy::kPyramid:
-      c.method = "pyramidkv";
-      break;
-    case Policy::kTova:
-      c.method = "tova";
-      break;
-    case Policy::kStreaming:
-      c.method = "streaming_llm";
-      break;
-    case Policy::kSnap:
-      c.method = "snapkv";
-      break;
+  if (kind.wiring == Wiring::coordinated) {
+    coord = std::make_shared<vc::SqueezeCoordinator>(1, 9, 2, 1.0);
+  } else if (kind.wiring == Wiring::deferring) {
+    coord = std::make_shared<vc::SqueezeCoordinator>(2, 12, 2, 1.0);
   }
-  return vc::KVCacheFactory::create<T>(c);
+  return veloxquant::test::make_kind<T>(kind, c, coord);
 }
 
 /// One cache with its inputs and what its calls returned.
@@ -556,8 +513,8 @@ struct Lane {
 
 template <class T>
 struct TypedLane : Lane {
-  TypedLane(Policy p, unsigned seed, const std::vector<CallSpec>& plan, Index Dk, bool parallel) {
-    cache = make_policy<T>(p, coord);
+  TypedLane(Kind kind, unsigned seed, const std::vector<CallSpec>& plan, Index Dk, bool parallel) {
+    cache = make_lane_cache<T>(kind, coord);
     if (parallel) {
       veloxquant::test::enable_parallel_heads(*cache, 3);
     } else {
@@ -593,14 +550,15 @@ std::vector<std::unique_ptr<Lane>> make_lanes(unsigned seed, Index prefill, Inde
   std::vector<std::unique_ptr<Lane>> lanes;
   const std::vector<CallSpec> plan = lane_plan(prefill);
   unsigned i = 0;
-  for (const Policy p : kPolicies) {
+  for (const Kind kind : veloxquant::test::kKinds) {
+    if (kind.proxy != 0) continue;  // the query-free scorers' subjects
     const auto add = [&](std::unique_ptr<Lane> lane, const char* type) {
-      lane->name = std::string(type) + " policy " + std::to_string(static_cast<int>(p));
+      lane->name = std::string(type) + " " + veloxquant::test::kind_name(kind);
       lanes.push_back(std::move(lane));
     };
-    add(std::make_unique<TypedLane<Eigen::half>>(p, seed + i++, plan, Dk, parallel), "half");
-    add(std::make_unique<TypedLane<Eigen::bfloat16>>(p, seed + i++, plan, Dk, parallel), "bf16");
-    add(std::make_unique<TypedLane<float>>(p, seed + i++, plan, Dk, parallel), "float");
+    add(std::make_unique<TypedLane<Eigen::half>>(kind, seed + i++, plan, Dk, parallel), "half");
+    add(std::make_unique<TypedLane<Eigen::bfloat16>>(kind, seed + i++, plan, Dk, parallel), "bf16");
+    add(std::make_unique<TypedLane<float>>(kind, seed + i++, plan, Dk, parallel), "float");
   }
   return lanes;
 }

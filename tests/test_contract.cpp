@@ -76,23 +76,18 @@ Index snap_rows(Index rows, Index S) { return S > 1 && rows + S > 6 ? 6 : rows +
 /// adoption 8) but SnapKV, whose count follows the calls (snap_rows).
 Index expected_rows(Kind kind, std::int64_t offset, int calls) {
   const auto upto = [&](Index cap) { return std::min<Index>(offset, cap); };
-  switch (kind) {
-    case Kind::kStandard:
-      return offset;
-    case Kind::kSqueezeDefer:
-    case Kind::kSqueezeDeferKeyDiff:
-      // Holds everything in its first call (budget unknown), then falls back to squeeze_budget.
-      return calls <= 1 ? offset : upto(8);
-    case Kind::kSnap:
-      return -1;  // follows the calls themselves: snap_rows
-    default:
-      return upto(6);
+  if (kind == Method::standard) return offset;
+  if (kind == Kind::kSqueezeDefer || kind == Kind::kSqueezeDeferKeyDiff) {
+    // Holds everything in its first call (budget unknown), then falls back to squeeze_budget.
+    return calls <= 1 ? offset : upto(8);
   }
+  if (kind == Method::snapkv) return -1;  // follows the calls themselves: snap_rows
+  return upto(6);
 }
 
 /// Whether the newest row of the sequence is always retained (protected recent window, FIFO;
 /// TOVA may evict the current token, SnapKV ranks its prompt without a recent window).
-bool keeps_newest(Kind kind) { return kind != Kind::kTova && kind != Kind::kSnap; }
+bool keeps_newest(Kind kind) { return kind != Method::tova && kind != Method::snapkv; }
 
 /// The positions every head holds, through an empty call (which changes nothing, docs/design.md
 /// 8): one sorted list per head, b-major.
@@ -386,7 +381,7 @@ bool with_queries(Api api) {
 template <class T>
 int adaptive_sequence(Kind kind, Api api) {
   const std::string ctx = std::string(kind_name(kind)) + ", " + api_name(api);
-  std::mt19937 rng(100u + static_cast<unsigned>(kind) * 16u + static_cast<unsigned>(api));
+  std::mt19937 rng(100u + kind_index(kind) * 16u + static_cast<unsigned>(api));
   Subject<T> s = make_subject<T>(kind);
   vc::KVPair<T> into;
   std::int64_t offset = 0, seen = 0;
@@ -432,7 +427,7 @@ TYPED_TEST(ContractTest, EveryCallReturnsTheRetainedRowsThenItsOwnAndStaysWithin
     }
     for (const Api api : kApis) {
       const std::string ctx = std::string(kind_name(kind)) + ", " + api_name(api);
-      std::mt19937 rng(100u + static_cast<unsigned>(kind) * 16u + static_cast<unsigned>(api));
+      std::mt19937 rng(100u + kind_index(kind) * 16u + static_cast<unsigned>(api));
       Subject<T> s = make_subject<T>(kind);
       vc::KVPair<T> into;
       std::int64_t offset = 0, seen = 0;
@@ -453,7 +448,7 @@ TYPED_TEST(ContractTest, EveryCallReturnsTheRetainedRowsThenItsOwnAndStaysWithin
         ASSERT_EQ(s.cache->offset(), offset) << where;
         EXPECT_EQ(s.cache->tokens_seen(), seen) << where;
         snap = snap_rows(snap, S);
-        const Index rows = kind == Kind::kSnap ? snap : expected_rows(kind, offset, calls);
+        const Index rows = kind == Method::snapkv ? snap : expected_rows(kind, offset, calls);
         const auto held = held_positions(*s.cache);
         for (const auto& p : held) {
           ASSERT_EQ(static_cast<Index>(p.size()), rows) << where;
@@ -502,7 +497,7 @@ TYPED_TEST(ContractTest, AdaptiveHeadsKeepTheirPoolAndFloorsAndRefuseDenseReturn
   for (const Kind kind : kAdaptiveKinds) {
     int ragged = 0, refused = 0;
     for (unsigned run = 0; run < 4; ++run) {
-      std::mt19937 rng(1400u + 16u * static_cast<unsigned>(kind) + run);
+      std::mt19937 rng(1400u + 16u * kind_index(kind) + run);
       Subject<T> s = make_subject<T>(kind);
       std::int64_t offset = 0;
       int calls = 0;
@@ -562,7 +557,7 @@ TYPED_TEST(ContractTest, AdaptiveFloorHoldsAHeadWhoseRowsDrawNoAttention) {
   using T = TypeParam;
   for (const Kind kind : kAdaptiveKinds) {
     SCOPED_TRACE(kind_name(kind));
-    std::mt19937 rng(77u + static_cast<unsigned>(kind));
+    std::mt19937 rng(77u + kind_index(kind));
     Subject<T> s = make_subject<T>(kind);
     std::vector<std::size_t> before;
     std::int64_t offset = 0;
@@ -616,7 +611,7 @@ TYPED_TEST(ContractTest, EveryApiLeavesTheSameState) {
       for (std::size_t i = 0; i < family.size(); ++i) subjects.push_back(make_subject<T>(kind));
       std::optional<Subject<T>> attending;
       if (queries && is_adaptive(kind)) attending = make_subject<T>(kind);
-      std::mt19937 rng(300u + static_cast<unsigned>(kind));
+      std::mt19937 rng(300u + kind_index(kind));
       int call_no = 0;
       for (const Index S : sequence_sizes()) {
         const Call call = random_call(rng, with_s(kKeys, S), with_s(kValues, S));
@@ -670,7 +665,7 @@ TYPED_TEST(ContractTest, EveryApiLeavesTheSameState) {
 TYPED_TEST(ContractTest, HeapStaysBoundedOverALongDecode) {
   using T = TypeParam;
   for (const Kind kind : kContractKinds) {
-    if (kind == Kind::kStandard || kind == Kind::kSnap) continue;
+    if (kind == Method::standard || kind == Method::snapkv) continue;
     SCOPED_TRACE(kind_name(kind));
     Subject<T> s = make_subject<T>(kind);
     std::mt19937 rng(23u);
@@ -773,7 +768,7 @@ TYPED_TEST(ContractTest, ChunkedPrefillHoldsAtMostBudgetPlusC) {
   // (The fetching APIs: their return has the shape that counts the rows.)
   const Api apis[] = {Api::kFetch, Api::kFetchIntoQ, Api::kFetchInto, Api::kFetchQ};
   for (const Kind kind : kContractKinds) {
-    if (kind == Kind::kStandard) continue;
+    if (kind == Method::standard) continue;
     if (is_adaptive(kind)) {
       for (const Index C : {2, 3, 5}) adaptive_chunked_prefill<T>(kind, C, apis);
       continue;
@@ -792,7 +787,7 @@ TYPED_TEST(ContractTest, ChunkedPrefillHoldsAtMostBudgetPlusC) {
         const Returned r = invoke(*s.cache, apis[static_cast<std::size_t>(i) % 4], call, into);
         EXPECT_EQ(r.key_shape[2], kept_before + C) << ctx << ", chunk " << i;
         const int budget = s.cache->layer_budget();
-        const bool known = budget > 0 && (budget == budget_before || kind == Kind::kSnap);
+        const bool known = budget > 0 && (budget == budget_before || kind == Method::snapkv);
         if (row_bytes == 0 && s.cache->tokens_kept() > 0) {
           row_bytes = s.cache->kept_bytes() /
                       static_cast<std::size_t>(s.cache->tokens_kept() * kKeys[0] * kKeys[1]);
@@ -818,7 +813,7 @@ TYPED_TEST(ContractTest, ResetStartsASequenceLikeANewCache) {
   for (const Kind kind : kContractKinds) {
     for (const Api api : {Api::kFetch, Api::kViewQ}) {
       const std::string ctx = std::string(kind_name(kind)) + ", " + api_name(api);
-      std::mt19937 rng(700u + static_cast<unsigned>(kind));
+      std::mt19937 rng(700u + kind_index(kind));
       Subject<T> used = make_subject<T>(kind);
       vc::KVPair<T> into;
       for (const Index S : sequence_sizes()) {
@@ -952,7 +947,7 @@ void continues_like_its_twin(const Make& make, const char* what) {
     for (std::size_t at = 0; at <= sizes.size(); ++at) {
       const std::string ctx =
           std::string(kind_name(kind)) + ", " + what + " before call " + std::to_string(at);
-      std::mt19937 rng(900u + static_cast<unsigned>(kind));
+      std::mt19937 rng(900u + kind_index(kind));
       Subject<T> twin = make_subject<T>(kind);
       std::vector<Subject<T>> subjects;
       subjects.push_back(make_subject<T>(kind));
@@ -1031,7 +1026,7 @@ TYPED_TEST(ContractTest, OnlyTheStandardCacheTrims) {
     vc::KVPair<T> into;
     (void)invoke(*s.cache, Api::kFetch, random_call(rng, with_s(kKeys, 9), with_s(kValues, 9)), into);
     const Snapshot before = snapshot(s);
-    if (kind == Kind::kStandard) {
+    if (kind == Method::standard) {
       EXPECT_TRUE(s.cache->is_trimmable());
       EXPECT_EQ(s.cache->trim(4), 4);
       EXPECT_EQ(s.cache->offset(), 5);
@@ -1101,8 +1096,8 @@ TYPED_TEST(ContractTest, NonFiniteKeyAtEveryPositionClassIsRejected) {
   std::mt19937 rng(1234u);
   int checked = 0;
   for (const bool established : {false, true}) {
-    Subject<T> subject = make_subject<T>(Kind::kH2O);
-    Subject<T> twin = make_subject<T>(Kind::kH2O);
+    Subject<T> subject = make_subject<T>(Method::h2o);
+    Subject<T> twin = make_subject<T>(Method::h2o);
     if (established) establish(subject, twin, rng, "h2o");
     // A call of the established shape; on a fresh cache also one whose size leaves a tail.
     std::vector<Shape> shapes = {kKeys};
@@ -1134,7 +1129,7 @@ TYPED_TEST(ContractTest, NonFiniteKeyAtEveryPositionClassIsRejected) {
 TYPED_TEST(ContractTest, NonFiniteKeyEveryPolicyEveryApi) {
   using T = TypeParam;
   for (const Kind kind : kContractKinds) {
-    std::mt19937 rng(1234u + static_cast<unsigned>(kind));
+    std::mt19937 rng(1234u + kind_index(kind));
     for (const bool established : {false, true}) {
       const std::string ctx =
           std::string(kind_name(kind)) + (established ? " (established)" : " (first call)");
@@ -1235,7 +1230,7 @@ TYPED_TEST(ContractTest, ShapeErrorsEveryPolicyEveryApi) {
     for (const bool established : {false, true}) {
       const std::string ctx =
           std::string(kind_name(kind)) + (established ? " (established)" : " (first call)");
-      std::mt19937 rng(31u + static_cast<unsigned>(kind));
+      std::mt19937 rng(31u + kind_index(kind));
       Subject<T> subject = make_subject<T>(kind);
       Subject<T> twin = make_subject<T>(kind);
       if (established) establish(subject, twin, rng, ctx);
@@ -1373,7 +1368,7 @@ TYPED_TEST(ContractTest, LargeFiniteDoubleKeysThatFitTheStorageTypeAreAccepted) 
 TYPED_TEST(ContractTest, EvictionCachesTrimNothingBeforeOrAfterACall) {
   using T = TypeParam;
   for (const Kind kind : kContractKinds) {
-    if (kind == Kind::kStandard) continue;
+    if (kind == Method::standard) continue;
     SCOPED_TRACE(kind_name(kind));
     std::mt19937 rng(810u);
     Subject<T> s = make_subject<T>(kind);
@@ -1392,7 +1387,7 @@ TYPED_TEST(ContractTest, EvictionCachesTrimNothingBeforeOrAfterACall) {
     EXPECT_EQ(s.cache->offset(), 9);
     EXPECT_TRUE(snapshot(s) == before);
     EXPECT_EQ(held_positions(*s.cache), held_before);
-    if (kind == Kind::kStreaming) {
+    if (kind == Method::streaming_llm) {
       // One sink and the last window of 5.
       for (const auto& p : held_before) EXPECT_EQ(p, (std::vector<std::int64_t>{0, 4, 5, 6, 7, 8}));
     }
@@ -1432,11 +1427,11 @@ TYPED_TEST(ContractTest, TheSharedBadCallListThrowsAndChangesNothingOnEveryPolic
     vc::KVCacheConfig c = small_config();
     c.stream_n_sink = 2;
     c.stream_window_size = 4;
-    variants.emplace_back(Kind::kStreaming, c);
+    variants.emplace_back(Method::streaming_llm, c);
   }
   const std::regex idx(R"(b\s*=\s*(\d+)\D*?h\s*=\s*(\d+)\D*?s\s*=\s*(\d+)\D*?d\s*=\s*(\d+))");
   for (const auto& [kind, config] : variants) {
-    std::mt19937 rng(77u + static_cast<unsigned>(kind));
+    std::mt19937 rng(77u + kind_index(kind));
     const std::vector<BadCall> cases = bad_calls(rng, std::is_same_v<T, Eigen::half>);
     int thrown = 0, expected = 0;
     for (const bool established : {false, true}) {
@@ -1459,7 +1454,7 @@ TYPED_TEST(ContractTest, TheSharedBadCallListThrowsAndChangesNothingOnEveryPolic
                 << ctx;
           } else {
             ASSERT_EQ(subject.cache->tokens_kept(),
-                      kind == Kind::kSnap ? snap : expected_rows(kind, 12, 4))
+                      kind == Method::snapkv ? snap : expected_rows(kind, 12, 4))
                 << ctx;
           }
         }
@@ -1523,7 +1518,7 @@ TYPED_TEST(ContractTest, BadQueriesThrowAndLeaveTheCacheUnchanged) {
   const Index B = 2, H = 2, S = 3, D = dim(4), Dv = dim(3), G = 2;
   for (const Kind kind : kContractKinds) {
     SCOPED_TRACE(kind_name(kind));
-    std::mt19937 rng(31u + static_cast<unsigned>(kind));
+    std::mt19937 rng(31u + kind_index(kind));
     Subject<T> established = make_subject<T>(kind), twin = make_subject<T>(kind);
     establish(established, twin, rng, kind_name(kind));
     const vc::Tensor4<T> k = random_tensor<T>(rng, B, H, S, D);
@@ -1642,7 +1637,7 @@ TYPED_TEST(ContractTest, NonFiniteQueryInTheLastTokenOfALongCallChangesNothing) 
   const Index S = 130, G = 2;
   for (const Kind kind : kContractKinds) {
     SCOPED_TRACE(kind_name(kind));
-    std::mt19937 rng(12u + static_cast<unsigned>(kind));
+    std::mt19937 rng(12u + kind_index(kind));
     Subject<T> subject = make_subject<T>(kind), twin = make_subject<T>(kind);
     establish(subject, twin, rng, kind_name(kind));
     const Call call = random_call(rng, with_s(kKeys, S), with_s(kValues, S));
@@ -1671,10 +1666,10 @@ TYPED_TEST(ContractTest, StreamingAndStandardIgnoreQueriesBitwise) {
   vc::KVCacheConfig config = small_config();
   config.stream_n_sink = 2;
   config.stream_window_size = 10;
-  for (const Kind kind : {Kind::kStandard, Kind::kStreaming}) {
+  for (const Kind kind : {Method::standard, Method::streaming_llm}) {
     SCOPED_TRACE(kind_name(kind));
     Subject<T> with = make_subject<T>(kind, config), without = make_subject<T>(kind, config);
-    std::mt19937 rng(kind == Kind::kStreaming ? 5u : 6u);
+    std::mt19937 rng(kind == Method::streaming_llm ? 5u : 6u);
     const Index B = 2, H = 2, D = dim(5), Dv = dim(3);
     const Index sizes[] = {7, 1, 1, 0, 12, 1, 70, 1, 1, 3, 1};
     vc::KVPair<T> out_with, out_without;
@@ -1693,7 +1688,7 @@ TYPED_TEST(ContractTest, StreamingAndStandardIgnoreQueriesBitwise) {
     }
     EXPECT_EQ(with.cache->offset(), 98);
     // Not vacuous: StreamingLLM evicted (2 sinks + a window of 10), the standard cache kept all.
-    EXPECT_EQ(with.cache->tokens_kept(), kind == Kind::kStreaming ? 12 : 98);
+    EXPECT_EQ(with.cache->tokens_kept(), kind == Method::streaming_llm ? 12 : 98);
   }
 }
 
@@ -1722,7 +1717,7 @@ TYPED_TEST(ContractTest, QueriesOfEveryElementTypeEqualTheirFloatConversion) {
     Subject<T> ref_bf16 = make(), by_bf16 = make();
     Subject<T> ref_kb = make(), by_kb = make();
     Subject<T> plain = make();
-    std::mt19937 rng(99u + static_cast<unsigned>(kind));
+    std::mt19937 rng(99u + kind_index(kind));
     const Index B = 2, H = 2, G = 2, D = 8, Dv = dim(3);
     const Index sizes[] = {40, 1, 1, 9, 1, 100, 1, 1, 0, 3, 1};
     vc::KVPair<T> o1, o2, o3, o4, o5, o6, o7, o8, o9;
@@ -1800,10 +1795,10 @@ TYPED_TEST(ContractTest, PoliciesReportTheirBudgetsAndParameters) {
     // budget: the one-layer coordinator publishes 6 in the first call; the deferring layer's
     // coordinator waits for a second layer that never reports.
     const bool squeeze_fallback = kind == Kind::kSqueezeCoordinated || is_squeeze_defer(kind);
-    const int before = kind == Kind::kStandard    ? -1
-                       : kind == Kind::kStreaming ? c.stream_n_sink + c.stream_window_size
-                       : squeeze_fallback         ? c.squeeze_budget
-                                                  : 6;
+    const int before = kind == Method::standard        ? -1
+                       : kind == Method::streaming_llm ? c.stream_n_sink + c.stream_window_size
+                       : squeeze_fallback              ? c.squeeze_budget
+                                                       : 6;
     const int after = kind == Kind::kSqueezeCoordinated ? 6 : before;
     EXPECT_EQ(s.cache->layer_budget(), before);
     std::mt19937 rng(61);
@@ -1811,7 +1806,7 @@ TYPED_TEST(ContractTest, PoliciesReportTheirBudgetsAndParameters) {
     (void)invoke(*s.cache, Api::kFetch, random_call(rng, with_s(kKeys, 9), with_s(kValues, 9)), into);
     EXPECT_EQ(s.cache->layer_budget(), after);
     visit_core(*s.cache, [&](const auto& p) {
-      const bool h2o = kind == Kind::kH2O || kind == Kind::kH2OKNorm;
+      const bool h2o = kind == Method::h2o || kind == Kind::kH2OKNorm;
       EXPECT_EQ(p.n_sink(), 1);
       EXPECT_FLOAT_EQ(p.decay(), 0.98f);
       if (is_squeeze_defer(kind)) {

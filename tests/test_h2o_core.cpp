@@ -36,7 +36,7 @@ using Scorer = ref::H2OHeadOracle::Scorer;
 
 /// One configuration of a run.
 struct CoreRun {
-  CorePolicy policy = CorePolicy::kH2O;
+  Method method = Method::h2o;
   int budget = 8;  // PyramidKV from the builder: the average over its 3 layers
   int n_sink = 0;
   double ratio = 0.5;  // squeeze / pyramid
@@ -51,7 +51,7 @@ struct CoreRun {
 
   std::string describe() const {
     std::ostringstream os;
-    os << core_method(policy) << " budget=" << budget << " n_sink=" << n_sink << " ratio=" << ratio
+    os << method_name(method) << " budget=" << budget << " n_sink=" << n_sink << " ratio=" << ratio
        << " grace=" << grace << " decay=" << decay << " resolved=" << resolved << " layer=" << layer
        << " value_power=" << value_power << " B=" << dims.B << " H=" << dims.H << " Dk=" << dims.Dk
        << " Dv=" << dims.Dv << " seed=" << seed
@@ -63,7 +63,7 @@ struct CoreRun {
 /// The protected-recent rule of `r` for the oracle.
 std::function<int(int)> grace_rule(const CoreRun& r) {
   const int n_sink = r.n_sink;
-  if (r.policy == CorePolicy::kH2O) {
+  if (r.method == Method::h2o) {
     const int grace = r.grace;
     return [grace, n_sink](int budget) { return ref::protected_recent_fixed(grace, budget, n_sink); };
   }
@@ -75,30 +75,32 @@ std::function<int(int)> grace_rule(const CoreRun& r) {
 template <class T>
 Subject<T> make_core_subject(const CoreRun& r, int& budget) {
   vc::KVCacheConfig c;
-  switch (r.policy) {
-    case CorePolicy::kH2O:
+  switch (r.method) {
+    case Method::h2o:
       c = h2o_config(r.budget, r.n_sink, r.grace, r.decay);
       break;
-    case CorePolicy::kPyramid:
+    case Method::pyramidkv:
       c = pyramid_config(r.budget, r.n_sink, r.ratio, r.decay);
       if (r.resolved) {
         c.pyramid_budget = 300;  // must be ignored in favour of the resolved budget
         c.pyramid_resolved_budget = r.budget;
       }
       break;
-    case CorePolicy::kSqueeze:
+    case Method::squeeze:
       c = squeeze_config(r.budget, r.n_sink, r.ratio, r.decay);
       if (r.resolved) {
         c.squeeze_budget = 300;  // must be ignored in favour of the resolved budget
         c.squeeze_resolved_budget = r.budget;
       }
       break;
+    default:  // not of the H2O core (kCoreMethods)
+      break;
   }
   c.proxy_scoring = ref::H2OHeadOracle::scorer_name(r.scorer);
   c.value_norm_power = r.value_power;
   budget = r.budget;
   Subject<T> s;
-  if (r.policy == CorePolicy::kPyramid && r.layer >= 0) {
+  if (r.method == Method::pyramidkv && r.layer >= 0) {
     // Three layers from the builder; the run drives one, whose budget is its share of the
     // pyramid (possibly the floor n_sink + 1).
     auto model = vc::KVCacheBuilder::for_model<T>(3, c);
@@ -170,10 +172,10 @@ RunOutcome run_proxy(const CoreRun& r, Index prefill, int calls) {
   return run_against_oracle(subject, oracle, r.dims, plan, rng, checks);
 }
 
-/// Random runs of `policy` over a grid of n_sink x recent ratio (or grace) x decay, with random
+/// Random runs of `method` over a grid of n_sink x recent ratio (or grace) x decay, with random
 /// B, H, D, budget and call sizes, prefills over and under the budget.
 template <class T>
-void run_grid(CorePolicy policy, unsigned seed_base) {
+void run_grid(Method method, unsigned seed_base) {
   const std::vector<int> budgets = {2, 5, 8, 13, 32, 64};
   const std::vector<double> ratios = {0.0, 0.25, 0.5, 1.0};
   const std::vector<int> graces = {0, 3, 16, -1};  // -1: larger than the budget (clamped)
@@ -185,7 +187,7 @@ void run_grid(CorePolicy policy, unsigned seed_base) {
       for (const double decay : {0.9, 0.98, 1.0}) {
         for (int rep = 0; rep < 2; ++rep) {
           CoreRun r;
-          r.policy = policy;
+          r.method = method;
           r.n_sink = sink;
           r.ratio = ratios[k];
           r.decay = decay;
@@ -226,30 +228,30 @@ using SweepTypes = ::testing::Types<Eigen::half, Eigen::bfloat16>;
 TYPED_TEST_SUITE(H2OCoreOracleTest, SweepTypes);
 
 TYPED_TEST(H2OCoreOracleTest, H2OCacheMatchesOracleOnRandomCalls) {
-  run_grid<TypeParam>(CorePolicy::kH2O, 1001u);
+  run_grid<TypeParam>(Method::h2o, 1001u);
 }
 
 TYPED_TEST(H2OCoreOracleTest, PyramidKVCacheMatchesOracleOnRandomCalls) {
-  run_grid<TypeParam>(CorePolicy::kPyramid, 2002u);
+  run_grid<TypeParam>(Method::pyramidkv, 2002u);
 }
 
 TYPED_TEST(H2OCoreOracleTest, SqueezeAttentionCacheWithoutCoordinatorMatchesOracleOnRandomCalls) {
-  run_grid<TypeParam>(CorePolicy::kSqueeze, 3003u);
+  run_grid<TypeParam>(Method::squeeze, 3003u);
 }
 
-/// The query-free scorers of docs/design.md 4.7 against the oracle: every policy, KeyDiff and
+/// The query-free scorers of docs/design.md 4.7 against the oracle: every method, KeyDiff and
 /// K-norm, n_sink x recent ratio (or grace), random dims, budgets and call sizes.
 TYPED_TEST(H2OCoreOracleTest, QueryFreeScorersMatchTheOracleOnRandomCalls) {
   using T = TypeParam;
   const std::vector<int> budgets = {2, 5, 8, 13, 32};
   std::mt19937 rng(4004u);
   GridStats stats;
-  for (const CorePolicy policy : {CorePolicy::kH2O, CorePolicy::kPyramid, CorePolicy::kSqueeze}) {
+  for (const Method method : {Method::h2o, Method::pyramidkv, Method::squeeze}) {
     for (const Scorer scorer : {Scorer::keydiff, Scorer::knorm}) {
       for (const int sink : {0, 1, 4}) {
         for (const double ratio : {0.0, 0.5, 1.0}) {
           CoreRun r;
-          r.policy = policy;
+          r.method = method;
           r.scorer = scorer;
           r.n_sink = sink;
           r.ratio = ratio;
@@ -292,11 +294,11 @@ TYPED_TEST_SUITE(H2OCoreQueryOracleTest, StorageTypes);
 /// Seeds 0..5 cover (G, D) = (1,3) (2,8) (4,20) (1,8) (2,20) (4,3); the rest is random. Seeds 3-5
 /// rank by score * |v|^2, 6-8 by score * |v|^1.5 (docs/design.md 4.8). PyramidKV: a layer of a
 /// 3-layer model from the builder.
-CoreRun random_query_run(CorePolicy policy, unsigned seed, Index& G, bool& vary_g) {
-  std::mt19937 rng(1009u * seed + 17u * static_cast<unsigned>(policy) + 3u);
+CoreRun random_query_run(Method method, unsigned seed, Index& G, bool& vary_g) {
+  std::mt19937 rng(1009u * seed + 17u * core_index(method) + 3u);
   const auto pick = [&rng](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   CoreRun r;
-  r.policy = policy;
+  r.method = method;
   r.seed = seed;
   const Index gs[] = {1, 2, 4};
   const Index ds[] = {3, 8, 20};
@@ -313,24 +315,24 @@ CoreRun random_query_run(CorePolicy policy, unsigned seed, Index& G, bool& vary_
   const double ratios[] = {0.0, 0.25, 0.5, 0.8};
   r.ratio = ratios[pick(0, 3)];
   r.grace = pick(0, 12);
-  r.layer = policy == CorePolicy::kPyramid ? pick(0, 2) : -1;
-  r.resolved = policy == CorePolicy::kSqueeze && pick(0, 1) == 1;
+  r.layer = method == Method::pyramidkv ? pick(0, 2) : -1;
+  r.resolved = method == Method::squeeze && pick(0, 1) == 1;
   const double powers[] = {0.0, 2.0, 1.5};
   r.value_power = powers[seed / 3 % 3];
   return r;
 }
 
-// Every H2O-core policy, 10 seeds each, 22 calls per run, then reset() and 6 more calls (a new
+// Every H2O-core method, 10 seeds each, 22 calls per run, then reset() and 6 more calls (a new
 // sequence from position 0). Near-ties: N(0, 1) keys and queries make an eviction decided within
 // float32 rounding improbable; every seed here passes as drawn. Should a change of the draws ever
 // hit a near-tie, pick another seed rather than loosening the comparison.
 TYPED_TEST(H2OCoreQueryOracleTest, MatchesOracleOnRandomCallSequences) {
   using T = TypeParam;
-  for (const CorePolicy policy : {CorePolicy::kSqueeze, CorePolicy::kH2O, CorePolicy::kPyramid}) {
+  for (const Method method : {Method::squeeze, Method::h2o, Method::pyramidkv}) {
     for (unsigned seed = 0; seed < 10; ++seed) {
       Index G = 1;
       bool vary_g = false;
-      const CoreRun r = random_query_run(policy, seed, G, vary_g);
+      const CoreRun r = random_query_run(method, seed, G, vary_g);
       int budget = 0;
       Subject<T> subject = make_core_subject<T>(r, budget);
       CoreHeads oracle = core_heads(r, budget);
@@ -353,22 +355,22 @@ TYPED_TEST(H2OCoreQueryOracleTest, MatchesOracleOnRandomCallSequences) {
   }
 }
 
-// A fixed long run on each policy: a 150-token prefill (3 blocks of 64 tokens at G = 1, 10 blocks
+// A fixed long run on each method: a 150-token prefill (3 blocks of 64 tokens at G = 1, 10 blocks
 // of 16 at G = 4), 30 decode steps, a 129-token call through update_and_view, 5 more decode steps
 // through update_and_fetch_into; decay 0.98, budget 24 (PyramidKV: layer 0's share), n_sink 4,
 // the default protected share (H2O: grace 6).
 TYPED_TEST(H2OCoreQueryOracleTest, LongPrefillThenDecodeMatchesOracle) {
   using T = TypeParam;
-  for (const CorePolicy policy : {CorePolicy::kSqueeze, CorePolicy::kH2O, CorePolicy::kPyramid}) {
+  for (const Method method : {Method::squeeze, Method::h2o, Method::pyramidkv}) {
     for (const Index G : {Index{1}, Index{4}}) {
       CoreRun r;
-      r.policy = policy;
+      r.method = method;
       r.dims = RunDims{1, 2, 16, 4};
       r.budget = 24;
       r.n_sink = 4;
       r.ratio = 0.5;
       r.grace = 6;
-      r.layer = policy == CorePolicy::kPyramid ? 0 : -1;
+      r.layer = method == Method::pyramidkv ? 0 : -1;
       int budget = 0;
       Subject<T> subject = make_core_subject<T>(r, budget);
       CoreHeads oracle = core_heads(r, budget);
@@ -376,7 +378,7 @@ TYPED_TEST(H2OCoreQueryOracleTest, LongPrefillThenDecodeMatchesOracle) {
       for (int i = 0; i < 30; ++i) plan.push_back(DriverCall{1, kQueryApis[i % 3], G, false});
       plan.push_back(DriverCall{129, Api::kViewQ, G, false});
       for (int i = 0; i < 5; ++i) plan.push_back(DriverCall{1, Api::kFetchIntoQ, G, false});
-      std::mt19937 rng(static_cast<unsigned>(G) * 31u + static_cast<unsigned>(policy));
+      std::mt19937 rng(static_cast<unsigned>(G) * 31u + core_index(method));
       RunChecks<T> checks;
       checks.what = r.describe() + " G=" + std::to_string(G);
       EXPECT_EQ(run_against_oracle(subject, oracle, r.dims, plan, rng, checks).failure, "");
@@ -475,7 +477,7 @@ TYPED_TEST(H2OCoreQueryOracleTest, SqueezeWithCoordinatorAdoptsBudgetsBetweenQue
 TYPED_TEST(H2OCoreOracleTest, KeyDiffRescoresBeforeADeferredRebudget) {
   using T = TypeParam;
   CoreRun r;
-  r.policy = CorePolicy::kSqueeze;
+  r.method = Method::squeeze;
   r.scorer = Scorer::keydiff;
   r.n_sink = 1;
   r.ratio = 0.25;

@@ -322,7 +322,8 @@ TEST_F(Llama2c, HalfAndBfloat16StorageStayCloseToFloat) {
 /// method with a budget that evicts, in float and half storage (docs/design.md 2.8).
 TEST_F(Llama2c, FusedAttendAndTheViewPathGiveTheSameLogits) {
   const std::vector<int> tokens = sample_ids(kLength);
-  for (const char* method : {"squeeze", "h2o", "pyramidkv", "tova", "streaming_llm", "snapkv", "standard"}) {
+  for (const vc::detail::MethodSpec& m : vc::detail::kMethodTable) {  // every method
+    const char* method = m.name;
     vc::KVCacheConfig cfg;
     cfg.method = method;
     cfg.set_budget(24);

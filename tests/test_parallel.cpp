@@ -52,14 +52,8 @@ vc::KVCacheConfig wide_config(int key_bits, int value_bits) {
   c.key_bits = key_bits;
   c.value_bits = value_bits;
   c.quant_group = 32;
-  for (int* budget : {&c.squeeze_budget, &c.h2o_budget, &c.pyramid_budget, &c.tova_budget}) {
-    *budget = 96;
-  }
-  for (int* sinks : {&c.squeeze_n_sink, &c.h2o_n_sink, &c.pyramid_n_sink, &c.tova_n_sink,
-                     &c.stream_n_sink, &c.snap_n_sink}) {
-    *sinks = 4;
-  }
-  c.stream_window_size = 92;
+  set_n_sinks(c, 4);
+  c.set_budget(96);
   c.h2o_grace = 4;
   c.snap_budget = 64;
   c.snap_obs_window = 32;
@@ -105,9 +99,9 @@ void parallel_equals_serial(int key_bits, int value_bits) {
     serial.cache->set_parallel_heads(false);
     enable_parallel_heads(*parallel.cache);
     ASSERT_TRUE(parallel.cache->parallel_heads());
-    std::mt19937 rng(42u + static_cast<unsigned>(kind));
+    std::mt19937 rng(42u + kind_index(kind));
     vc::KVPair<T> into_a, into_b;
-    std::size_t c = static_cast<std::size_t>(kind);
+    std::size_t c = kind_index(kind);
     for (std::size_t round = 0; round < rounds.size(); ++round) {
       if (round > 0) {
         for (Subject<T>* s : {&serial, &parallel}) {
@@ -129,11 +123,12 @@ void parallel_equals_serial(int key_bits, int value_bits) {
       }
       if (round == 0) {
         std::int64_t kept = 96;
-        if (kind == Kind::kStandard) kept = 238;
-        if (kind == Kind::kSqueeze || kind == Kind::kSqueezeCoordinated) kept = 6;
-        if (kind == Kind::kSnap) kept = 64 + 4;  // the 70-token chunk cut it to 64; 4 decode steps
+        if (kind == Method::standard) kept = 238;
+        if (kind == Method::squeeze || kind == Kind::kSqueezeCoordinated) kept = 6;
+        // SnapKV: the 70-token chunk cut it to 64; 4 decode steps.
+        if (kind == Method::snapkv) kept = 64 + 4;
         EXPECT_EQ(serial.cache->tokens_kept(), kept) << kind_name(kind);
-        if (kind == Kind::kTova) {
+        if (kind == Method::tova) {
           EXPECT_NE(policy_positions(*serial.cache, 0, 0), policy_positions(*serial.cache, 1, 7))
               << "the heads decided alike";
         }

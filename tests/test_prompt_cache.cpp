@@ -409,7 +409,8 @@ TYPED_TEST(PromptCacheTest, EveryWidthAndPolicyContinuesBitIdentically) {
 /// holes of the call's evictions) shows the same rows after, and the cache goes on as its twin.
 TYPED_TEST(PromptCacheTest, SavingLeavesTheCacheAndItsViewUntouched) {
   using T = TypeParam;
-  for (const Kind kind : {Kind::kH2O, Kind::kSqueezeCoordinated, Kind::kTova, Kind::kStreaming}) {
+  for (const Kind kind : {Kind(Method::h2o), Kind::kSqueezeCoordinated, Kind(Method::tova),
+                          Kind(Method::streaming_llm)}) {
     Subject<T> twin = make_subject<T>(kind), subject = make_subject<T>(kind);
     std::mt19937 rng(3u);
     vc::KVPair<T> into;
@@ -536,7 +537,7 @@ TEST(PromptCacheFile, SavedOverAtomicallyAndNamedInErrors) {
   fs::create_directories(dir);
   const std::string path = (dir / "chat.vqkv").string();
   std::mt19937 rng(9u);
-  Subject<Eigen::half> s = make_subject<Eigen::half>(Kind::kH2O);
+  Subject<Eigen::half> s = make_subject<Eigen::half>(Method::h2o);
   vc::KVPair<Eigen::half> into;
   (void)invoke(*s.cache, Api::kFetch, random_call(rng, with_s(kKeys, 9), with_s(kValues, 9)), into);
   Caches<Eigen::half> set;

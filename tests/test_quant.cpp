@@ -28,10 +28,11 @@ namespace {
 namespace vc = veloxquant::cache;
 namespace vd = veloxquant::cache::detail;
 using Index = Eigen::Index;
-using veloxquant::test::Kind;
-using veloxquant::test::kKinds;
 using veloxquant::test::for_each_level;
+using veloxquant::test::Kind;
 using veloxquant::test::kind_name;
+using veloxquant::test::kKinds;
+using veloxquant::test::Method;
 
 struct Format {
   int bits;
@@ -287,7 +288,7 @@ TEST(QuantizedCache, EveryPolicyScoresAndAttendsAsOnTheDequantizedRows) {
           plain.key_bits = plain.value_bits = 16;
           auto q = veloxquant::test::make_subject<float>(kind, c);
           auto p = veloxquant::test::make_subject<float>(kind, plain);
-          std::mt19937 rng(7u + static_cast<unsigned>(kind));
+          std::mt19937 rng(7u + kind_index(kind));
           for (const Index S : {Index{11}, Index{1}, Index{1}, Index{3}, Index{1}, Index{1}}) {
             const vc::Tensor4<double> k = random_input(rng, B, H, S, Dk);
             const vc::Tensor4<double> v = random_input(rng, B, H, S, Dv);
@@ -338,7 +339,7 @@ TEST(QuantizedCache, TheStorageTypeOnlyRoundsWhatIsReturned) {
   c.key_bits = 8;
   c.value_bits = 4;
   c.quant_group = 16;
-  for (const Kind kind : {Kind::kSqueeze, Kind::kTova, Kind::kSnap}) {
+  for (const Method kind : {Method::squeeze, Method::tova, Method::snapkv}) {
     SCOPED_TRACE(kind_name(kind));
     auto h = veloxquant::test::make_subject<Eigen::half>(kind, c);
     auto bf = veloxquant::test::make_subject<Eigen::bfloat16>(kind, c);
@@ -426,9 +427,10 @@ TEST(QuantizedCache, BadWidthsAndGroupsAreRejectedAtConstruction) {
     c.quant_group = group;
     const std::string m = veloxquant::test::invalid_argument_message([&] { c.validate(); });
     EXPECT_NE(m.find("quant_group"), std::string::npos) << m;
-    for (const char* method : {"standard", "h2o", "tova", "streaming_llm", "snapkv", "pyramidkv"}) {
-      c.method = method;
-      EXPECT_THROW((void)vc::KVCacheFactory::create<Eigen::half>(c), std::invalid_argument) << method;
+    for (const Method method : veloxquant::test::kMethods) {
+      c.method = veloxquant::test::method_name(method);
+      EXPECT_THROW((void)vc::KVCacheFactory::create<Eigen::half>(c), std::invalid_argument)
+          << c.method;
     }
   }
   vc::KVCacheConfig c;

@@ -32,7 +32,7 @@ struct Run {
 template <class T>
 Run<T> run_sequence(Kind kind, Api api) {
   Subject<T> s = make_subject<T>(kind);
-  std::mt19937 rng(900u + static_cast<unsigned>(kind));
+  std::mt19937 rng(900u + kind_index(kind));
   Run<T> out;
   const Shape k{2, 2, 0, 20}, v{2, 2, 0, 12};
   for (const Index S : {Index{70}, Index{1}, Index{1}, Index{3}, Index{1}, Index{0}, Index{9},

@@ -1,7 +1,8 @@
-// Caches of every policy ("subjects"), one snapshot of everything observable about them through the
-// public API, every update API a call can go through, the calls' results in a comparable form, and
-// the parsing of error messages. No GoogleTest here: the fuzzer (fuzz/fuzz_ops.hpp) shares it with
-// the tests; support/contract.hpp adds the GoogleTest-side helpers.
+// Caches of every method ("subjects", support/methods.hpp), one snapshot of everything observable
+// about them through the public API, every update API a call can go through, the calls' results in
+// a comparable form, and the parsing of error messages. No GoogleTest here: the fuzzer
+// (fuzz/fuzz_ops.hpp) shares it with the tests; support/contract.hpp adds the GoogleTest-side
+// helpers.
 #pragma once
 
 #include <algorithm>
@@ -20,6 +21,7 @@
 #include <vector>
 #include <veloxquant/cache.hpp>
 
+#include "support/methods.hpp"
 #include "support/test_support.hpp"
 
 namespace veloxquant::test {
@@ -36,132 +38,8 @@ inline bool contains(const std::string& s, const std::string& part) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Caches of every policy
+// Caches of every method (the subjects: support/methods.hpp)
 // ---------------------------------------------------------------------------------------------
-
-enum class Kind {
-  kStandard,
-  kSqueeze,             // no coordinator: uniform budget
-  kSqueezeCoordinated,  // one-layer coordinator: adopts in its first call
-  kSqueezeDefer,        // deferring, two-layer coordinator that never finalises (falls back)
-  kH2O,
-  kPyramid,
-  kTova,
-  kStreaming,
-  kSnap,
-  kSqueezeDeferKeyDiff,  // kSqueezeDefer scored by KeyDiff without queries (docs/design.md 4.7)
-  kH2OKNorm,             // kH2O scored by K-norm without queries
-  // Adaptive head budgets (SPEC 14, docs/design.md 4.9): the H heads of a sequence share H x
-  // budget rows, each keeping at least ceil(floor x budget); heads then hold different numbers of
-  // rows ("ragged"). Not in kKinds (the other sweeps fetch and read state(), which ragged heads
-  // refuse): kAdaptiveKinds, and kContractKinds for the contract suite.
-  kH2OAdaptive,           // kH2O, floor 0.25 (2 rows of 6: below its sink and recent window)
-  kSqueezeAdaptive,       // kSqueeze, floor 0.75 (5 rows of 6: above its sink and recent window)
-  kSqueezeDeferAdaptive,  // kSqueezeDeferKeyDiff, floor 0.25: a pooled re-budget at a call's start
-  kPyramidAdaptive,       // kPyramid, floor 0.5 (3 rows of 6)
-};
-inline constexpr Kind kKinds[] = {Kind::kStandard,
-                                  Kind::kSqueeze,
-                                  Kind::kSqueezeCoordinated,
-                                  Kind::kSqueezeDefer,
-                                  Kind::kH2O,
-                                  Kind::kPyramid,
-                                  Kind::kTova,
-                                  Kind::kStreaming,
-                                  Kind::kSnap,
-                                  Kind::kSqueezeDeferKeyDiff,
-                                  Kind::kH2OKNorm};
-/// The subjects with adaptive head budgets (SPEC 14).
-inline constexpr Kind kAdaptiveKinds[] = {Kind::kH2OAdaptive, Kind::kSqueezeAdaptive,
-                                          Kind::kSqueezeDeferAdaptive, Kind::kPyramidAdaptive};
-/// `a` then `b`, as one array.
-template <std::size_t A, std::size_t B>
-constexpr std::array<Kind, A + B> concat_kinds(const Kind (&a)[A], const Kind (&b)[B]) {
-  std::array<Kind, A + B> out{};
-  for (std::size_t i = 0; i < A; ++i) out[i] = a[i];
-  for (std::size_t i = 0; i < B; ++i) out[A + i] = b[i];
-  return out;
-}
-/// What the contract suite sweeps: kKinds, then kAdaptiveKinds.
-inline constexpr auto kContractKinds = concat_kinds(kKinds, kAdaptiveKinds);
-
-/// Whether the subject's heads share their pool (adaptive head budgets, SPEC 14).
-inline bool is_adaptive(Kind k) {
-  return k == Kind::kH2OAdaptive || k == Kind::kSqueezeAdaptive ||
-         k == Kind::kSqueezeDeferAdaptive || k == Kind::kPyramidAdaptive;
-}
-/// The subject an adaptive one is made from (its policy, budgets and scorer, uniform heads);
-/// any other subject itself.
-inline Kind base_kind(Kind k) {
-  switch (k) {
-    case Kind::kH2OAdaptive:
-      return Kind::kH2O;
-    case Kind::kSqueezeAdaptive:
-      return Kind::kSqueeze;
-    case Kind::kSqueezeDeferAdaptive:
-      return Kind::kSqueezeDeferKeyDiff;
-    case Kind::kPyramidAdaptive:
-      return Kind::kPyramid;
-    default:
-      return k;
-  }
-}
-/// The head_budget_floor of an adaptive subject (0: uniform heads).
-inline double adaptive_floor(Kind k) {
-  switch (k) {
-    case Kind::kH2OAdaptive:
-    case Kind::kSqueezeDeferAdaptive:
-      return 0.25;
-    case Kind::kSqueezeAdaptive:
-      return 0.75;
-    case Kind::kPyramidAdaptive:
-      return 0.5;
-    default:
-      return 0.0;
-  }
-}
-
-/// The deferring squeeze subjects (their budget is unknown until they fall back).
-inline bool is_squeeze_defer(Kind k) {
-  return k == Kind::kSqueezeDefer || k == Kind::kSqueezeDeferKeyDiff ||
-         k == Kind::kSqueezeDeferAdaptive;
-}
-
-inline const char* kind_name(Kind k) {
-  switch (k) {
-    case Kind::kStandard:
-      return "standard";
-    case Kind::kSqueeze:
-      return "squeeze";
-    case Kind::kSqueezeCoordinated:
-      return "squeeze+coordinator";
-    case Kind::kSqueezeDefer:
-      return "squeeze+defer";
-    case Kind::kH2O:
-      return "h2o";
-    case Kind::kPyramid:
-      return "pyramidkv";
-    case Kind::kTova:
-      return "tova";
-    case Kind::kStreaming:
-      return "streaming_llm";
-    case Kind::kSnap:
-      return "snapkv";
-    case Kind::kSqueezeDeferKeyDiff:
-      return "squeeze+defer+keydiff";
-    case Kind::kH2OKNorm:
-      return "h2o+knorm";
-    case Kind::kH2OAdaptive:
-      return "h2o+adaptive";
-    case Kind::kSqueezeAdaptive:
-      return "squeeze+adaptive";
-    case Kind::kSqueezeDeferAdaptive:
-      return "squeeze+defer+keydiff+adaptive";
-    case Kind::kPyramidAdaptive:
-      return "pyramidkv+adaptive";
-  }
-  return "?";
-}
 
 /// Budget 6 everywhere (StreamingLLM: 1 sink + window 5; squeeze before adoption: 8); the storage
 /// above.
@@ -171,11 +49,9 @@ inline vc::KVCacheConfig small_config() {
   c.value_bits = kValueBits;
   c.quant_group = kQuantGroup;
   c.squeeze_calibration_tokens = 1;  // report on the first call (docs/design.md 5.4)
+  set_n_sinks(c, 1);
+  c.set_budget(6);
   c.squeeze_budget = 8;
-  c.h2o_budget = c.pyramid_budget = c.tova_budget = c.snap_budget = 6;
-  c.squeeze_n_sink = c.h2o_n_sink = c.pyramid_n_sink = c.tova_n_sink = c.snap_n_sink = 1;
-  c.stream_n_sink = 1;
-  c.stream_window_size = 5;
   c.h2o_grace = 2;
   c.snap_obs_window = 2;
   return c;
@@ -187,59 +63,19 @@ struct Subject {
   std::unique_ptr<vc::KVCache<T>> cache;
 };
 
+/// The subject `kind` over `c` (small_config by default), its heads serial. The plain squeeze
+/// subject keeps 6 rows; a wired one gets its own coordinator of 1 layer (coordinated) or 2
+/// (deferring), of average budget 6 and 1 sink.
 template <class T>
 Subject<T> make_subject(Kind kind, vc::KVCacheConfig c = small_config()) {
-  if (is_adaptive(kind)) {
-    c.head_budgets = "adaptive";
-    c.head_budget_floor = adaptive_floor(kind);
-    kind = base_kind(kind);
-  }
   Subject<T> s;
-  switch (kind) {
-    case Kind::kStandard:
-      c.method = "standard";
-      break;
-    case Kind::kSqueeze:
-      c.method = "squeeze";
-      c.squeeze_budget = 6;
-      break;
-    case Kind::kSqueezeCoordinated:
-      s.coordinator = std::make_shared<vc::SqueezeCoordinator>(1, 6, 1, 1.0);
-      s.cache = std::make_unique<vc::SqueezeAttentionCache<T>>(c, 0, s.coordinator);
-      break;
-    case Kind::kSqueezeDeferKeyDiff:
-      c.proxy_scoring = "keydiff";
-      [[fallthrough]];
-    case Kind::kSqueezeDefer:
-      c.squeeze_defer = true;
-      s.coordinator = std::make_shared<vc::SqueezeCoordinator>(2, 6, 1, 1.0);
-      s.cache = std::make_unique<vc::SqueezeAttentionCache<T>>(c, 1, s.coordinator);
-      break;
-    case Kind::kH2OKNorm:
-      c.proxy_scoring = "knorm";
-      [[fallthrough]];
-    case Kind::kH2O:
-      c.method = "h2o";
-      break;
-    case Kind::kPyramid:
-      c.method = "pyramidkv";
-      break;
-    case Kind::kTova:
-      c.method = "tova";
-      break;
-    case Kind::kStreaming:
-      c.method = "streaming_llm";
-      break;
-    case Kind::kSnap:
-      c.method = "snapkv";
-      break;
-    case Kind::kH2OAdaptive:
-    case Kind::kSqueezeAdaptive:
-    case Kind::kSqueezeDeferAdaptive:
-    case Kind::kPyramidAdaptive:
-      break;  // made from their base kind above
+  if (kind.wiring != Wiring::alone) {
+    const int layers = kind.wiring == Wiring::coordinated ? 1 : 2;
+    s.coordinator = std::make_shared<vc::SqueezeCoordinator>(layers, 6, 1, 1.0);
+  } else if (kind.method == Method::squeeze) {
+    c.squeeze_budget = 6;
   }
-  if (!s.cache) s.cache = vc::KVCacheFactory::create<T>(c);
+  s.cache = make_kind<T>(kind, c, s.coordinator);
   s.cache->set_parallel_heads(false);
   return s;
 }

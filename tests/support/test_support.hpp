@@ -29,6 +29,7 @@
 #include <veloxquant/cache.hpp>
 
 #include "reference/oracle.hpp"
+#include "support/methods.hpp"
 
 namespace veloxquant::test {
 
@@ -207,14 +208,16 @@ bool visit_core(const cache::KVCache<T>& c, F&& f) {
   return false;
 }
 
-/// Calls f(p) with `c` as its public class when it is a scored policy (the H2O core, TOVA,
-/// SnapKV: they publish scores(b, h) and positions(b, h)); returns whether it was.
+/// Calls f(p) when `c` is of a method that scores its rows (MethodEntry::scored), `p` its public
+/// class for the H2O core (visit_core), else `c` (every cache publishes scores(b, h) and
+/// positions(b, h)); returns whether it was.
 template <class T, class F>
 bool visit_scored(const cache::KVCache<T>& c, F&& f) {
   if (visit_core(c, f)) return true;
-  if (const auto* p = dynamic_cast<const cache::TOVACache<T>*>(&c)) return f(*p), true;
-  if (const auto* p = dynamic_cast<const cache::SnapKVCache<T>*>(&c)) return f(*p), true;
-  return false;
+  const cache::detail::MethodSpec* m = cache::detail::find_method(c.config().method);
+  if (m == nullptr || !method_entry(m->id).scored) return false;
+  f(c);
+  return true;
 }
 
 /// scores(b, h) of a scored cache through its public class; empty for the other policies.
@@ -454,23 +457,6 @@ inline cache::KVCacheConfig core_config(const std::string& method, int budget, i
     (squeeze ? c.squeeze_recent_ratio : c.pyramid_recent_ratio) = recent;
   }
   return c;
-}
-
-/// The policies on the H2O core, as the tests that sweep them name them.
-enum class CorePolicy { kH2O, kSqueeze, kPyramid };
-inline constexpr CorePolicy kCorePolicies[] = {CorePolicy::kH2O, CorePolicy::kSqueeze,
-                                               CorePolicy::kPyramid};
-/// Its KVCacheConfig::method: "h2o", "squeeze" or "pyramidkv" (core_config's methods).
-inline const char* core_method(CorePolicy p) {
-  switch (p) {
-    case CorePolicy::kH2O:
-      return "h2o";
-    case CorePolicy::kSqueeze:
-      return "squeeze";
-    case CorePolicy::kPyramid:
-      return "pyramidkv";
-  }
-  return "?";
 }
 
 /// core_config of method "h2o", "squeeze" and "pyramidkv".
