@@ -31,6 +31,8 @@
 #include <vector>
 #include <veloxquant/cache.hpp>
 
+#include "support/methods.hpp"
+
 namespace veloxquant::fuzz {
 
 namespace vc = veloxquant::cache;
@@ -163,10 +165,8 @@ constexpr int mode_of() {
 
 inline vc::KVCacheConfig seed_config() {
   vc::KVCacheConfig c;
-  c.set_budget(6);
-  c.squeeze_n_sink = c.h2o_n_sink = c.pyramid_n_sink = c.tova_n_sink = c.snap_n_sink = 1;
-  c.stream_n_sink = 1;
-  c.stream_window_size = 5;
+  veloxquant::test::set_n_sinks(c, 1);
+  c.set_budget(6);  // StreamingLLM: a window of 5 beside its sink
   c.h2o_grace = 2;
   c.snap_obs_window = 2;
   c.squeeze_calibration_tokens = 5;
@@ -224,9 +224,10 @@ inline std::map<std::string, std::string> make_seeds() {
   c.value_bits = 4;
   model(Eigen::half{}, "seed-squeeze-q84-half", c, {9, 1, 1}, true);
   c = seed_config();
-  for (const char* method : {"h2o", "pyramidkv", "tova", "streaming_llm", "snapkv", "standard"}) {
-    c.method = method;
-    model(float{}, (std::string("seed-") + method + "-float").c_str(), c, {9, 1, 1}, true);
+  for (const vc::detail::MethodSpec& m : vc::detail::kMethodTable) {  // squeeze's are above
+    if (m.id == vc::detail::Method::squeeze) continue;
+    c.method = m.name;
+    model(float{}, (std::string("seed-") + m.name + "-float").c_str(), c, {9, 1, 1}, true);
   }
   c.method = "snapkv";
   c.key_bits = c.value_bits = 4;

@@ -96,11 +96,12 @@
 //
 // The harness, by part (namespace veloxquant::fuzz::detail):
 //   ops_input.hpp    Options, Stats, the input reader (Bytes) and the tensor data generator
-//   ops_kinds.hpp    the policies, query modes, entry points and bad inputs, and their names
+//   ops_kinds.hpp    the runs (a method, alone or in a builder model), query modes, entry points
+//                    and bad inputs, and their names
 //   ops_report.hpp   the violation, the operation trace and message formatting (Reporter)
 //   ops_ties.hpp     the tolerances and the near-tie rule
-//   ops_config.hpp   the run's policy and configuration, valid or with one invalid field (RunSpec)
-//   ops_subject.hpp  the caches under test and their policy classes (CacheUnderTest)
+//   ops_config.hpp   the run's method and configuration, valid or with one invalid field (RunSpec)
+//   ops_subject.hpp  the caches under test and their classes (CacheUnderTest)
 //   ops_calls.hpp    one call: its plan, dims and data, each entry point, the returned window
 //   ops_budget.hpp   the H2O core's budget model and the squeeze coordinator's (BudgetModel)
 //   ops_oracle.hpp   the sequence: dims, counters, rows fed, per-head oracles (SequenceModel)

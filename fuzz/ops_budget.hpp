@@ -49,16 +49,14 @@ class BudgetModel {
   /// The policy's fields, and the budget at construction.
   void init() {
     const vc::KVCacheConfig& c = spec_.cfg;
-    switch (spec_.policy) {
-      case Policy::SqueezeSingle:
-      case Policy::SqueezeBuilder:
+    switch (spec_.method) {
+      case Method::squeeze:
         set_rule(c.squeeze_n_sink, c.squeeze_decay, true, c.squeeze_recent_ratio, 0);
         break;
-      case Policy::H2O:
+      case Method::h2o:
         set_rule(c.h2o_n_sink, c.h2o_decay, false, 0.5, c.h2o_grace);
         break;
-      case Policy::PyramidSingle:
-      case Policy::PyramidBuilder:
+      case Method::pyramidkv:
         set_rule(c.pyramid_n_sink, c.pyramid_decay, true, c.pyramid_recent_ratio, 0);
         break;
       default:
@@ -73,11 +71,12 @@ class BudgetModel {
     calls_since_reset = 0;
     sq_reported = false;
     sq_adopted = false;
-    switch (spec_.policy) {
-      case Policy::SqueezeSingle:
-        budget = fallback();
-        break;
-      case Policy::SqueezeBuilder:
+    switch (spec_.method) {
+      case Method::squeeze:
+        if (!spec_.builder()) {
+          budget = fallback();
+          break;
+        }
         if (cfg.squeeze_defer) {
           budget.reset();
         } else {
@@ -85,13 +84,14 @@ class BudgetModel {
         }
         if (coordinator_too) coord.clear();
         break;
-      case Policy::H2O:
+      case Method::h2o:
         budget = cfg.h2o_budget;
         break;
-      case Policy::PyramidSingle:
-        budget = cfg.pyramid_resolved_budget.value_or(cfg.pyramid_budget);
-        break;
-      case Policy::PyramidBuilder: {
+      case Method::pyramidkv: {
+        if (!spec_.builder()) {
+          budget = cfg.pyramid_resolved_budget.value_or(cfg.pyramid_budget);
+          break;
+        }
         const std::vector<int> b = ref::pyramid_budgets(spec_.layers, cfg.pyramid_budget,
                                                         cfg.pyramid_n_sink, cfg.pyramid_beta);
         budget = b[static_cast<std::size_t>(spec_.layer)];

@@ -1,4 +1,4 @@
-// fuzz target `ops` (fuzz/fuzz_ops.hpp): what a run tests — the policy, a small valid
+// fuzz target `ops` (fuzz/fuzz_ops.hpp): what a run tests — the method, a small valid
 // configuration decoded from the input (docs/design.md 2.1, 2.6, 2.7), or one with exactly one
 // invalid field, which construction must reject naming it — and its description in messages.
 #pragma once
@@ -17,12 +17,13 @@
 
 namespace veloxquant::fuzz::detail {
 
-/// The run's policy, configuration and way of construction (fixed for the whole run).
+/// The run's method, configuration and way of construction (fixed for the whole run).
 struct RunSpec {
-  Policy policy = Policy::Standard;
+  int run = 0;  ///< its index in kRunMethods
+  Method method = Method::standard;
   vc::KVCacheConfig cfg;
   std::string via;            ///< "factory", "constructor" or "builder"
-  bool direct = false;        ///< the policy's constructor instead of the factory
+  bool direct = false;        ///< the class's own constructor instead of the factory
   int layers = 1, layer = 0;  ///< a builder model's layers, and the one under test
   /// The H2O core's query-free scorer (docs/design.md 4.7), as the oracle names it.
   ref::H2OHeadOracle::Scorer scorer = ref::H2OHeadOracle::Scorer::key_as_query;
@@ -30,23 +31,19 @@ struct RunSpec {
   /// sequence share H x budget rows (cfg.head_budget_floor: each keeps its share at least).
   bool adaptive = false;
 
-  bool core() const { return is_core(policy); }
-  bool builder() const {
-    return policy == Policy::SqueezeBuilder || policy == Policy::PyramidBuilder;
-  }
+  bool core() const { return is_core(method); }
+  /// One layer of a builder model (squeeze, pyramidkv).
+  bool builder() const { return kRunMethods[run].builder; }
+  bool squeeze_builder() const { return method == Method::squeeze && builder(); }
 };
 
-/// The fields of each policy's configuration, from the common choices and the input.
-inline void decode_policy_fields(Bytes& in, RunSpec& s, int budget, int n_sink, double ratio,
+/// The fields of each method's configuration, from the common choices and the input.
+inline void decode_method_fields(Bytes& in, RunSpec& s, int budget, int n_sink, double ratio,
                                  double decay, std::uint8_t flags) {
   vc::KVCacheConfig& c = s.cfg;
-  switch (s.policy) {
-    case Policy::Standard:
-      c.method = "standard";
-      break;
-    case Policy::SqueezeSingle:
-    case Policy::SqueezeBuilder:
-      c.method = "squeeze";
+  c.method = vt::method_name(s.method);
+  switch (s.method) {
+    case Method::squeeze:
       c.squeeze_budget = budget;
       c.squeeze_n_sink = n_sink;
       c.squeeze_recent_ratio = ratio;
@@ -54,56 +51,50 @@ inline void decode_policy_fields(Bytes& in, RunSpec& s, int budget, int n_sink, 
       c.squeeze_strength = pick_from(in, {1.0, 0.0, 0.5, 0.25});
       c.squeeze_defer = (flags & 2) != 0;
       if ((flags & 12) == 4) c.squeeze_resolved_budget = in.range(n_sink + 1, 24);
-      if (s.policy == Policy::SqueezeBuilder) {
+      if (s.builder()) {
         s.layers = in.range(1, 3);
         s.layer = in.range(0, s.layers - 1);
       }
       break;
-    case Policy::H2O:
-      c.method = "h2o";
+    case Method::h2o:
       c.h2o_budget = budget;
       c.h2o_n_sink = n_sink;
       c.h2o_grace = in.range(0, 10);
       c.h2o_decay = decay;
       break;
-    case Policy::PyramidSingle:
-    case Policy::PyramidBuilder:
-      c.method = "pyramidkv";
+    case Method::pyramidkv:
       c.pyramid_budget = budget;
       c.pyramid_n_sink = n_sink;
       c.pyramid_recent_ratio = ratio;
       c.pyramid_decay = decay;
       c.pyramid_beta = pick_from(in, {2.0, 1.0, 1.5, 3.0});
-      if (s.policy == Policy::PyramidSingle && (flags & 12) == 4) {
+      if (!s.builder() && (flags & 12) == 4) {
         c.pyramid_resolved_budget = in.range(n_sink + 1, 24);
       }
-      if (s.policy == Policy::PyramidBuilder) {
+      if (s.builder()) {
         s.layers = in.range(1, 4);
         s.layer = in.range(0, s.layers - 1);
       }
       break;
-    case Policy::TOVA:
-      c.method = "tova";
+    case Method::tova:
       c.tova_budget = budget;
       c.tova_n_sink = n_sink;
       break;
-    case Policy::Streaming:
-      c.method = "streaming_llm";
+    case Method::streaming_llm:
       c.stream_n_sink = in.range(0, 5);
       c.stream_window_size = in.range(1, 16);
       break;
-    case Policy::SnapKV:
-      c.method = "snapkv";
+    case Method::snapkv:
       c.snap_budget = budget;
       c.snap_n_sink = n_sink;
       c.snap_obs_window = (flags & 16) ? in.range(1, 40) : in.range(1, 8);
       break;
-    default:
+    default:  // standard: no fields (a method without a run in kRunMethods never comes here)
       break;
   }
 }
 
-/// Decodes a valid configuration for `s.policy` (already chosen) and the way of construction.
+/// Decodes a valid configuration for `s.method` (already chosen) and the way of construction.
 inline void decode_config(Bytes& in, RunSpec& s) {
   vc::KVCacheConfig& c = s.cfg;
   // The oracles report on the first call (docs/design.md 5.4 with squeeze_calibration_tokens
@@ -115,7 +106,7 @@ inline void decode_config(Bytes& in, RunSpec& s) {
   const double decay = pick_from(in, {0.98, 1.0, 0.9, 0.5, 0.25});
   const std::uint8_t flags = in.u8();
   s.direct = (flags & 1) != 0;  // constructor instead of factory
-  decode_policy_fields(in, s, budget, n_sink, ratio, decay, flags);
+  decode_method_fields(in, s, budget, n_sink, ratio, decay, flags);
   if (s.core()) {
     // Flag bits 5-6: the query-free scorer (docs/design.md 4.7); 0 (and 3): the SPEC proxy.
     const int proxy = (flags >> 5) & 3;
@@ -138,9 +129,9 @@ inline void decode_config(Bytes& in, RunSpec& s) {
       const std::uint8_t a = in.u8();
       c.head_budget_floor =
           std::array<double, 8>{0.2, 0.25, 0.5, 0.75, 1.0, 0.1, 0.34, 0.05}[a & 7];
-      const bool squeeze = s.policy == Policy::SqueezeSingle || s.policy == Policy::SqueezeBuilder;
+      const bool squeeze = s.method == Method::squeeze;
       if ((a & 8) && squeeze) c.squeeze_resolved_budget = in.range(n_sink + 1, 24);
-      if ((a & 8) && s.policy == Policy::PyramidSingle) {
+      if ((a & 8) && s.method == Method::pyramidkv && !s.builder()) {
         c.pyramid_resolved_budget = in.range(n_sink + 1, 24);
       }
     }
@@ -149,20 +140,15 @@ inline void decode_config(Bytes& in, RunSpec& s) {
 }
 
 /// Whether validate() checks `field` in a config of `method` (docs/design.md 2.1): a method's
-/// own fields (by their prefix) for that method only, the H2O core's proxy_scoring and
-/// value_norm_power for squeeze, h2o and pyramidkv, the common fields always.
+/// own fields (by their prefix, tests/support/methods.hpp) for that method only, the H2O core's
+/// proxy_scoring and value_norm_power for its methods, the common fields always.
 inline bool validated_for(const std::string& field, const std::string& method) {
+  const vc::detail::MethodSpec* m = vc::detail::find_method(method);
   if (field == "proxy_scoring" || field == "value_norm_power") {
-    return method == "squeeze" || method == "h2o" || method == "pyramidkv";
+    return m != nullptr && is_core(m->id);
   }
-  for (const auto& [prefix, owner] :
-       std::initializer_list<std::pair<const char*, const char*>>{{"squeeze_", "squeeze"},
-                                                                  {"h2o_", "h2o"},
-                                                                  {"pyramid_", "pyramidkv"},
-                                                                  {"tova_", "tova"},
-                                                                  {"stream_", "streaming_llm"},
-                                                                  {"snap_", "snapkv"}}) {
-    if (field.rfind(prefix, 0) == 0) return owner == method;
+  for (const vt::MethodEntry& e : vt::kMethodEntries) {
+    if (*e.prefix != '\0' && field.rfind(e.prefix, 0) == 0) return m != nullptr && m->id == e.id;
   }
   return true;
 }
@@ -280,9 +266,8 @@ inline std::string break_tova_stream_snap(Bytes& in, vc::KVCacheConfig& c, int k
 inline std::string break_sink_budget(Bytes& in, RunSpec& s) {
   vc::KVCacheConfig& c = s.cfg;
   const int extra = in.range(0, 2);
-  switch (s.policy) {
-    case Policy::SqueezeSingle:
-    case Policy::SqueezeBuilder:
+  switch (s.method) {
+    case Method::squeeze:
       if (c.squeeze_resolved_budget && (extra & 1)) {
         c.squeeze_n_sink = *c.squeeze_resolved_budget + extra;
         if (c.squeeze_n_sink >= c.squeeze_budget) c.squeeze_budget = c.squeeze_n_sink + 1;
@@ -291,11 +276,10 @@ inline std::string break_sink_budget(Bytes& in, RunSpec& s) {
         c.squeeze_resolved_budget.reset();
       }
       return "squeeze_n_sink";
-    case Policy::H2O:
+    case Method::h2o:
       c.h2o_n_sink = c.h2o_budget + extra;
       return "h2o_n_sink";
-    case Policy::PyramidSingle:
-    case Policy::PyramidBuilder:
+    case Method::pyramidkv:
       if (c.pyramid_resolved_budget && (extra & 1)) {
         c.pyramid_n_sink = *c.pyramid_resolved_budget + extra;
         if (c.pyramid_n_sink >= c.pyramid_budget) c.pyramid_budget = c.pyramid_n_sink + 1;
@@ -304,10 +288,10 @@ inline std::string break_sink_budget(Bytes& in, RunSpec& s) {
         c.pyramid_resolved_budget.reset();
       }
       return "pyramid_n_sink";
-    case Policy::TOVA:
+    case Method::tova:
       c.tova_n_sink = c.tova_budget + extra;
       return "tova_n_sink";
-    case Policy::SnapKV:
+    case Method::snapkv:
       c.snap_n_sink = c.snap_budget + extra;
       return "snap_n_sink";
     default:
@@ -352,7 +336,7 @@ inline std::string break_config(Bytes& in, RunSpec& s, bool direct) {
   }
 }
 
-/// The configuration fields of the run's policy, for the run's description.
+/// The configuration fields of the run's method, for the run's description.
 inline std::string describe_config(const RunSpec& s) {
   std::ostringstream os;
   const auto& c = s.cfg;
@@ -360,34 +344,32 @@ inline std::string describe_config(const RunSpec& s) {
   if (c.head_budgets != "uniform") {
     os << " head_budgets=" << c.head_budgets << " floor=" << c.head_budget_floor;
   }
-  switch (s.policy) {
-    case Policy::SqueezeSingle:
-    case Policy::SqueezeBuilder:
+  switch (s.method) {
+    case Method::squeeze:
       os << " squeeze_budget=" << c.squeeze_budget << " resolved="
          << (c.squeeze_resolved_budget ? std::to_string(*c.squeeze_resolved_budget) : "-")
          << " ratio=" << c.squeeze_recent_ratio << " decay=" << c.squeeze_decay
          << " strength=" << c.squeeze_strength << " defer=" << c.squeeze_defer << " L=" << s.layers
          << " layer=" << s.layer << " proxy_scoring=" << c.proxy_scoring;
       break;
-    case Policy::H2O:
+    case Method::h2o:
       os << " h2o_budget=" << c.h2o_budget << " grace=" << c.h2o_grace << " decay=" << c.h2o_decay
          << " proxy_scoring=" << c.proxy_scoring;
       break;
-    case Policy::PyramidSingle:
-    case Policy::PyramidBuilder:
+    case Method::pyramidkv:
       os << " pyramid_budget=" << c.pyramid_budget << " resolved="
          << (c.pyramid_resolved_budget ? std::to_string(*c.pyramid_resolved_budget) : "-")
          << " beta=" << c.pyramid_beta << " ratio=" << c.pyramid_recent_ratio
          << " decay=" << c.pyramid_decay << " L=" << s.layers << " layer=" << s.layer
          << " proxy_scoring=" << c.proxy_scoring;
       break;
-    case Policy::TOVA:
+    case Method::tova:
       os << " tova_budget=" << c.tova_budget << " n_sink=" << c.tova_n_sink;
       break;
-    case Policy::Streaming:
+    case Method::streaming_llm:
       os << " n_sink=" << c.stream_n_sink << " window=" << c.stream_window_size;
       break;
-    case Policy::SnapKV:
+    case Method::snapkv:
       os << " snap_budget=" << c.snap_budget << " n_sink=" << c.snap_n_sink
          << " obs=" << c.snap_obs_window;
       break;

@@ -41,8 +41,9 @@ class Harness {
         checks_(spec_, cache_, budget_, seq_, report_) {}
 
   void run() {
-    spec_.policy = static_cast<Policy>(in_.pick(static_cast<int>(Policy::kCount)));
-    if (Stats* stats = report_.stats()) ++stats->policy_runs[static_cast<int>(spec_.policy)];
+    spec_.run = in_.pick(kRunCount);
+    spec_.method = kRunMethods[spec_.run].method;
+    if (Stats* stats = report_.stats()) ++stats->method_runs[spec_.run];
     if (!construct()) return;
     if (spec_.adaptive) report_.count(&Stats::adaptive_runs);
     seq_.start(in_);
@@ -55,7 +56,7 @@ class Harness {
  private:
   std::string describe() const {
     std::ostringstream os;
-    os << policy_name(spec_.policy) << " T=" << type_name<T>() << " via " << spec_.via;
+    os << run_name(spec_.run) << " T=" << type_name<T>() << " via " << spec_.via;
     if (spec_.core()) {
       os << " budget=" << (budget_.budget ? std::to_string(*budget_.budget) : "unknown")
          << " n_sink=" << budget_.n_sink << " g=" << budget_.grace();
@@ -347,7 +348,7 @@ class Harness {
   }
 
   void do_reset() {
-    const bool whole_model = spec_.policy == Policy::SqueezeBuilder ? in_.pick(2) != 0 : false;
+    const bool whole_model = spec_.squeeze_builder() ? in_.pick(2) != 0 : false;
     if (whole_model) {
       const std::uint64_t gen = cache_.coordinator->generation();
       vc::KVCacheBuilder::reset(cache_.owned);
@@ -381,7 +382,7 @@ class Harness {
     const std::int64_t got = cache_.layer->trim(k);
     report_.count(&Stats::trims);
     report_.log(call + " -> " + std::to_string(got));
-    if (spec_.policy != Policy::Standard) {
+    if (spec_.method != Method::standard) {
       report_.expect(got == 0, "a non-trimmable cache trimmed " + std::to_string(got));
       report_.expect(cache_.snapshot() == before, "trim on a non-trimmable cache changed it");
       return;
@@ -401,7 +402,7 @@ class Harness {
   /// A report of another layer to the shared coordinator (squeeze builder); on other policies
   /// this op is a decode call.
   void do_report() {
-    if (spec_.policy != Policy::SqueezeBuilder) {
+    if (!spec_.squeeze_builder()) {
       do_call(1, Bad::None);
       return;
     }
@@ -539,7 +540,7 @@ class Harness {
   /// Updates the models with an accepted call of S >= 1 tokens and records eviction decisions.
   void update_models(const CallInputs<T>& in, bool with_queries, Index G, Index S) {
     for (auto& hm : seq_.heads) hm.ambiguous = false;
-    if (spec_.policy == Policy::SqueezeSingle || spec_.policy == Policy::SqueezeBuilder) {
+    if (spec_.method == Method::squeeze) {
       squeeze_budget_step(in.kt);
     }
     ++budget_.calls_since_reset;
@@ -549,7 +550,7 @@ class Harness {
   /// docs/design.md 5.4: report, adoption, fallback; before the call's tokens are absorbed.
   void squeeze_budget_step(const vc::Tensor4<T>& kt) {
     if (budget_.calls_since_reset == 0) checks_.concentration(kt);
-    if (spec_.policy != Policy::SqueezeBuilder) return;
+    if (!spec_.squeeze_builder()) return;
     if (budget_.calls_since_reset == 0) budget_.report_own(cache_.squeeze->concentration());
     if (const std::optional<int> b = budget_.due_budget()) adopt_budget(*b);
   }

@@ -12,6 +12,7 @@
 #include <vector>
 #include <veloxquant/cache.hpp>
 
+#include "ops_kinds.hpp"
 #include "reference/oracle.hpp"
 #include "reference/policy_oracles.hpp"
 #include "support/subjects.hpp"
@@ -27,7 +28,7 @@ struct Stats {
   std::uint64_t runs = 0, invalid_configs = 0, calls = 0, rejected = 0, resets = 0, trims = 0;
   std::uint64_t tokens = 0, decisions = 0, ambiguous = 0, excused = 0, query_calls = 0;
   std::uint64_t reloads = 0, forks = 0, rollbacks = 0;
-  std::uint64_t policy_runs[9] = {};
+  std::uint64_t method_runs[detail::kRunCount] = {};  ///< runs of each of detail::kRunMethods
   /// Adaptive head budgets (SPEC 14): runs, calls that left the heads ragged, fetches refused on
   /// ragged heads, pooled evictions the oracle decided.
   std::uint64_t adaptive_runs = 0, ragged_calls = 0, ragged_refusals = 0, pool_decisions = 0;

@@ -1,53 +1,50 @@
-// fuzz target `ops` (fuzz/fuzz_ops.hpp): what a run and its calls can be — the policies under
+// fuzz target `ops` (fuzz/fuzz_ops.hpp): what a run and its calls can be — the methods under
 // test, the query modes of a sequence, the entry points of a call and the bad inputs — and their
 // names in traces and violation messages.
 #pragma once
 
+#include <cstddef>
+#include <string>
+
+#include "support/methods.hpp"
+
 namespace veloxquant::fuzz::detail {
 
-enum class Policy {
-  Standard,
-  SqueezeSingle,
-  SqueezeBuilder,
-  H2O,
-  PyramidSingle,
-  PyramidBuilder,
-  TOVA,
-  Streaming,
-  SnapKV,
-  kCount
+using Method = veloxquant::test::Method;
+
+/// What a run tests: a method of the library's table (tests/support/methods.hpp), as one cache or
+/// as one layer of a builder model (the methods whose layers the builder wires together: squeeze's
+/// coordinator, pyramidkv's per-layer budgets).
+struct RunMethod {
+  Method method;
+  bool builder;
 };
 
-inline const char* policy_name(Policy p) {
-  switch (p) {
-    case Policy::Standard:
-      return "standard";
-    case Policy::SqueezeSingle:
-      return "squeeze(single)";
-    case Policy::SqueezeBuilder:
-      return "squeeze(builder)";
-    case Policy::H2O:
-      return "h2o";
-    case Policy::PyramidSingle:
-      return "pyramidkv(single)";
-    case Policy::PyramidBuilder:
-      return "pyramidkv(builder)";
-    case Policy::TOVA:
-      return "tova";
-    case Policy::Streaming:
-      return "streaming_llm";
-    case Policy::SnapKV:
-      return "snapkv";
-    default:
-      return "?";
+/// The runs, by the index the input's first byte picks (pick(9)). The saved inputs (fuzz/corpus,
+/// fuzz/regressions) decode through these indices: a run is only ever appended, and appending one
+/// changes the modulus, so every saved input then decodes to another run (make_corpus.py writes
+/// the seeds again; the regressions need their bytes re-derived).
+inline constexpr RunMethod kRunMethods[] = {
+    {Method::standard, false}, {Method::squeeze, false},       {Method::squeeze, true},
+    {Method::h2o, false},      {Method::pyramidkv, false},     {Method::pyramidkv, true},
+    {Method::tova, false},     {Method::streaming_llm, false}, {Method::snapkv, false},
+};
+inline constexpr int kRunCount = static_cast<int>(std::size(kRunMethods));
+
+/// "squeeze(builder)": the method's name, and for a method that also runs in a builder model
+/// whether this run is one.
+inline std::string run_name(int run) {
+  const RunMethod& r = kRunMethods[run];
+  bool in_builder = false;
+  for (const RunMethod& other : kRunMethods) {
+    in_builder = in_builder || (other.method == r.method && other.builder);
   }
+  std::string out = veloxquant::test::method_name(r.method);
+  if (in_builder) out += r.builder ? "(builder)" : "(single)";
+  return out;
 }
 
-/// The policies of the H2O core (SqueezeAttention, H2O, PyramidKV).
-inline bool is_core(Policy p) {
-  return p == Policy::SqueezeSingle || p == Policy::SqueezeBuilder || p == Policy::H2O ||
-         p == Policy::PyramidSingle || p == Policy::PyramidBuilder;
-}
+using veloxquant::test::is_core;  // the methods of the H2O core (SqueezeAttention, H2O, PyramidKV)
 
 enum class QueryMode { None, Always, Mixed };
 enum class Api { Fetch, View, FetchInto };

@@ -128,7 +128,7 @@ class SequenceModel {
   /// policies whose oracle has one scoring rule).
   bool oracle_on() const {
     if (qmode != QueryMode::Mixed) return true;
-    return !(spec_.core() || spec_.policy == Policy::TOVA);
+    return !(spec_.core() || spec_.method == Method::tova);
   }
 
   /// Budget `b` comes into force (set in the budget model by the caller): the count and every
@@ -219,12 +219,10 @@ class SequenceModel {
     heads.clear();
     heads.resize(static_cast<std::size_t>(B * H));
     for (auto& hm : heads) {
-      switch (spec_.policy) {
-        case Policy::SqueezeSingle:
-        case Policy::SqueezeBuilder:
-        case Policy::H2O:
-        case Policy::PyramidSingle:
-        case Policy::PyramidBuilder:
+      switch (spec_.method) {
+        case Method::squeeze:
+        case Method::h2o:
+        case Method::pyramidkv:
           // Adaptive heads: no budget of their own (the pool's evictions are pool_evict's).
           if (qmode == QueryMode::None) {
             hm.h2o.emplace(budget_.n_sink, budget_.decay, budget_.grace_fn());
@@ -237,14 +235,14 @@ class SequenceModel {
             if (budget_.budget && !spec_.adaptive) hm.h2oq->set_budget(*budget_.budget);
           }
           break;
-        case Policy::TOVA:
+        case Method::tova:
           if (qmode == QueryMode::None) hm.tova.emplace(cfg.tova_n_sink, cfg.tova_budget);
           if (qmode == QueryMode::Always) hm.tovaq.emplace(cfg.tova_n_sink, cfg.tova_budget);
           break;
-        case Policy::Streaming:
+        case Method::streaming_llm:
           hm.stream.emplace(cfg.stream_n_sink, cfg.stream_window_size);
           break;
-        case Policy::SnapKV:
+        case Method::snapkv:
           hm.snap.emplace(cfg.snap_n_sink, cfg.snap_budget, cfg.snap_obs_window);
           break;
         default:
@@ -257,19 +255,19 @@ class SequenceModel {
   /// were evicted).
   void count_call(Index S, std::int64_t first) {
     const vc::KVCacheConfig& cfg = spec_.cfg;
-    switch (spec_.policy) {
-      case Policy::Standard:
+    switch (spec_.method) {
+      case Method::standard:
         count += S;
         break;
-      case Policy::Streaming: {
+      case Method::streaming_llm: {
         const Index sinks = std::min<Index>(offset, cfg.stream_n_sink);
         count = sinks + std::min<Index>(offset - sinks, cfg.stream_window_size);
         break;
       }
-      case Policy::TOVA:
+      case Method::tova:
         count = std::min<Index>(count + S, cfg.tova_budget);
         break;
-      case Policy::SnapKV:
+      case Method::snapkv:
         // A prompt chunk past the budget is cut to it (SPEC 13.3); decode steps append.
         if (S > 1 && count + S > cfg.snap_budget) {
           snap_compressed = true;

@@ -33,13 +33,13 @@ class CacheUnderTest {
       return true;
     }
     std::unique_ptr<vc::KVCache<T>> c =
-        s.direct ? construct(s.policy, s.cfg) : vc::KVCacheFactory::create<T>(s.cfg);
+        s.direct ? construct(s.method, s.cfg) : vc::KVCacheFactory::create<T>(s.cfg);
     layer = c.get();
     owned.push_back(std::move(c));
     return true;
   }
 
-  /// Typed pointers, checking that the factory/builder made the class of the policy. Returns ""
+  /// Typed pointers, checking that the factory/builder made the class of the method. Returns ""
   /// or what is wrong.
   std::string bind(const RunSpec& s) {
     vc::KVCache<T>* c = layer;
@@ -55,8 +55,8 @@ class CacheUnderTest {
     stream = dynamic_cast<vc::StreamingLLMCache<T>*>(c);
     snap = dynamic_cast<vc::SnapKVCache<T>*>(c);
     if (!is_class_of(s)) return "the factory/builder made the wrong cache class for the method";
-    if (s.policy != Policy::Standard && c->is_trimmable()) return "an eviction cache is trimmable";
-    if (s.policy == Policy::SqueezeBuilder) coordinator = squeeze->coordinator();
+    if (s.method != Method::standard && c->is_trimmable()) return "an eviction cache is trimmable";
+    if (s.squeeze_builder()) coordinator = squeeze->coordinator();
     return "";
   }
 
@@ -93,50 +93,48 @@ class CacheUnderTest {
   vc::KVPair<T> out;  ///< the output reused by update_and_fetch_into
 
  private:
-  /// The policy's own constructor.
-  static std::unique_ptr<vc::KVCache<T>> construct(Policy p, const vc::KVCacheConfig& cfg) {
-    switch (p) {
-      case Policy::Standard:
+  /// The method's own class's constructor (a single cache: not a builder run).
+  static std::unique_ptr<vc::KVCache<T>> construct(Method m, const vc::KVCacheConfig& cfg) {
+    switch (m) {
+      case Method::standard:
         return std::make_unique<vc::KVCache<T>>(cfg);
-      case Policy::SqueezeSingle:
+      case Method::squeeze:
         return std::make_unique<vc::SqueezeAttentionCache<T>>(cfg);
-      case Policy::H2O:
+      case Method::h2o:
         return std::make_unique<vc::H2OCache<T>>(cfg);
-      case Policy::PyramidSingle:
+      case Method::pyramidkv:
         return std::make_unique<vc::PyramidKVCache<T>>(cfg);
-      case Policy::TOVA:
+      case Method::tova:
         return std::make_unique<vc::TOVACache<T>>(cfg);
-      case Policy::Streaming:
+      case Method::streaming_llm:
         return std::make_unique<vc::StreamingLLMCache<T>>(cfg);
-      case Policy::SnapKV:
+      case Method::snapkv:
         return std::make_unique<vc::SnapKVCache<T>>(cfg);
-      default:
+      default:  // a method without a run in kRunMethods
         return nullptr;
     }
   }
 
   /// Whether the bound cache is of the class `s` asks for.
   bool is_class_of(const RunSpec& s) const {
-    switch (s.policy) {
-      case Policy::Standard:
+    switch (s.method) {
+      case Method::standard:
         return !scored && !stream && layer->is_trimmable();
-      case Policy::SqueezeSingle:
-        return squeeze && !squeeze->coordinator() && !squeeze->layer_id();
-      case Policy::SqueezeBuilder:
+      case Method::squeeze:
+        if (!s.builder()) return squeeze && !squeeze->coordinator() && !squeeze->layer_id();
         return squeeze && squeeze->coordinator() && squeeze->layer_id() == s.layer &&
                squeeze->coordinator()->n_layers() == s.layers;
-      case Policy::H2O:
+      case Method::h2o:
         return h2o != nullptr;
-      case Policy::PyramidSingle:
-      case Policy::PyramidBuilder:
+      case Method::pyramidkv:
         return pyramid != nullptr;
-      case Policy::TOVA:
+      case Method::tova:
         return tova != nullptr;
-      case Policy::Streaming:
+      case Method::streaming_llm:
         return stream != nullptr;
-      case Policy::SnapKV:
+      case Method::snapkv:
         return snap != nullptr;
-      default:
+      default:  // a method without a run in kRunMethods
         return false;
     }
   }

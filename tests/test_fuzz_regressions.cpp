@@ -77,8 +77,8 @@ TEST(FuzzRegressions, SeedCorpusReplaysCleanAndReachesEveryPolicy) {
   ASSERT_GE(n, 10u) << "the seed corpus at " << dir.string() << " looks incomplete";
   // The corpus really exercises what it is meant to: a harness that silently did nothing would
   // pass the loop above, so check the counters too.
-  for (int p = 0; p < 9; ++p)
-    EXPECT_GT(stats.policy_runs[p], 0u) << "policy " << p << " not reached";
+  for (int r = 0; r < fz::detail::kRunCount; ++r)
+    EXPECT_GT(stats.method_runs[r], 0u) << fz::detail::run_name(r) << " not reached";
   EXPECT_GT(stats.invalid_configs, 0u);
   EXPECT_GT(stats.rejected, 10u);
   EXPECT_GT(stats.query_calls, 10u);
