@@ -213,10 +213,11 @@ int tasks_for(const Layer<T>& L, Index n_heads, const ScratchSize& size) {
 
 /// Reserves room for the call: fresh heads for a layer's first call (returned, swapped in by
 /// run_call), otherwise compaction (logically invisible) and growth of every head; then the
-/// scratch of every worker. The logical state is unchanged even if an allocation throws.
+/// scratch (`size`) of each of the call's `tasks` workers. The logical state is unchanged even if
+/// an allocation throws.
 template <class T>
 std::vector<HeadStore<T>> reserve(Layer<T>& L, const InputRows& keys, const InputRows& values,
-                                  const CallPlan& plan) {
+                                  const ScratchSize& size, int tasks) {
   const Rule& rule = L.state.rule;
   const bool key_sum = rule.proxy == ProxyScoring::keydiff;
   std::vector<HeadStore<T>> fresh;
@@ -226,8 +227,7 @@ std::vector<HeadStore<T>> reserve(Layer<T>& L, const InputRows& keys, const Inpu
   } else {
     grow_heads(L.heads, keys.seq, rule.steady_rows(), key_sum, rule.adaptive);
   }
-  const ScratchSize size = scratch_size(L, keys, plan);
-  const auto workers = static_cast<std::size_t>(tasks_for(L, keys.batch * keys.heads, size));
+  const auto workers = static_cast<std::size_t>(tasks);
   if (L.scratch.size() < workers) L.scratch.resize(workers);
   for (std::size_t i = 0; i < L.scratch.size(); ++i) {
     // Adaptive heads: the pooled eviction runs on the first worker's scratch, after the heads
@@ -247,10 +247,9 @@ struct PoolCall {
   std::shared_ptr<TaskLedger> ledger;
   std::function<void(int)> task;
 };
-template <class T>
-PoolCall pool_call(const Layer<T>& L, const InputRows& keys, const CallPlan& plan) {
+inline PoolCall pool_call(int tasks) {
   PoolCall p;
-  p.tasks = tasks_for(L, keys.batch * keys.heads, scratch_size(L, keys, plan));
+  p.tasks = tasks;
   if (p.tasks <= 1) return p;
   p.ledger = std::make_shared<TaskLedger>(p.tasks);
   p.task = [ledger = p.ledger](int t) { ledger->run(t); };
@@ -424,8 +423,10 @@ CallView run_call(Layer<T>& L, const Call& c, DenseOut<T>* out, CallHooks& hooks
   hooks.inspect_call(keys);
   const Index groups = c.queries ? c.queries->heads / keys.heads : 0;
   const CallPlan plan = plan_call(L.state.rule, S, groups, c.att != nullptr, L.live_rows());
-  std::vector<HeadStore<T>> fresh = reserve(L, keys, values, plan);
-  PoolCall pool = pool_call(L, keys, plan);
+  const ScratchSize size = scratch_size(L, keys, plan);
+  const int tasks = tasks_for(L, keys.batch * keys.heads, size);
+  std::vector<HeadStore<T>> fresh = reserve(L, keys, values, size, tasks);
+  PoolCall pool = pool_call(tasks);
   // The output (the retained rows plus the call's) is sized last before the policy starts the
   // call: a call refused before here leaves `out` as it was, and a bad_alloc here leaves the
   // cache unchanged (a policy that refuses in start_call leaves `out` resized).
