@@ -1,5 +1,5 @@
 // Quantized storage (docs/design.md 2.9, 7.4). The row format and the quantized kernels alone, on
-// purpose (quant.hpp, simd_kernels.inl): every element within half a step of its group after a
+// purpose (quant.hpp, simd/kernels.inl): every element within half a step of its group after a
 // round trip; every quantized kernel on every path gives bitwise what its float32 counterpart
 // gives on the dequantized rows. Then through the public API: a quantized cache of every policy
 // scores, evicts and attends bitwise as a float32 cache fed the dequantized rows; bad widths,

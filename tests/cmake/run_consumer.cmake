@@ -101,7 +101,7 @@ if(MODE STREQUAL "install")
     list(APPEND args --config "${CONFIG}")
   endif()
   run_step("${CMAKE_COMMAND}" ${args})
-  foreach(rel IN ITEMS include/veloxquant/cache.hpp include/veloxquant/cache/detail/simd_kernels.inl
+  foreach(rel IN ITEMS include/veloxquant/cache.hpp include/veloxquant/cache/detail/simd/kernels.inl
                        share/cmake/veloxquant/veloxquantConfig.cmake
                        share/cmake/veloxquant/veloxquantConfigVersion.cmake
                        share/cmake/veloxquant/veloxquantTargets.cmake

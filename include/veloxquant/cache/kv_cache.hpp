@@ -4,7 +4,7 @@
 // its heads, its scratch); every update API runs detail::run_call, the one call pipeline
 // (detail/call_pipeline.hpp); a policy is data (detail::Rule) plus, for SqueezeAttention alone,
 // the pipeline's hooks. Each cache writes and restores its own state (write_state / read_state,
-// detail/layer_io.hpp, docs/design.md G). KVView<T>, the zero-copy window of one call, is in
+// detail/format/layer_io.hpp, docs/design.md G). KVView<T>, the zero-copy window of one call, is in
 // kv_view.hpp.
 #pragma once
 
@@ -25,11 +25,11 @@
 #include "detail/call_gate.hpp"
 #include "detail/call_pipeline.hpp"
 #include "detail/checks.hpp"
+#include "detail/format/layer_io.hpp"
+#include "detail/format/state_io.hpp"
 #include "detail/head_store.hpp"
 #include "detail/input.hpp"
 #include "detail/layer.hpp"
-#include "detail/layer_io.hpp"
-#include "detail/state_io.hpp"
 #include "kv_cache_config.hpp"
 #include "kv_view.hpp"
 #include "parallel.hpp"
@@ -299,8 +299,8 @@ class KVCache {
   /// Writes the cache's state after the config the container wrote: the descriptor (state flags,
   /// budget, dims, offset, tokens_seen, rows per head), then, when it holds rows, one block per
   /// head (b-major): positions, scores where the policy scores rows, keys, values, in the slot
-  /// order compaction would leave (detail/layer_io.hpp). Only reads the cache. A class that adds
-  /// state overrides this and read_state, its fields after the base descriptor's.
+  /// order compaction would leave (detail/format/layer_io.hpp). Only reads the cache. A class that
+  /// adds state overrides this and read_state, its fields after the base descriptor's.
   virtual void write_state(detail::StateWriter& w) const {
     detail::write_descriptor(layer_, w);
     w.end_descriptor();
@@ -411,9 +411,9 @@ class KVCache {
   }
 
   /// What the layer holds: a class that adds state builds its write_state and read_state from
-  /// detail/layer_io.hpp's parts over it.
+  /// detail/format/layer_io.hpp's parts over it.
   const detail::Layer<T>& layer() const { return layer_; }
-  /// A state read and not yet installed (detail/state_checks.hpp).
+  /// A state read and not yet installed (detail/format/state_checks.hpp).
   using SavedState = detail::SavedCache<T>;
   /// Makes the cache stand where the saved one stood (its heads leave `s`).
   void install(SavedState& s) { detail::install(layer_, s); }

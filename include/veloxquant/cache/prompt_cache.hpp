@@ -7,8 +7,8 @@
 // The file is untrusted input: versioned, little-endian, a CRC-32C per section and per head; every
 // structural and semantic rule a cache keeps is checked before the set is handed out; a file that
 // breaks one raises std::runtime_error naming the part of the file and the problem; the loader
-// allocates as data arrives (detail/byte_io.hpp), so a crafted count cannot make it reserve memory
-// the file does not hold. The format, field by field, and its compatibility rule are in
+// allocates as data arrives (detail/format/byte_io.hpp), so a crafted count cannot make it reserve
+// memory the file does not hold. The format, field by field, and its compatibility rule are in
 // docs/design.md G.
 #pragma once
 
@@ -29,9 +29,9 @@
 #include <utility>
 #include <vector>
 
-#include "detail/byte_io.hpp"
+#include "detail/format/byte_io.hpp"
+#include "detail/format/state_io.hpp"
 #include "detail/head_store.hpp"
-#include "detail/state_io.hpp"
 #include "kv_cache.hpp"
 #include "kv_cache_config.hpp"
 #include "kv_cache_factory.hpp"
@@ -88,9 +88,10 @@ enum class FieldType : std::uint8_t { i32 = 1, f64 = 2, boolean = 3, string = 4,
 
 /// The file's container (docs/design.md G): the header, the metadata, the coordinator table,
 /// each cache's config, and the framing of the state each cache class writes and restores itself
-/// (KVCache::write_state / read_state through detail/state_io.hpp): checksums, allocation charges
-/// and the untrusted-input rules of the file as a whole. It knows no class's private fields; the
-/// class a cache is loaded as is the one the factory builds for its saved config's method.
+/// (KVCache::write_state / read_state through detail/format/state_io.hpp): checksums, allocation
+/// charges and the untrusted-input rules of the file as a whole. It knows no class's private
+/// fields; the class a cache is loaded as is the one the factory builds for its saved config's
+/// method.
 template <class T>
 class PromptCacheIO {
  public:

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "detail/budgets.hpp"
-#include "detail/byte_io.hpp"
-#include "detail/state_io.hpp"
+#include "detail/format/byte_io.hpp"
+#include "detail/format/state_io.hpp"
 
 namespace veloxquant::cache {
 

@@ -2,7 +2,7 @@
 // value (LayerState, which fork, checkpoint, rollback and a load copy whole), its heads of rows,
 // the scratch of its workers and the buffers rows leave through. KVCache<T> is the interface over
 // a Layer<T>; the call pipeline that changes it is in call_pipeline.hpp, its saved form in
-// layer_io.hpp.
+// format/layer_io.hpp.
 #pragma once
 
 #include <Eigen/Core>

@@ -10,7 +10,7 @@
 //
 // Storing a row (quantize_row) is plain C++ written so that no multiply-add can be contracted:
 // the codes are the same whatever the consumer's flags. Reading rows is the kernels' job
-// (simd_kernels.inl: dequantize in registers, the same multiply-add on every read).
+// (simd/kernels.inl: dequantize in registers, the same multiply-add on every read).
 #pragma once
 
 #include <Eigen/Core>

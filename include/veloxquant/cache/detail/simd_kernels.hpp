@@ -16,7 +16,7 @@
 
 #include "cpu.hpp"
 #include "quant.hpp"
-#include "simd_common.hpp"
+#include "simd/common.hpp"
 
 // A TU built against the compiled library (VELOXQUANT_EXTERN_TEMPLATES, the veloxquant::compiled
 // target) instantiates no cache member, so it calls no kernel: there the dispatching kernels
@@ -42,39 +42,39 @@ using Index = Eigen::Index;
 
 #if VELOXQUANT_DETAIL_KERNELS_DEFINED
 
-#include "simd_scalar.hpp"
+#include "simd/scalar.hpp"
 
 namespace veloxquant::cache::detail::scalar {
-#include "simd_kernels.inl"
+#include "simd/kernels.inl"
 }  // namespace veloxquant::cache::detail::scalar
 
 #if VELOXQUANT_DETAIL_X86
 
-#include "simd_sse2.hpp"
+#include "simd/sse2.hpp"
 namespace veloxquant::cache::detail::sse2 {
-#include "simd_kernels.inl"
+#include "simd/kernels.inl"
 }  // namespace veloxquant::cache::detail::sse2
 
-#include "simd_avx2.hpp"
+#include "simd/avx2.hpp"
 VELOXQUANT_DETAIL_TARGET_AVX2_BEGIN
 namespace veloxquant::cache::detail::avx2 {
-#include "simd_kernels.inl"
+#include "simd/kernels.inl"
 }  // namespace veloxquant::cache::detail::avx2
 VELOXQUANT_DETAIL_TARGET_AVX2_END
 
-#include "simd_avx512.hpp"
+#include "simd/avx512.hpp"
 VELOXQUANT_DETAIL_TARGET_AVX512_BEGIN
 namespace veloxquant::cache::detail::avx512 {
-#include "simd_kernels.inl"
+#include "simd/kernels.inl"
 }  // namespace veloxquant::cache::detail::avx512
 VELOXQUANT_DETAIL_TARGET_AVX512_END
 
 #endif  // VELOXQUANT_DETAIL_X86
 
 #if VELOXQUANT_DETAIL_ARM64
-#include "simd_neon.hpp"
+#include "simd/neon.hpp"
 namespace veloxquant::cache::detail::neon {
-#include "simd_kernels.inl"
+#include "simd/kernels.inl"
 }  // namespace veloxquant::cache::detail::neon
 #endif  // VELOXQUANT_DETAIL_ARM64
 
@@ -98,7 +98,7 @@ namespace veloxquant::cache::detail {
   }                                      \
   return scalar::call
 #elif VELOXQUANT_DETAIL_ARM64
-#define VELOXQUANT_DETAIL_DISPATCH(call)                           \
+#define VELOXQUANT_DETAIL_DISPATCH(call)                         \
   if (active_simd_level() == SimdLevel::neon) return neon::call; \
   return scalar::call
 #else

@@ -3,7 +3,7 @@
 // it.
 #pragma once
 
-#include "cpu.hpp"
+#include "../cpu.hpp"
 #if VELOXQUANT_DETAIL_X86
 #include <immintrin.h>
 
@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "simd_common.hpp"
+#include "common.hpp"
 
 VELOXQUANT_DETAIL_TARGET_AVX512_BEGIN
 namespace veloxquant::cache::detail::avx512 {

@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu.hpp"
+#include "../cpu.hpp"
 
 #if VELOXQUANT_DETAIL_X86
 #include <nmmintrin.h>

@@ -14,10 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "checks.hpp"
-#include "head_store.hpp"
-#include "policy.hpp"
-#include "quant.hpp"
+#include "../checks.hpp"
+#include "../head_store.hpp"
+#include "../policy.hpp"
+#include "../quant.hpp"
 
 namespace veloxquant::cache::detail {
 

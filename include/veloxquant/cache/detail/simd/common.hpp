@@ -4,14 +4,15 @@
 
 // Target regions: the code between BEGIN and END is compiled for that instruction set whatever the
 // consumer's flags (GCC: target pragma; Clang: an attribute on every function). No warning is
-// silenced in them: simd_avx512.hpp avoids the intrinsics GCC 12 warns about.
+// silenced in them: simd/avx512.hpp avoids the intrinsics GCC 12 warns about.
 #if defined(__clang__)
 #define VELOXQUANT_DETAIL_TARGET_AVX2_BEGIN \
   _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c\"))), apply_to = function)")
 #define VELOXQUANT_DETAIL_TARGET_AVX2_END _Pragma("clang attribute pop")
-#define VELOXQUANT_DETAIL_TARGET_AVX512_BEGIN                                                     \
-  _Pragma(                                                                                      \
-      "clang attribute push(__attribute__((target(\"avx512f,avx2,fma,f16c\"))), apply_to = function)")
+#define VELOXQUANT_DETAIL_TARGET_AVX512_BEGIN                                                \
+  _Pragma(                                                                                   \
+      "clang attribute push(__attribute__((target(\"avx512f,avx2,fma,f16c\"))), apply_to = " \
+      "function)")
 #define VELOXQUANT_DETAIL_TARGET_AVX512_END _Pragma("clang attribute pop")
 #else
 #define VELOXQUANT_DETAIL_TARGET_AVX2_BEGIN \

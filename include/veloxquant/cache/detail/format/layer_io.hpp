@@ -2,7 +2,7 @@
 // (state flags, budget, dims, offset, tokens_seen, rows per head), the head blocks (b-major:
 // positions, scores where the policy scores rows, what the class adds, keys, values, in the slot
 // order compaction would leave), and the way back: read, checked against every rule a layer keeps
-// between calls (state_checks.hpp), then installed in one step. KVCache<T>::write_state and
+// between calls (format/state_checks.hpp), then installed in one step. KVCache<T>::write_state and
 // read_state are built from these; a class that adds state adds its fields after the descriptor
 // and, through an Extra, in each head block.
 #pragma once
@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "../layer.hpp"
 #include "byte_io.hpp"
-#include "layer.hpp"
 #include "state_checks.hpp"
 #include "state_io.hpp"
 
@@ -75,9 +75,9 @@ SavedCache<T> read_descriptor(StateReader& r) {
   return s;
 }
 
-/// The rules every layer keeps between calls, on the descriptor (state_checks.hpp; its flags are
-/// checked first, by check_saved_flags). `budget_from_config`: the budget in force is the one the
-/// config gives.
+/// The rules every layer keeps between calls, on the descriptor (format/state_checks.hpp; its flags
+/// are checked first, by check_saved_flags). `budget_from_config`: the budget in force is the one
+/// the config gives.
 template <class T>
 void check_descriptor(const Layer<T>& L, const SavedCache<T>& s, bool budget_from_config) {
   check_saved_descriptor(s, L.state.rule, L.storage.key_format(s.key_dim),

@@ -5,14 +5,13 @@
 // Included by simd_kernels.hpp only.
 #pragma once
 
+#include <Eigen/Core>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#include <Eigen/Core>
-
-#include "quant.hpp"
-#include "simd_common.hpp"
+#include "../quant.hpp"
+#include "common.hpp"
 
 namespace veloxquant::cache::detail::scalar {
 
@@ -27,7 +26,7 @@ inline V vzero() {
   for (float& f : r.x) f = 0.0f;
   return r;
 }
-/// A no-op here (simd_avx2.hpp: keeps a value in a register).
+/// A no-op here (simd/avx2.hpp: keeps a value in a register).
 inline void vpin(V&) {}
 inline V vset(float a) {
   V r;
