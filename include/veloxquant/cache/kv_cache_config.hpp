@@ -398,9 +398,9 @@ void for_each_config_field(Config& c, F&& f) {
   f("key_bits", c.key_bits);
   f("value_bits", c.value_bits);
   f("quant_group", c.quant_group);
-  f("proxy_scoring", c.proxy_scoring);          // since prompt-cache format version 2
-  f("value_norm_power", c.value_norm_power);    // since prompt-cache format version 3
-  f("head_budgets", c.head_budgets);            // since prompt-cache format version 4
+  f("proxy_scoring", c.proxy_scoring);        // since prompt-cache format version 2
+  f("value_norm_power", c.value_norm_power);  // since prompt-cache format version 3
+  f("head_budgets", c.head_budgets);          // since prompt-cache format version 4
   f("head_budget_floor", c.head_budget_floor);  // since prompt-cache format version 4
 }
 

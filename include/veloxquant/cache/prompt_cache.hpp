@@ -30,8 +30,8 @@
 #include <vector>
 
 #include "detail/format/byte_io.hpp"
-#include "detail/format/state_io.hpp"
 #include "detail/head_store.hpp"
+#include "detail/format/state_io.hpp"
 #include "kv_cache.hpp"
 #include "kv_cache_config.hpp"
 #include "kv_cache_factory.hpp"
@@ -89,9 +89,9 @@ enum class FieldType : std::uint8_t { i32 = 1, f64 = 2, boolean = 3, string = 4,
 /// The file's container (docs/design.md G): the header, the metadata, the coordinator table,
 /// each cache's config, and the framing of the state each cache class writes and restores itself
 /// (KVCache::write_state / read_state through detail/format/state_io.hpp): checksums, allocation
-/// charges and the untrusted-input rules of the file as a whole. It knows no class's private
-/// fields; the class a cache is loaded as is the one the factory builds for its saved config's
-/// method.
+/// charges
+/// and the untrusted-input rules of the file as a whole. It knows no class's private fields; the
+/// class a cache is loaded as is the one the factory builds for its saved config's method.
 template <class T>
 class PromptCacheIO {
  public:

@@ -17,8 +17,7 @@ template <class T = Eigen::half>
 class TOVACache : public KVCache<T> {
  public:
   /// Validates `config` as method "tova"; throws std::invalid_argument.
-  explicit TOVACache(const KVCacheConfig& config)
-      : KVCache<T>(rule_of(config), config, detail::Method::tova) {}
+  explicit TOVACache(const KVCacheConfig& config) : KVCache<T>(rule_of(config), config, detail::Method::tova) {}
 
   using KVCache<T>::n_sink;
 

@@ -91,8 +91,9 @@ inline const X86Features& x86_features() {
 
 #if VELOXQUANT_DETAIL_ARM64
 /// True when the CPU has the ARMv8 CRC32 instructions (the prompt-cache checksum,
-/// format/crc32c.hpp): read from the kernel's hardware capabilities on Linux and Android, assumed
-/// on Apple (every Apple CPU has them), else known from the compiler's target.
+/// format/crc32c.hpp):
+/// read from the kernel's hardware capabilities on Linux and Android, assumed on Apple (every
+/// Apple CPU has them), else known from the compiler's target.
 inline bool arm64_has_crc32() {
 #if defined(__APPLE__) || defined(__ARM_FEATURE_CRC32)
   return true;
@@ -132,7 +133,8 @@ inline bool cpu_supports(SimdLevel level) {
 
 /// The fastest level this CPU supports.
 inline SimdLevel best_simd_level() {
-  for (const SimdLevel l : {SimdLevel::neon, SimdLevel::avx512, SimdLevel::avx2, SimdLevel::sse2}) {
+  for (const SimdLevel l :
+       {SimdLevel::neon, SimdLevel::avx512, SimdLevel::avx2, SimdLevel::sse2}) {
     if (cpu_supports(l)) return l;
   }
   return SimdLevel::scalar;

@@ -98,7 +98,7 @@ namespace veloxquant::cache::detail {
   }                                      \
   return scalar::call
 #elif VELOXQUANT_DETAIL_ARM64
-#define VELOXQUANT_DETAIL_DISPATCH(call)                         \
+#define VELOXQUANT_DETAIL_DISPATCH(call)                           \
   if (active_simd_level() == SimdLevel::neon) return neon::call; \
   return scalar::call
 #else

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "../layer.hpp"
 #include "byte_io.hpp"
+#include "../layer.hpp"
 #include "state_checks.hpp"
 #include "state_io.hpp"
 
@@ -75,9 +75,10 @@ SavedCache<T> read_descriptor(StateReader& r) {
   return s;
 }
 
-/// The rules every layer keeps between calls, on the descriptor (format/state_checks.hpp; its flags
-/// are checked first, by check_saved_flags). `budget_from_config`: the budget in force is the one
-/// the config gives.
+/// The rules every layer keeps between calls, on the descriptor (format/state_checks.hpp; its
+/// flags are
+/// checked first, by check_saved_flags). `budget_from_config`: the budget in force is the one the
+/// config gives.
 template <class T>
 void check_descriptor(const Layer<T>& L, const SavedCache<T>& s, bool budget_from_config) {
   check_saved_descriptor(s, L.state.rule, L.storage.key_format(s.key_dim),

@@ -18,8 +18,8 @@
 #include <utility>
 #include <vector>
 
-#include "../head_store.hpp"
 #include "byte_io.hpp"
+#include "../head_store.hpp"
 
 namespace veloxquant::cache {
 class SqueezeCoordinator;  // squeeze_coordinator.hpp; held here by pointer only

@@ -8,9 +8,10 @@
 #if VELOXQUANT_DETAIL_X86
 #include <immintrin.h>
 
-#include <Eigen/Core>
 #include <cstdint>
 #include <cstring>
+
+#include <Eigen/Core>
 
 #include "common.hpp"
 
@@ -81,8 +82,8 @@ inline V vexp_flush(V x) {
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kExpP5));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x);
   y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
-  const __m256i e =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
   const V small = _mm256_cmp_ps(y, _mm256_set1_ps(kSoftmaxMinWeight), _CMP_LT_OQ);
   return _mm256_andnot_ps(small, y);

@@ -9,10 +9,9 @@
 #define VELOXQUANT_DETAIL_TARGET_AVX2_BEGIN \
   _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c\"))), apply_to = function)")
 #define VELOXQUANT_DETAIL_TARGET_AVX2_END _Pragma("clang attribute pop")
-#define VELOXQUANT_DETAIL_TARGET_AVX512_BEGIN                                                \
-  _Pragma(                                                                                   \
-      "clang attribute push(__attribute__((target(\"avx512f,avx2,fma,f16c\"))), apply_to = " \
-      "function)")
+#define VELOXQUANT_DETAIL_TARGET_AVX512_BEGIN                                                     \
+  _Pragma(                                                                                      \
+      "clang attribute push(__attribute__((target(\"avx512f,avx2,fma,f16c\"))), apply_to = function)")
 #define VELOXQUANT_DETAIL_TARGET_AVX512_END _Pragma("clang attribute pop")
 #else
 #define VELOXQUANT_DETAIL_TARGET_AVX2_BEGIN \

@@ -13,9 +13,10 @@
 #if VELOXQUANT_DETAIL_ARM64
 #include <arm_neon.h>
 
-#include <Eigen/Core>
 #include <cstdint>
 #include <cstring>
+
+#include <Eigen/Core>
 
 #include "common.hpp"
 
@@ -136,10 +137,10 @@ inline void vreduce_add4(V a, V b, V c, V d, float* out) {
 /// The AVX2 path's tree: lanes i and i + 4, then 0 and 2, 1 and 3, then the two left.
 inline float vreduce_max(V a) {
   const float32x4_t t = max4(a.lo, a.hi);
-  const float u0 =
-      vgetq_lane_f32(t, 0) > vgetq_lane_f32(t, 2) ? vgetq_lane_f32(t, 0) : vgetq_lane_f32(t, 2);
-  const float u1 =
-      vgetq_lane_f32(t, 1) > vgetq_lane_f32(t, 3) ? vgetq_lane_f32(t, 1) : vgetq_lane_f32(t, 3);
+  const float u0 = vgetq_lane_f32(t, 0) > vgetq_lane_f32(t, 2) ? vgetq_lane_f32(t, 0)
+                                                                : vgetq_lane_f32(t, 2);
+  const float u1 = vgetq_lane_f32(t, 1) > vgetq_lane_f32(t, 3) ? vgetq_lane_f32(t, 1)
+                                                                : vgetq_lane_f32(t, 3);
   return u0 > u1 ? u0 : u1;
 }
 
@@ -155,14 +156,13 @@ inline uint16x4_t to_bfloat16(float32x4_t x) {
   const uint32x4_t u = vreinterpretq_u32_f32(x);
   const uint32x4_t lsb = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
   const uint16x4_t rounded = vshrn_n_u32(vaddq_u32(vaddq_u32(u, vdupq_n_u32(0x7fff)), lsb), 16);
-  const uint16x4_t nan =
-      vorr_u16(vmovn_u32(vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(0x8000))), vdup_n_u16(0x7fc0));
+  const uint16x4_t nan = vorr_u16(vmovn_u32(vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(0x8000))),
+                                  vdup_n_u16(0x7fc0));
   const uint16x4_t is_num = vmovn_u32(vceqq_f32(x, x));
   return vbsl_u16(is_num, rounded, nan);
 }
 inline void vstore_row(Eigen::bfloat16* p, V a) {
-  vst1q_u16(reinterpret_cast<std::uint16_t*>(p),
-            vcombine_u16(to_bfloat16(a.lo), to_bfloat16(a.hi)));
+  vst1q_u16(reinterpret_cast<std::uint16_t*>(p), vcombine_u16(to_bfloat16(a.lo), to_bfloat16(a.hi)));
 }
 
 }  // namespace veloxquant::cache::detail::neon

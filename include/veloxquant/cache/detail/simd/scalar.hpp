@@ -5,10 +5,11 @@
 // Included by simd_kernels.hpp only.
 #pragma once
 
-#include <Eigen/Core>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include <Eigen/Core>
 
 #include "../quant.hpp"
 #include "common.hpp"

@@ -8,9 +8,10 @@
 #if VELOXQUANT_DETAIL_X86
 #include <emmintrin.h>
 
-#include <Eigen/Core>
 #include <cstdint>
 #include <cstring>
+
+#include <Eigen/Core>
 
 #include "../quant.hpp"
 #include "common.hpp"
@@ -31,12 +32,12 @@ inline V vload_row(const float* p) { return _mm_loadu_ps(p); }
 /// Four halves to float32: exponent rebias by a multiply by 2^112 (exact, also for subnormal
 /// halves), infinities and NaNs get the all-ones exponent, then the sign.
 inline V vload_row(const Eigen::half* p) {
-  const __m128i h =
-      _mm_unpacklo_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), _mm_setzero_si128());
+  const __m128i h = _mm_unpacklo_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
+                                       _mm_setzero_si128());
   const __m128i em = _mm_and_si128(h, _mm_set1_epi32(0x7fff));
   const __m128i sign = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16);
-  __m128i f = _mm_castps_si128(_mm_mul_ps(_mm_castsi128_ps(_mm_slli_epi32(em, 13)),
-                                          _mm_castsi128_ps(_mm_set1_epi32(0x77800000))));
+  __m128i f = _mm_castps_si128(
+      _mm_mul_ps(_mm_castsi128_ps(_mm_slli_epi32(em, 13)), _mm_castsi128_ps(_mm_set1_epi32(0x77800000))));
   const __m128i special = _mm_cmpgt_epi32(em, _mm_set1_epi32(0x7bff));
   f = _mm_or_si128(f, _mm_and_si128(special, _mm_set1_epi32(0x7f800000)));
   return _mm_castsi128_ps(_mm_or_si128(f, sign));
@@ -73,9 +74,7 @@ inline V vsub(V a, V b) { return _mm_sub_ps(a, b); }
 inline V vmul(V a, V b) { return _mm_mul_ps(a, b); }
 inline V vmax(V a, V b) { return _mm_max_ps(a, b); }
 inline V vmin(V a, V b) { return _mm_min_ps(a, b); }
-inline unsigned vmask_eq(V a, V b) {
-  return static_cast<unsigned>(_mm_movemask_ps(_mm_cmpeq_ps(a, b)));
-}
+inline unsigned vmask_eq(V a, V b) { return static_cast<unsigned>(_mm_movemask_ps(_mm_cmpeq_ps(a, b))); }
 /// a * b + c with two roundings, never fused.
 inline V vmadd(V a, V b, V c) {
   V p = _mm_mul_ps(a, b);
