@@ -35,6 +35,10 @@
 //   BM_DecodeAttendQuant/budget/bits  BM_DecodeAttend over quantized rows (docs/design.md 2.9):
 //                                 keys and values at `bits` (8 or 4), group 32; its comparison
 //                                 point is BM_DecodeAttend (half rows) at the same budget
+//   BM_DecodeAttendChannel/budget/bits  the same with keys and values quantized along channels
+//                                 (docs/design.md 7.5), blocks of 32; same comparison point
+//   BM_ChannelHeap/budget         heap_bytes() / kept_bytes() of an H2O cache over 4-bit
+//                                 channel-axis rows after 2,000 decode steps (counters)
 //   BM_PrefillAttend/S            an S-token prompt through attend() into budget 512
 //   BM_CausalAttention/S/8        its comparison point (above, 32 query heads over 8 KV heads)
 #include <benchmark/benchmark.h>
@@ -403,6 +407,46 @@ void BM_DecodeAttendQuant(benchmark::State& state) {
   config.quant_group = 32;
   decode_attend(state, config, budget);
 }
+// BM_DecodeAttend with keys and values quantized to `bits` along channels, blocks of 32.
+void BM_DecodeAttendChannel(benchmark::State& state) {
+  const int budget = static_cast<int>(state.range(0));
+  vc::KVCacheConfig config = squeeze_config(budget);
+  config.key_bits = config.value_bits = static_cast<int>(state.range(1));
+  config.key_axis = config.value_axis = "channel";
+  config.quant_block = 32;
+  decode_attend(state, config, budget);
+}
+// The heap a channel-axis cache holds against kept_bytes() (SPEC 17: at most 1.25x after 2,000
+// decode steps at budget 512): H2O at budget `budget`, keys and values at 4 bits along channels
+// in blocks of 32, a `budget`-token prompt and then 2,000 one-token attend calls of fresh random
+// rows, every one evicting. One iteration; the counters are the measurement.
+void BM_ChannelHeap(benchmark::State& state) {
+  const int budget = static_cast<int>(state.range(0));
+  vc::KVCacheConfig config;
+  config.method = "h2o";
+  config.set_budget(budget);
+  config.key_bits = config.value_bits = 4;
+  config.key_axis = config.value_axis = "channel";
+  config.quant_block = 32;
+  for (auto _ : state) {
+    vc::H2OCache<Eigen::half> cache(config);
+    const auto pk = random_tensor<Eigen::half>(1, kAttendKv, budget, kDim, 1);
+    const auto pq = random_tensor<float>(1, kAttendQ, budget, kDim, 2);
+    (void)cache.attend(pq, pk, pk);
+    for (int step = 0; step < 2000; ++step) {
+      const auto seed = static_cast<std::uint32_t>(10 + 3 * step);
+      const auto k = random_tensor<Eigen::half>(1, kAttendKv, 1, kDim, seed);
+      const auto v = random_tensor<Eigen::half>(1, kAttendKv, 1, kDim, seed + 1);
+      const auto q = random_tensor<float>(1, kAttendQ, 1, kDim, seed + 2);
+      benchmark::DoNotOptimize(cache.attend(q, k, v).data());
+    }
+    state.counters["kept_bytes"] = static_cast<double>(cache.kept_bytes());
+    state.counters["heap_bytes"] = static_cast<double>(cache.heap_bytes());
+    state.counters["heap_per_kept"] =
+        static_cast<double>(cache.heap_bytes()) / static_cast<double>(cache.kept_bytes());
+    state.counters["half_rows_bytes"] = static_cast<double>(budget) * kAttendKv * kDim * 2 * 2;
+  }
+}
 // BM_DecodeAttend ranking the evictions by score * |v|^2 (value_norm_power, docs/design.md 4.8).
 void BM_DecodeAttendValueNorm(benchmark::State& state) {
   const int budget = static_cast<int>(state.range(0));
@@ -488,6 +532,11 @@ BENCHMARK(BM_DecodeAttendQuant)
     ->Args({2048, 8})
     ->Args({2048, 4})
     ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DecodeAttendChannel)
+    ->Args({512, 4})
+    ->Args({2048, 4})
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ChannelHeap)->Arg(512)->Iterations(1)->Unit(benchmark::kMillisecond);
 
 // Decode attention with grouped queries over fp32 rows: Eigen GEMMs (the build's flags).
 void BM_DecodeGQAF32Gemm(benchmark::State& state) {

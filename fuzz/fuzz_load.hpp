@@ -294,6 +294,15 @@ inline std::map<std::string, std::string> make_seeds() {
   c.key_bits = 8;
   c.value_bits = 4;
   model(Eigen::half{}, "seed-squeeze-adaptive-q84-half", c, {9, 1, 1}, false);
+  // Channel-axis rows (docs/design.md 7.5): sealed blocks of 8, a pending block part-filled.
+  // (New seeds go last: the random rows of the earlier ones stay what they were.)
+  c = seed_config();
+  c.method = "h2o";
+  c.key_bits = 4;
+  c.value_bits = 2;
+  c.key_axis = c.value_axis = "channel";
+  c.quant_block = 8;
+  model(Eigen::half{}, "seed-h2o-c42-half", c, {9, 1, 1, 1, 1, 1, 1, 1, 1}, true);
   return out;
 }
 

@@ -764,7 +764,9 @@ std::string as_version(const std::string& bytes, std::uint32_t version) {
   fmt::FileMap moved;  // the sections where they lie once the fields are out
   moved.sections = map.sections;
   // The fields that came after version 1, the last in a config first: earlier offsets stay valid.
-  const char* newer[] = {"head_budget_floor", "head_budgets", "value_norm_power", "proxy_scoring"};
+  const char* newer[] = {"quant_block",  "value_axis",       "key_axis",
+                         "head_budget_floor", "head_budgets", "value_norm_power",
+                         "proxy_scoring"};
   for (std::uint32_t i = caches; i-- > 0;) {  // the last cache first, for the same reason
     const std::string p = "cache" + std::to_string(i);
     std::uint32_t removed = 0;
@@ -798,7 +800,7 @@ std::string as_version(const std::string& bytes, std::uint32_t version) {
 /// behaviour that wrote it (docs/design.md G, 4.7), and is the very set: saved again, it is the
 /// current file byte for byte. A version-1 file may not hold the newer field.
 TEST(PromptCacheLoad, Version1FilesLoadWithTheKeyAsQueryProxy) {
-  ASSERT_EQ(vc::detail::kPromptCacheVersion, 4U);
+  ASSERT_EQ(vc::detail::kPromptCacheVersion, 5U);
   const std::string v4 = save_to_string(rich_set<Eigen::half>(), {{"k", "v"}});
   const std::string v1 = as_version<Eigen::half>(v4, 1);
   ASSERT_LT(v1.size(), v4.size());
@@ -1015,7 +1017,7 @@ TEST(PromptCacheLoad, CraftedFilesAreRefusedNamingTheProblem) {
       {"coord0.report0.layer", -1, "negative, out of order or repeated"},
       {"cache0.config.squeeze_budget", 0,
        "its configuration is invalid: KVCacheConfig: squeeze_budget (0)"},
-      {"cache0.config.key_bits", 5, "key_bits (5) must be 16, 8 or 4"},
+      {"cache0.config.key_bits", 5, "key_bits (5) must be 16, 8, 4 or 2"},
       {"cache0.config.squeeze_defer", 2, "config field 'squeeze_defer' is 2"},
       {"cache0.config.method.type", 1, "config field 'method' has type code 1"},
       {"cache0.config_fields", 28, "holds 28 fields"},

@@ -13,6 +13,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <sstream>
+#include <tuple>
 #include <random>
 #include <string>
 #include <vector>
@@ -404,12 +407,12 @@ TEST(QuantizedCache, KeptBytesCountWhatIsHeld) {
   }
 }
 
-/// Widths other than 16, 8, 4 and groups below 8 are rejected at construction (validate, every
+/// Widths other than 16, 8, 4, 2 and groups below 8 are rejected at construction (validate, every
 /// cache, the factory, the builder); the builder also rejects a group that does not divide a
 /// layer's head dim; a cache that learns D from its first call rejects that call and is left
 /// unchanged.
 TEST(QuantizedCache, BadWidthsAndGroupsAreRejectedAtConstruction) {
-  for (const int bits : {0, 1, 2, 3, 5, 6, 7, 9, 12, 15, 17, 32, -8}) {
+  for (const int bits : {0, 1, 3, 5, 6, 7, 9, 12, 15, 17, 32, -8}) {
     for (const bool keys : {true, false}) {
       vc::KVCacheConfig c;
       (keys ? c.key_bits : c.value_bits) = bits;
@@ -589,3 +592,518 @@ TEST(QuantizedCache, TheViewShowsTheDequantizedWindow) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Channel-axis rows (docs/design.md 7.5)
+// ---------------------------------------------------------------------------------------------
+
+/// Channel-axis rows as a head holds them, built here from the format's pieces: positions
+/// [0, 40) but five evicted before their block sealed, in blocks of 8 (quantize_block over the
+/// block's remaining rows), the rows from position 32 on pending at T (float), every row in a
+/// scrambled slot.
+struct ChannelHeld {
+  vd::RowFormat f;
+  Index stride = 0;                   // floats per slot
+  std::vector<float> x;               // [slots, d]: the original rows, by slot
+  std::vector<std::int64_t> pos;      // [slots]
+  std::vector<float> codes;           // [slots, stride]: each slot's codes (bytes)
+  std::vector<std::int64_t> starts;   // first position of each sealed block
+  std::vector<std::uint16_t> tables;  // [blocks, 2 d]
+  std::vector<float> pending;         // [8, d], by lane
+  std::int64_t pending_start = 32;
+
+  Index slots() const { return static_cast<Index>(pos.size()); }
+  vd::StoredRows<float> rows() const {
+    vd::StoredRows<float> r{codes.data(), stride, f};
+    r.pos = pos.data();
+    r.starts = starts.data();
+    r.blocks = static_cast<Index>(starts.size());
+    r.tables = tables.data();
+    r.pending_start = pending_start;
+    r.pending = pending.data();
+    return r;
+  }
+  const std::uint8_t* code_row(Index s) const {
+    return reinterpret_cast<const std::uint8_t*>(codes.data() + s * stride);
+  }
+  /// Slot s's block (-1: pending).
+  Index block_of(Index s) const {
+    const std::int64_t p = pos[static_cast<std::size_t>(s)];
+    return p >= pending_start ? -1 : static_cast<Index>(p / 8);
+  }
+};
+
+ChannelHeld channel_held(std::mt19937& rng, int bits, Index d, float sigma) {
+  ChannelHeld h;
+  h.f = vd::RowFormat{bits, d, 0, true, 8};
+  h.stride = (h.f.code_bytes() + 3) / 4;
+  const std::vector<std::int64_t> evicted = {3, 9, 10, 17, 30};
+  std::vector<std::int64_t> order;
+  for (std::int64_t p = 0; p < 37; ++p) {
+    if (std::find(evicted.begin(), evicted.end(), p) == evicted.end()) order.push_back(p);
+  }
+  std::shuffle(order.begin(), order.end(), rng);
+  const Index n = static_cast<Index>(order.size());
+  h.pos = order;
+  // Channel 1 carries an outlier scale, as keys do.
+  h.x = normal_rows(rng, n, d, sigma);
+  for (Index s = 0; s < n; ++s) h.x[static_cast<std::size_t>(s * d + 1 % d)] *= 40.0f;
+  h.codes.assign(static_cast<std::size_t>(n * h.stride), 0.0f);
+  h.pending.assign(static_cast<std::size_t>(8 * d), 0.0f);
+  for (Index b = 0; b < 4; ++b) {
+    std::vector<const float*> rows;
+    std::vector<std::uint8_t*> out;
+    for (Index s = 0; s < n; ++s) {
+      if (h.block_of(s) != b) continue;
+      rows.push_back(h.x.data() + s * d);
+      out.push_back(reinterpret_cast<std::uint8_t*>(h.codes.data() + s * h.stride));
+    }
+    h.starts.push_back(8 * b);
+    h.tables.resize(h.tables.size() + static_cast<std::size_t>(2 * d));
+    vd::quantize_block(rows.data(), static_cast<Index>(rows.size()), h.f, out.data(),
+                       h.tables.data() + h.tables.size() - static_cast<std::size_t>(2 * d));
+  }
+  for (Index s = 0; s < n; ++s) {
+    if (h.block_of(s) >= 0) continue;
+    std::copy_n(h.x.begin() + s * d, d, h.pending.begin() + (h.pos[static_cast<std::size_t>(s)] - 32) * d);
+  }
+  return h;
+}
+
+/// Every element of a sealed block's row, read back through the kernels on every path, is within
+/// half a step (its channel's stored scale / 2) of the original; a pending row reads back exactly;
+/// on the paths with a fused multiply-add (all but SSE2) the element is exactly fma(code, scale,
+/// offset) of the stored code, scale and offset, so NEON and AVX2 give the scalar path's bits.
+/// 8, 4 and 2 bits; D 64 (whole vectors), 27 and 8 (lane by lane).
+TEST(ChannelRowFormat, RoundTripIsWithinHalfAStepOfTheChannel) {
+  std::mt19937 rng(11);
+  for (const int bits : {8, 4, 2}) {
+    for (const Index d : {Index{64}, Index{27}, Index{8}}) {
+      for (const float sigma : {1.0f, 1e-3f, 300.0f}) {
+        SCOPED_TRACE(std::to_string(bits) + " bits, D " + std::to_string(d) + ", sigma " +
+                     std::to_string(sigma));
+        const ChannelHeld h = channel_held(rng, bits, d, sigma);
+        const vd::StoredRows<float> r = h.rows();
+        std::vector<float> y(static_cast<std::size_t>(vd::padded_dim(d)));
+        for_each_level([&](vc::SimdLevel level) {
+          for (Index s = 0; s < h.slots(); ++s) {
+            vd::load_stored_row(r, s, d, y.data());
+            const Index b = h.block_of(s);
+            for (Index c = 0; c < d; ++c) {
+              const float x = h.x[static_cast<std::size_t>(s * d + c)];
+              const float got = y[static_cast<std::size_t>(c)];
+              if (b < 0) {
+                ASSERT_EQ(got, x) << "pending slot " << s;
+                continue;
+              }
+              const std::uint16_t* t = h.tables.data() + b * 2 * d;
+              const float scale = vd::half_bits_to_float(t[c]);
+              const float offset = vd::half_bits_to_float(t[d + c]);
+              const int code = vd::span_code(h.code_row(s), c, d, bits);
+              ASSERT_LE(code, (1 << bits) - 1);
+              const double ulp = std::abs(static_cast<double>(x)) * 0x1p-22;
+              ASSERT_LE(std::abs(static_cast<double>(got) - x), 0.5 * scale + ulp)
+                  << "slot " << s << ", channel " << c << ": " << x << " -> " << got;
+              if (level != vc::SimdLevel::sse2) {
+                ASSERT_EQ(got, std::fma(static_cast<float>(code), scale, offset));
+              }
+            }
+            for (Index c = d; c < vd::padded_dim(d); ++c) ASSERT_EQ(y[static_cast<std::size_t>(c)], 0.0f);
+          }
+        });
+      }
+    }
+  }
+}
+
+/// Over channel-axis rows the logits (m = 1, 2, 4, 5; with and without an index) and the
+/// attention output fold each block's scales into the query rows (docs/design.md 7.5): they equal
+/// the float32 kernels over the rows as read back (dequantized) up to rounding, and the paths with
+/// a fused multiply-add and the scalar path's reduction tree (AVX2, NEON) give the scalar path's
+/// bits. The packed prefill keys are the dequantized rows exactly.
+TEST(ChannelKernels, FoldedKernelsMatchTheDequantizedRowsAndTheScalarPath) {
+  std::mt19937 rng(12);
+  for (const int bits : {8, 4, 2}) {
+    for (const Index d : {Index{64}, Index{27}, Index{8}}) {
+      SCOPED_TRACE(std::to_string(bits) + " bits, D " + std::to_string(d));
+      const ChannelHeld h = channel_held(rng, bits, d, 1.0f);
+      const vd::StoredRows<float> held = h.rows();
+      const Index n = h.slots(), dp = vd::padded_dim(d);
+      std::vector<std::int32_t> idx(static_cast<std::size_t>(n));
+      for (Index j = 0; j < n; ++j) idx[static_cast<std::size_t>(j)] = static_cast<std::int32_t>((j * 7) % n);
+      std::vector<float> qs(static_cast<std::size_t>(5 * dp), 0.0f);
+      const std::vector<float> g = normal_rows(rng, 5, d);
+      for (Index i = 0; i < 5; ++i)
+        for (Index k = 0; k < d; ++k) qs[static_cast<std::size_t>(i * dp + k)] = g[static_cast<std::size_t>(i * d + k)];
+      std::vector<float> e = normal_rows(rng, 5, n), inv(5, 0.5f);
+      for (auto& v : e) v = std::abs(v);
+      const Index ld = n + 3;
+      // What each level gives, by m and index use: logits, then the output rows.
+      std::vector<std::vector<float>> scalar_results;
+      for_each_level([&](vc::SimdLevel level) {
+        std::vector<float> deq(static_cast<std::size_t>(n * d)), row(static_cast<std::size_t>(dp));
+        double biggest = 0;
+        for (Index s = 0; s < n; ++s) {
+          vd::load_stored_row(held, s, d, row.data());
+          std::copy_n(row.begin(), d, deq.begin() + s * d);
+          for (Index k = 0; k < d; ++k) biggest = std::max(biggest, std::abs(static_cast<double>(row[static_cast<std::size_t>(k)])));
+        }
+        const vd::StoredRows<float> plain{deq.data(), d, vd::RowFormat{16, d, 0}};
+        std::vector<float> kbuf(static_cast<std::size_t>(4 * dp));
+        std::vector<std::vector<float>> results;
+        for (const Index m : {1, 2, 4, 5}) {
+          SCOPED_TRACE("m = " + std::to_string(m));
+          for (const bool with_idx : {false, true}) {
+            const std::int32_t* ix = with_idx ? idx.data() : nullptr;
+            std::vector<float> a(static_cast<std::size_t>(m * ld), -1.0f), b = a;
+            vd::logits(qs.data(), m, dp, plain, ix, n, d, 0.25f, a.data(), ld, kbuf.data());
+            vd::logits(qs.data(), m, dp, held, ix, n, d, 0.25f, b.data(), ld, kbuf.data());
+            for (std::size_t i = 0; i < a.size(); ++i) {
+              // Each logit sums d products of |q| <= 5 and |k| <= biggest: rounding of a few
+              // float32 ulps of that sum's magnitude.
+              ASSERT_NEAR(a[i], b[i], 0.25 * static_cast<double>(d) * 5.0 * biggest * 0x1p-20) << "logit " << i;
+            }
+            results.push_back(b);
+          }
+          std::vector<float> oa(static_cast<std::size_t>(m * (d + 1)), -3.0f), ob = oa;
+          vd::weighted_rows(e.data(), n, inv.data(), m, plain, d, n, oa.data(), d + 1);
+          vd::weighted_rows(e.data(), n, inv.data(), m, held, d, n, ob.data(), d + 1);
+          double esum = 0;
+          for (Index j = 0; j < n; ++j) esum += e[static_cast<std::size_t>(j)];
+          for (std::size_t i = 0; i < oa.size(); ++i) {
+            ASSERT_NEAR(oa[i], ob[i], 4 * 0.5 * esum * biggest * 0x1p-20) << "output " << i;
+          }
+          results.push_back(ob);
+        }
+        if (level == vc::SimdLevel::scalar) scalar_results = results;
+        if (level == vc::SimdLevel::avx2 || level == vc::SimdLevel::neon) {
+          ASSERT_EQ(results.size(), scalar_results.size());
+          for (std::size_t r = 0; r < results.size(); ++r) {
+            ASSERT_EQ(std::memcmp(results[r].data(), scalar_results[r].data(),
+                                  results[r].size() * sizeof(float)), 0)
+                << "result " << r << " differs from the scalar path's";
+          }
+        }
+        std::vector<float> pa(static_cast<std::size_t>(vd::packed_size(n, d)), 0.0f), pb = pa;
+        std::vector<float> buf(static_cast<std::size_t>(dp));
+        vd::pack_keys(plain, 0, n, d, pa.data(), buf.data());
+        vd::pack_keys(held, 0, n, d, pb.data(), buf.data());
+        ASSERT_EQ(std::memcmp(pa.data(), pb.data(), pa.size() * sizeof(float)), 0) << "packed";
+      });
+    }
+  }
+}
+
+/// The input rows of every call, by position, of head h (float: stored exactly until quantized).
+struct ChannelInputs {
+  Index d;
+  std::vector<std::vector<float>> rows;  // [heads][positions * d]
+  void add(const vc::Tensor4<double>& t) {
+    rows.resize(static_cast<std::size_t>(t.dimension(1)));
+    for (Index h = 0; h < t.dimension(1); ++h)
+      for (Index s = 0; s < t.dimension(2); ++s)
+        for (Index k = 0; k < d; ++k) rows[static_cast<std::size_t>(h)].push_back(static_cast<float>(t(0, h, s, k)));
+  }
+  float at(Index h, std::int64_t p, Index k) const {
+    return rows[static_cast<std::size_t>(h)][static_cast<std::size_t>(p * d + k)];
+  }
+};
+
+/// Every retained row of head h of `cache` (rows of T = float) is its input exactly while its
+/// block is pending, and within half a step of its block's grid once sealed: the step bound taken
+/// over the block's whole position range of inputs (the rows the block was quantized from are a
+/// subset of it), with room for the half rounding of scale and offset.
+void expect_rows_within_their_blocks(const vc::KVCache<float>& cache, const vc::Tensor4<float>& got,
+                                     const ChannelInputs& in, int bits, Index block, Index h) {
+  const std::vector<std::int64_t> pos = cache.positions(0, h);
+  const std::int64_t pending = cache.offset() / block * block;
+  const double levels = (1 << bits) - 1;
+  for (std::size_t i = 0; i < pos.size(); ++i) {
+    for (Index k = 0; k < in.d; ++k) {
+      const float x = in.at(h, pos[i], k);
+      const float y = got(0, h, static_cast<Index>(i), k);
+      if (pos[i] >= pending) {
+        ASSERT_EQ(y, x) << "pending position " << pos[i];
+        continue;
+      }
+      const std::int64_t b0 = pos[i] / block * block;
+      float lo = x, hi = x;
+      for (std::int64_t p = b0; p < b0 + block; ++p) {
+        lo = std::min(lo, in.at(h, p, k));
+        hi = std::max(hi, in.at(h, p, k));
+      }
+      const double bound = 0.5 * ((hi - lo) + std::abs(lo) * 0x1p-9 + 1e-6) / levels * (1 + 0x1p-9) +
+                           std::abs(x) * 0x1p-20;
+      ASSERT_LE(std::abs(static_cast<double>(y) - x), bound)
+          << "position " << pos[i] << ", element " << k << ": " << x << " -> " << y;
+    }
+  }
+}
+
+/// Every policy over channel-axis keys and values (4/4, 8/2, 2/16, 16/4 bits), blocks of 8, with
+/// queries (attend) and with the key-as-query proxy (fetch), over a prefill and decode steps that
+/// cross block boundaries and evict rows from sealed and pending blocks: every retained row
+/// stays within half a step of its block's grid, a pending one exact; and kept_bytes() is the
+/// live rows' codes, the sealed blocks' tables and the pending block.
+TEST(ChannelCache, EveryPolicyKeepsEachRowWithinHalfAStepOfItsBlock) {
+  const std::pair<int, int> widths[] = {{4, 4}, {8, 2}, {2, 16}, {16, 4}};
+  const Index B = 1, H = 2, G = 2, Dk = 9, Dv = 16, block = 8;
+  for (const auto& [kb, vb] : widths) {
+    for (const Kind kind : kKinds) {
+      for (const bool queries : {true, false}) {
+        SCOPED_TRACE(std::string(kind_name(kind)) + ", " + std::to_string(kb) + "/" +
+                     std::to_string(vb) + (queries ? ", attend" : ", proxy"));
+        vc::KVCacheConfig c = veloxquant::test::small_config();
+        c.key_bits = kb;
+        c.value_bits = vb;
+        c.key_axis = c.value_axis = "channel";
+        c.quant_block = static_cast<int>(block);
+        auto q = veloxquant::test::make_subject<float>(kind, c);
+        std::mt19937 rng(31u + kind_index(kind));
+        ChannelInputs ki{Dk, {}}, vi{Dv, {}};
+        for (const Index S : {Index{11}, Index{1}, Index{1}, Index{3}, Index{7}, Index{1},
+                              Index{1}, Index{1}, Index{9}, Index{1}}) {
+          vc::Tensor4<double> k = random_input(rng, B, H, S, Dk);
+          for (Index h = 0; h < H; ++h)
+            for (Index s = 0; s < S; ++s) k(0, h, s, 2) *= 30.0;  // an outlier channel
+          const vc::Tensor4<double> v = random_input(rng, B, H, S, Dv);
+          ki.add(k);
+          vi.add(v);
+          const vc::Tensor4<float> kf = k.cast<float>(), vf = v.cast<float>();
+          if (queries) {
+            (void)q.cache->attend(veloxquant::test::random_queries(rng, B, G * H, S, Dk), kf, vf);
+          } else {
+            (void)q.cache->update_and_fetch(kf, vf);
+          }
+          const vc::KVPair<float> st = q.cache->state();
+          for (Index h = 0; h < H; ++h) {
+            if (kb < 16) expect_rows_within_their_blocks(*q.cache, st.first, ki, kb, block, h);
+            if (vb < 16) expect_rows_within_their_blocks(*q.cache, st.second, vi, vb, block, h);
+          }
+        }
+        // One empty call compacts: the blocks without a live row are gone.
+        (void)q.cache->update_and_fetch(vc::Tensor4<float>(B, H, 0, Dk), vc::Tensor4<float>(B, H, 0, Dv));
+        std::size_t expected = 0;
+        const std::int64_t pending = q.cache->offset() / block * block;
+        const auto row = [](int bits, Index d) -> std::size_t {
+          if (bits == 16) return static_cast<std::size_t>(d) * 4;
+          return static_cast<std::size_t>((vd::RowFormat::span_bytes(d, bits) + 3) / 4 * 4);
+        };
+        for (Index h = 0; h < H; ++h) {
+          const std::vector<std::int64_t> pos = q.cache->positions(0, h);
+          std::vector<std::int64_t> blocks;
+          for (const std::int64_t p : pos) {
+            if (p < pending) blocks.push_back(p / block);
+          }
+          blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
+          expected += pos.size() * (row(kb, Dk) + row(vb, Dv));
+          for (const auto& [bits, d] : {std::pair<int, Index>{kb, Dk}, {vb, Dv}}) {
+            if (bits < 16) expected += blocks.size() * 4 * d + block * d * 4;
+          }
+        }
+        EXPECT_EQ(q.cache->kept_bytes(), expected);
+      }
+    }
+  }
+}
+
+/// Channel-axis rows carry their blocks through the set's operations: a fork continues exactly as
+/// its source; a rollback to a checkpoint taken mid-block, after calls that sealed blocks and
+/// evicted rows, restores positions, rows, scores and kept_bytes(), and the caches then continue
+/// exactly as a twin that never left; a trim that cuts into a sealed block keeps the rows before
+/// it unchanged and stores later rows within their new blocks. Half rows, 4/4 bits, blocks of 8.
+TEST(ChannelCache, ForkRollbackAndTrimCarryTheBlocks) {
+  using T = Eigen::half;
+  const Index H = 2, G = 2, D = 16;
+  vc::KVCacheConfig c;
+  c.method = "h2o";
+  c.set_budget(12);
+  c.key_bits = c.value_bits = 4;
+  c.key_axis = c.value_axis = "channel";
+  c.quant_block = 8;
+  std::mt19937 rng(41);
+  const auto rows = [&](Index S) {
+    const vc::Tensor4<double> x = random_input(rng, 1, H, S, D);
+    return vc::Tensor4<T>(x.cast<T>());
+  };
+  const auto run = [&](std::vector<std::unique_ptr<vc::KVCache<T>>>& set, const vc::Tensor4<float>& q,
+                       const vc::Tensor4<T>& k, const vc::Tensor4<T>& v) {
+    return set[0]->attend(q, k, v);
+  };
+  const auto same = [](const vc::KVCache<T>& a, const vc::KVCache<T>& b) {
+    ASSERT_EQ(a.kept_bytes(), b.kept_bytes());
+    ASSERT_TRUE(veloxquant::test::bitwise_equal(a.state().first, b.state().first));
+    ASSERT_TRUE(veloxquant::test::bitwise_equal(a.state().second, b.state().second));
+    for (Index h = 0; h < H; ++h) {
+      ASSERT_EQ(a.positions(0, h), b.positions(0, h));
+      ASSERT_EQ(a.scores(0, h), b.scores(0, h));
+    }
+  };
+  std::vector<std::unique_ptr<vc::KVCache<T>>> a, twin;
+  a.push_back(vc::KVCacheFactory::create<T>(c));
+  twin.push_back(vc::KVCacheFactory::create<T>(c));
+  std::vector<std::tuple<vc::Tensor4<float>, vc::Tensor4<T>, vc::Tensor4<T>>> calls;
+  for (const Index S : {Index{13}, Index{1}, Index{1}, Index{5}, Index{1}, Index{1}, Index{1},
+                        Index{1}, Index{1}, Index{1}}) {
+    calls.emplace_back(veloxquant::test::random_queries(rng, 1, G * H, S, D), rows(S), rows(S));
+  }
+  for (std::size_t i = 0; i < 4; ++i) {
+    const auto& [q, k, v] = calls[i];
+    (void)run(a, q, k, v);
+    (void)run(twin, q, k, v);
+  }
+  ASSERT_NE(a[0]->offset() % 8, 0) << "the checkpoint falls inside a block";
+  vc::KVCacheBuilder::checkpoint(a);
+  for (int i = 0; i < 9; ++i) {  // an excursion that seals a block and evicts
+    const Index S = i == 0 ? 6 : 1;
+    (void)run(a, veloxquant::test::random_queries(rng, 1, G * H, S, D), rows(S), rows(S));
+  }
+  vc::KVCacheBuilder::rollback(a);
+  same(*a[0], *twin[0]);
+  std::vector<std::unique_ptr<vc::KVCache<T>>> f = vc::KVCacheBuilder::fork(a);
+  for (std::size_t i = 4; i < calls.size(); ++i) {
+    const auto& [q, k, v] = calls[i];
+    const vc::Tensor4<float> oa = run(a, q, k, v), ot = run(twin, q, k, v), of = run(f, q, k, v);
+    ASSERT_EQ(std::memcmp(oa.data(), ot.data(), sizeof(float) * oa.size()), 0) << "call " << i;
+    ASSERT_EQ(std::memcmp(oa.data(), of.data(), sizeof(float) * oa.size()), 0) << "call " << i;
+  }
+  same(*a[0], *twin[0]);
+  same(*a[0], *f[0]);
+
+  // Trim (the standard cache): 21 rows, then 7 dropped, which cuts into the block [8, 16).
+  vc::KVCacheConfig s = c;
+  s.method = "standard";
+  auto st = vc::KVCacheFactory::create<float>(s);
+  ChannelInputs ki{D, {}}, vi{D, {}};
+  const vc::Tensor4<double> k0 = random_input(rng, 1, H, 21, D), v0 = random_input(rng, 1, H, 21, D);
+  ki.add(k0);
+  vi.add(v0);
+  (void)st->update_and_fetch(k0.cast<float>(), v0.cast<float>());
+  const vc::KVPair<float> before = st->state();
+  ASSERT_EQ(st->trim(7), 7);
+  const vc::KVPair<float> after = st->state();
+  ASSERT_EQ(after.first.dimension(2), 14);
+  for (Index h = 0; h < H; ++h)
+    for (Index p = 0; p < 14; ++p)
+      for (Index k = 0; k < D; ++k) {
+        ASSERT_EQ(after.first(0, h, p, k), before.first(0, h, p, k));
+        ASSERT_EQ(after.second(0, h, p, k), before.second(0, h, p, k));
+      }
+  // The inputs of positions 14.. are the new rows now.
+  for (auto* in : {&ki, &vi})
+    for (auto& r : in->rows) r.resize(static_cast<std::size_t>(14 * D));
+  for (int i = 0; i < 3; ++i) {
+    const vc::Tensor4<double> k = random_input(rng, 1, H, 5, D), v = random_input(rng, 1, H, 5, D);
+    ki.add(k);
+    vi.add(v);
+    (void)st->update_and_fetch(k.cast<float>(), v.cast<float>());
+    const vc::KVPair<float> now = st->state();
+    for (Index h = 0; h < H; ++h) {
+      // Rows before the trim are as they were; the blocks after it start where it left off
+      // (position 14), so the bound over aligned blocks of 8 does not apply to them: each is
+      // checked against the range of its own block, [14 + 8 j, 22 + 8 j).
+      for (Index p = 0; p < 14; ++p)
+        for (Index e = 0; e < D; ++e) ASSERT_EQ(now.first(0, h, p, e), before.first(0, h, p, e));
+      for (Index p = 14; p < st->offset(); ++p) {
+        const std::int64_t b0 = 14 + (p - 14) / 8 * 8;
+        const bool pending = b0 + 8 > st->offset();
+        for (Index e = 0; e < D; ++e) {
+          const float x = ki.at(h, p, e), y = now.first(0, h, p, e);
+          if (pending) {
+            ASSERT_EQ(y, x) << "pending position " << p;
+            continue;
+          }
+          float lo = x, hi = x;
+          for (std::int64_t q = b0; q < b0 + 8; ++q) {
+            lo = std::min(lo, ki.at(h, q, e));
+            hi = std::max(hi, ki.at(h, q, e));
+          }
+          ASSERT_LE(std::abs(y - x), 0.5 * ((hi - lo) + std::abs(lo) * 0x1p-9 + 1e-6) / 15 * (1 + 0x1p-9) + std::abs(x) * 0x1p-20)
+              << "position " << p;
+        }
+      }
+    }
+  }
+}
+
+/// key_axis and value_axis take "token" or "channel", quant_block 8..1024, the widths 16, 8, 4
+/// and 2; a bad one is named. A head dim that quant_group does not divide is fine along channels.
+TEST(ChannelCache, ConfigIsValidated) {
+  vc::KVCacheConfig c;
+  c.key_bits = 2;
+  c.key_axis = "channel";
+  EXPECT_NO_THROW(c.validate());
+  const auto fails = [](const vc::KVCacheConfig& b, const std::string& field) {
+    try {
+      b.validate();
+      ADD_FAILURE() << field << " accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+  };
+  vc::KVCacheConfig b = c;
+  b.value_axis = "channels";
+  fails(b, "value_axis");
+  b = c;
+  b.quant_block = 7;
+  fails(b, "quant_block");
+  b.quant_block = 1025;
+  fails(b, "quant_block");
+  b = c;
+  b.key_bits = 3;
+  fails(b, "key_bits");
+  c.quant_group = 32;
+  EXPECT_NO_THROW((void)vc::KVCacheBuilder::for_model<float>(std::vector<std::optional<int>>{9}, c));
+}
+
+/// A set over channel-axis rows (keys 4 bits, values 2, blocks of 8; H2O and the standard cache)
+/// saved mid-block after evictions loads to the same rows, positions, scores and kept_bytes(), and
+/// the loaded set continues exactly as the saved one.
+TEST(ChannelCache, PromptCachesCarryTheBlocks) {
+  using T = Eigen::half;
+  vc::KVCacheConfig c;
+  c.method = "h2o";
+  c.set_budget(12);
+  c.key_bits = 4;
+  c.value_bits = 2;
+  c.key_axis = c.value_axis = "channel";
+  c.quant_block = 8;
+  for (const std::string method : {"h2o", "standard"}) {
+    SCOPED_TRACE(method);
+    c.method = method;
+    auto set = vc::KVCacheBuilder::for_model<T>(std::vector<std::optional<int>>{16, 16}, c);
+    std::mt19937 rng(51);
+    const auto call = [&](std::vector<std::unique_ptr<vc::KVCache<T>>>& s, std::mt19937& g, Index S) {
+      std::vector<vc::Tensor4<float>> out;
+      for (auto& l : s) {
+        const vc::Tensor4<double> k = random_input(g, 1, 2, S, 16), v = random_input(g, 1, 2, S, 16);
+        const vc::Tensor4<float> kf = k.cast<float>(), vf = v.cast<float>();
+        out.push_back(l->attend(veloxquant::test::random_queries(g, 1, 4, S, 16), kf, vf));
+      }
+      return out;
+    };
+    for (const Index S : {Index{13}, Index{1}, Index{1}, Index{5}, Index{1}}) (void)call(set, rng, S);
+    ASSERT_NE(set[0]->offset() % 8, 0);
+    std::stringstream file;
+    vc::save_prompt_cache(file, set);
+    vc::PromptCache<T> loaded = vc::load_prompt_cache<T>(file);
+    ASSERT_EQ(loaded.caches.size(), set.size());
+    for (std::size_t l = 0; l < set.size(); ++l) {
+      EXPECT_EQ(loaded.caches[l]->kept_bytes(), set[l]->kept_bytes());
+      EXPECT_TRUE(veloxquant::test::bitwise_equal(loaded.caches[l]->state().first, set[l]->state().first));
+      EXPECT_TRUE(veloxquant::test::bitwise_equal(loaded.caches[l]->state().second, set[l]->state().second));
+      for (Index h = 0; h < 2; ++h) {
+        EXPECT_EQ(loaded.caches[l]->positions(0, h), set[l]->positions(0, h));
+        EXPECT_EQ(loaded.caches[l]->scores(0, h), set[l]->scores(0, h));
+      }
+    }
+    for (const Index S : {Index{1}, Index{1}, Index{6}, Index{1}, Index{1}, Index{1}, Index{9}}) {
+      std::mt19937 g1 = rng, g2 = rng;
+      const auto a = call(set, g1, S), b = call(loaded.caches, g2, S);
+      rng = g1;
+      for (std::size_t l = 0; l < a.size(); ++l) {
+        ASSERT_EQ(std::memcmp(a[l].data(), b[l].data(), sizeof(float) * a[l].size()), 0) << "layer " << l;
+      }
+    }
+  }
+}

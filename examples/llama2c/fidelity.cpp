@@ -12,7 +12,7 @@
 //                    [--methods squeeze,squeeze_uniform,h2o,pyramidkv,tova,streaming_llm,snapkv]
 //                    [--scoring proxy,queries] [--widths 16/16,8/8,8/4,4/4] [--group G]
 //                    [--range FROM:TO] [--set FIELD=VALUE,...] [--heads uniform,adaptive:F,...]
-//                    [--csv FILE] [--svg FILE]
+//                    [--storage float|half] [--csv FILE] [--svg FILE]
 //
 // --widths gives key/value bits per row (quantized storage, docs/design.md 2.9), --group the
 // quantization group (default 8: the model's head dim), --range the bytes of the text windows may
@@ -22,7 +22,9 @@
 // SPEC 14, docs/design.md 4.9) once per entry: `uniform`, `adaptive` (the floor of the config,
 // head_budget_floor, after --set) or `adaptive:F` (floor F). Adaptive runs are their own series:
 // method `squeeze_adaptive0.2` etc. in the table, CSV and plot. Without --heads the config decides
-// (so --set head_budgets=adaptive still works, and is labelled the same way).
+// (so --set head_budgets=adaptive still works, and is labelled the same way). --storage picks the
+// caches' row type (default float); with half, the reference is the full cache of half rows and
+// kept_bytes / full_bytes is the fraction of the full fp16 cache (docs/fidelity.md).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -65,6 +67,7 @@ struct Options {
   std::vector<std::pair<std::string, std::string>> set;  // KVCacheConfig field = value, every run
   // Head budgets per run: "" (as the config says), "uniform", "adaptive" or "adaptive:F".
   std::vector<std::string> heads{""};
+  std::string storage = "float";  // the caches' row type: float or half
 };
 
 std::vector<std::string> split(const std::string& s, char sep) {
@@ -138,6 +141,11 @@ Options parse(int argc, char** argv) {
         if (eq == std::string::npos)
           throw std::invalid_argument("--set: '" + kv + "' is not FIELD=VALUE");
         o.set.emplace_back(kv.substr(0, eq), kv.substr(eq + 1));
+      }
+    } else if (a == "--storage") {
+      o.storage = value();
+      if (o.storage != "float" && o.storage != "half") {
+        throw std::invalid_argument("--storage: '" + o.storage + "' is not float or half");
       }
     } else if (a == "--heads") {
       o.heads = split(value(), ',');
@@ -329,7 +337,8 @@ std::vector<double> log_softmax(const Eigen::Ref<const Eigen::RowVectorXf>& logi
 // Next-token logits of a teacher-forced window: the prompt as one call, then one call per token.
 // Rows i = 0 .. L - P - 1 predict token P + i. Returns [L - P, V]; `decode_seconds` gets the
 // time of the one-token calls.
-Eigen::MatrixXf run_window(ll::Engine<float>& engine, const std::vector<int>& w, int prompt,
+template <class T>
+Eigen::MatrixXf run_window(ll::Engine<T>& engine, const std::vector<int>& w, int prompt,
                            double* decode_seconds) {
   engine.reset();
   const auto P = static_cast<std::size_t>(prompt);
@@ -560,14 +569,22 @@ int main(int argc, char** argv) {
             run.budget == 0
                 ? config_for("standard", 512, {16, 16}, o.group)
                 : config_for(run.method, run.budget, run.widths, o.group, o.set, run.heads);
-        ll::Engine<float> engine(model, vc::KVCacheBuilder::for_model<float>(n_layers, cfg),
-                                 run.scoring == "queries");
-        double secs = 0;
-        const Eigen::MatrixXf logits = run_window(engine, w, o.prompt, &secs);
+        double secs = 0, kept = 0, full_bytes = 0;
+        const auto run_as = [&](auto tag) {
+          using T = decltype(tag);
+          ll::Engine<T> engine(model, vc::KVCacheBuilder::for_model<T>(n_layers, cfg),
+                               run.scoring == "queries");
+          Eigen::MatrixXf lg = run_window(engine, w, o.prompt, &secs);
+          kept = static_cast<double>(engine.kept_bytes());
+          full_bytes = static_cast<double>(engine.full_seq_bytes());
+          return lg;
+        };
+        const Eigen::MatrixXf logits =
+            o.storage == "half" ? run_as(Eigen::half{}) : run_as(float{});
         if (run.budget == 0) full = logits;
         WindowResult r = compare(full, logits, w, o.prompt);
-        r.kept = static_cast<double>(engine.kept_bytes());
-        r.full = static_cast<double>(engine.full_seq_bytes());
+        r.kept = kept;
+        r.full = full_bytes;
         r.tok_s = static_cast<double>(logits.rows() - 1) / std::max(secs, 1e-9);
         run.windows.push_back(r);
       }

@@ -843,6 +843,9 @@ static void test_config_validate(void) {
       {"quant_group", "4", "quant_group"},
       {"method", "bogus", "method"},
       {"proxy_scoring", "bogus", "proxy_scoring"},
+      {"key_axis", "channels", "key_axis"},
+      {"value_axis", "", "value_axis"},
+      {"quant_block", "4", "quant_block"},
   };
   size_t i;
   vq_config* good = vq_config_new();

@@ -451,6 +451,28 @@ class AdaptiveHeadsTest(unittest.TestCase):
             vq.KVCacheConfig(head_budget_floor=0.0).validate()
 
 
+class ChannelAxisTest(unittest.TestCase):
+    def test_channel_rows(self):
+        """Keys and values quantized along channels (docs/design.md 7.5) through the C ABI's
+        fields by name: a pending block of 16 rows at T, sealed blocks at 4 bits with one table
+        each; the rows read back near the inputs, exactly while pending; a bad axis is named."""
+        config = vq.KVCacheConfig(method="standard", key_bits=4, value_bits=4,
+                                  key_axis="channel", value_axis="channel", quant_block=16)
+        self.assertEqual((config.key_axis, config.quant_block), ("channel", 16))
+        caches = vq.KVCacheBuilder.for_model(1, config, storage="float")
+        rng = np.random.default_rng(9)
+        k = rng.standard_normal((1, 2, 40, 8)).astype(np.float32)
+        got_k, _ = caches[0].update_and_fetch(k, k)
+        np.testing.assert_array_equal(got_k[:, :, 32:], k[:, :, 32:])  # the pending block
+        self.assertLess(np.abs(got_k[:, :, :32] - k[:, :, :32]).max(), 0.5)
+        self.assertFalse(np.array_equal(got_k[:, :, :32], k[:, :, :32]))
+        # Two tensors x 2 heads: 40 rows of 4 bytes of codes, 2 tables of 8 x 4 bytes, 16 rows
+        # of 8 floats pending.
+        self.assertEqual(caches.kept_bytes, 2 * 2 * (40 * 4 + 2 * 32 + 16 * 32))
+        with self.assertRaisesRegex(vq.InvalidArgumentError, "key_axis"):
+            vq.KVCacheConfig(key_axis="channels").validate()
+
+
 def grid(rng, shape):
     """float32 multiples of 1/64 in [-1, 1]: exact in half, bfloat16 and float."""
     return (rng.integers(-64, 65, size=shape) / 64.0).astype(np.float32)

@@ -494,7 +494,9 @@ class KVCache {
   }
 
   static detail::RowStorage storage_of(const KVCacheConfig& c) {
-    return detail::RowStorage{c.key_bits, c.value_bits, c.quant_group};
+    return detail::RowStorage{c.key_bits,          c.value_bits,
+                              c.quant_group,       c.key_axis == "channel",
+                              c.value_axis == "channel", c.quant_block};
   }
 
   KVCacheConfig config_;

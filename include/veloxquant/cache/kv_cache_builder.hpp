@@ -213,7 +213,9 @@ std::vector<std::unique_ptr<KVCache<T>>> KVCacheBuilder::build(
         "KVCacheBuilder::for_model: " + std::to_string(layer_head_dims.size()) +
         " layers (layer ids are ints: at most 2^31 - 1)");
   }
-  const bool quantized = config.key_bits < 16 || config.value_bits < 16;
+  // Rows quantized along tokens need a head dim the group divides (channel-axis rows do not).
+  const bool quantized = (config.key_bits < 16 && config.key_axis != "channel") ||
+                         (config.value_bits < 16 && config.value_axis != "channel");
   std::vector<int> attention_layers;
   for (std::size_t i = 0; i < layer_head_dims.size(); ++i) {
     const std::optional<int>& d = layer_head_dims[i];

@@ -12,6 +12,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "detail/checked.hpp"
 
@@ -63,7 +64,7 @@ inline void check_budget(const char* field, long long v) {
   if (v < 1) config_error(field, v, "must be >= 1");
 }
 inline void check_bits(const char* field, long long v) {
-  if (v != 16 && v != 8 && v != 4) config_error(field, v, "must be 16, 8 or 4");
+  if (v != 16 && v != 8 && v != 4 && v != 2) config_error(field, v, "must be 16, 8, 4 or 2");
 }
 inline void check_non_negative(const char* field, long long v) {
   if (v < 0) config_error(field, v, "must be >= 0");
@@ -133,9 +134,17 @@ struct KVCacheConfig {
   int snap_n_sink = 4;
 
   // Storage of rows (docs/design.md 2.9): every method, every storage type
-  int key_bits = 16;     ///< 16 (rows of T), 8 or 4 (quantized in groups along D)
+  int key_bits = 16;     ///< 16 (rows of T), 8, 4 or 2 (quantized along key_axis)
   int value_bits = 16;   ///< the same for values, chosen independently
-  int quant_group = 32;  ///< elements per group (one half scale and offset each); divides D, >= 8
+  int quant_group = 32;  ///< token axis: elements per group (one half scale and offset each);
+                         ///< divides D, >= 8
+  /// "token" (each row quantized in groups of quant_group along D) or "channel" (each channel
+  /// quantized over blocks of quant_block positions; docs/design.md 7.5). Keys keep their
+  /// outliers in channels: "channel" is what makes 4-bit keys usable.
+  std::string key_axis = "token";
+  std::string value_axis = "token";  ///< the same for values
+  int quant_block = 32;  ///< channel axis: positions per block (one half scale and offset per
+                         ///< channel each); 8..1024
 
   /// How SqueezeAttention, H2O and PyramidKV score a call without queries (docs/design.md 4.7):
   /// "key_as_query" (the SPEC's proxy: each key attends as its own query, decayed mass),
@@ -352,6 +361,16 @@ inline void KVCacheConfig::validate() const {
   check_bits("key_bits", key_bits);
   check_bits("value_bits", value_bits);
   if (quant_group < 8) config_error("quant_group", quant_group, "must be >= 8");
+  for (const auto& [field, axis] : {std::pair<const char*, const std::string*>{"key_axis", &key_axis},
+                                    {"value_axis", &value_axis}}) {
+    if (*axis != "token" && *axis != "channel") {
+      throw std::invalid_argument(std::string("KVCacheConfig: ") + field + " '" + *axis +
+                                  "' is unknown; valid: token, channel");
+    }
+  }
+  if (quant_block < 8 || quant_block > 1024) {
+    config_error("quant_block", quant_block, "must be in [8, 1024]");
+  }
   if (std::find(kHeadBudgets.begin(), kHeadBudgets.end(), head_budgets) == kHeadBudgets.end()) {
     throw std::invalid_argument("KVCacheConfig: head_budgets '" + head_budgets +
                                 "' is unknown; valid: " + name_list(kHeadBudgets));
@@ -402,6 +421,9 @@ void for_each_config_field(Config& c, F&& f) {
   f("value_norm_power", c.value_norm_power);  // since prompt-cache format version 3
   f("head_budgets", c.head_budgets);          // since prompt-cache format version 4
   f("head_budget_floor", c.head_budget_floor);  // since prompt-cache format version 4
+  f("key_axis", c.key_axis);                    // since prompt-cache format version 5
+  f("value_axis", c.value_axis);                // since prompt-cache format version 5
+  f("quant_block", c.quant_block);              // since prompt-cache format version 5
 }
 
 /// The prompt-cache format version that first stored config field `name` (docs/design.md G): a
@@ -409,6 +431,7 @@ void for_each_config_field(Config& c, F&& f) {
 /// library that wrote the file).
 inline unsigned config_field_since(const char* name) {
   const std::string n(name);
+  if (n == "key_axis" || n == "value_axis" || n == "quant_block") return 5U;
   if (n == "head_budgets" || n == "head_budget_floor") return 4U;
   return n == "value_norm_power" ? 3U : n == "proxy_scoring" ? 2U : 1U;
 }

@@ -331,13 +331,13 @@ void check_update_rows(const InputRows& keys, const InputRows& values, const cha
 }
 
 /// Throws std::invalid_argument for the rows of a call that a quantized format (quant.hpp) cannot
-/// hold: a head dim that quant_group does not divide, or an element that is not finite or beyond
+/// hold: a head dim that quant_group does not divide (token axis), or an element that is not finite or beyond
 /// +-kHalfMax once converted to the storage type T (a group's offset and scale are halves).
 /// `what`: "keys" or "values"; `bits_field`: "key_bits" or "value_bits". rows: [B, H, S, D]
 template <class T>
 void check_quantizable(const InputRows& rows, const RowFormat& f, const char* what,
                        const char* bits_field, const char* api) {
-  if (rows.dim % f.group != 0) {
+  if (!f.channel && rows.dim % f.group != 0) {
     std::ostringstream os;
     os << api << ": quant_group (" << f.group << ") must divide the " << what << "' head dim D ("
        << rows.dim << ") when " << bits_field << " is " << f.bits;

@@ -8,6 +8,10 @@
 // call is slots [0, physical()), the rows retained before it (`window()` lists them in ascending
 // position) followed by the call's rows in arrival order.
 //
+// Rows quantized along channels (docs/design.md 7.5) also live in blocks of positions: the head
+// seals the pending block when its last position arrives, tells the blocks where a pending row
+// moves, and has the blocks none of whose rows is live dropped at compaction.
+//
 // Three pieces live beside the rows, each defined where it is used: a checkpoint's journal
 // (journal.hpp), and two scorers' state that must follow the rows: the value-weighted ranking's
 // weight per slot (ValueWeights, value_rank.hpp) and KeyDiff's running sum over the live set
@@ -63,6 +67,13 @@ class HeadStore {
     const Index floor = has_checkpoint() ? std::max(rows, undo_->phys) : rows;
     const Index limit = tight ? floor + floor / 4 + 32 : 2 * floor;
     if (cap_ > limit && cap_ > 16) reallocate(std::max(rows, n_phys_));
+    if (!has_checkpoint() && rows_.channel_axis()) rows_.channel().shrink();
+  }
+
+  /// Room for the channel blocks `rows` more appended rows may seal (one per block of positions,
+  /// and one more for a block a trim cut short). Strong exception guarantee.
+  void reserve_blocks(Index rows) {
+    if (rows_.channel_axis()) rows_.channel().reserve(rows / rows_.channel().block() + 2);
   }
 
   /// Refills the holes left by evictions with rows from the tail, so that slots [0, live()) hold
@@ -88,6 +99,9 @@ class HeadStore {
         --moved;
       }
       n_phys_ = n_live;
+      if (rows_.channel_axis()) {
+        rows_.channel().prune(n_live, [this](Index i) { return pos_[at(order_[at(i)])]; });
+      }
     }
     holes_.clear();
     call_begin_ = n_phys_;
@@ -143,6 +157,12 @@ class HeadStore {
     }
     c.order_.resize(order_.size());
     for (std::size_t i = 0; i < order_.size(); ++i) c.order_[i] = to[at(order_[i])];
+    if (rows_.channel_axis()) {
+      // Lanes of rows not carried over (dead, or appended and not yet live) point nowhere.
+      std::vector<Slot> lane_to(to.size(), -1);
+      for (const Slot s : order_) lane_to[at(s)] = to[at(s)];
+      c.rows_.channel().remap(lane_to);
+    }
     c.cap_ = n;
     c.n_phys_ = n;
     c.call_begin_ = n;
@@ -165,6 +185,7 @@ class HeadStore {
     u.order.assign(order_.begin(), order_.end());
     u.holes.assign(holes_.begin(), holes_.end());
     key_sum_.save(u.key_sum);
+    if (rows_.channel_axis()) u.channel = rows_.channel().state();
     u.open_rows(alive_.data(), n_phys_, kAlive);
     u.phys = n_phys_;
     u.call_begin = call_begin_;
@@ -180,7 +201,9 @@ class HeadStore {
   /// anything: a compaction overwrites at most holes().size() slots. Strong guarantee.
   void reserve_journal(Index writes) {
     if (!has_checkpoint()) return;
-    undo_->reserve(holes_.size() + static_cast<std::size_t>(writes),
+    // Sealing the pending block rewrites its rows' slots (at most a block of them).
+    const Index seals = rows_.channel_axis() ? rows_.channel().block() : 0;
+    undo_->reserve(holes_.size() + static_cast<std::size_t>(writes + seals),
                    static_cast<std::size_t>(key_stride() + value_stride()));
   }
   /// Bytes the journal holds now (saved rows and bookkeeping, by capacity).
@@ -202,6 +225,7 @@ class HeadStore {
     order_.assign(u.order.begin(), u.order.end());
     holes_.assign(u.holes.begin(), u.holes.end());
     key_sum_.restore(u.key_sum);
+    if (rows_.channel_axis()) rows_.channel().state().swap(u.channel);
     n_phys_ = u.phys;
     call_begin_ = u.call_begin;
     u.live = false;
@@ -243,7 +267,7 @@ class HeadStore {
     call_begin_ = n;
     holes_.clear();
     key_sum_.valid = false;
-    for (Index s = 0; s < n; ++s) weights_.set(rows_.value_rows(), s, value_dim());
+    for (Index s = 0; s < n; ++s) weights_.set(value_rows(), s, value_dim());
     return true;
   }
   /// Elements of T one stored key (value) row takes.
@@ -266,11 +290,15 @@ class HeadStore {
     VELOXQUANT_ASSERT(n_phys_ < cap_, "append beyond reserved capacity");
     const Index s = n_phys_++;
     journal(s);
-    rows_.put(s, key, value);
+    const bool channel = rows_.channel_axis();
+    // A position beyond the pending block (or before it, after a trim) starts a new one.
+    if (channel && !rows_.channel().fits(position)) seal_pending(position);
+    rows_.put(s, key, value, position);
     pos_[at(s)] = position;
     score_[at(s)] = 0.0f;
     alive_[at(s)] = kAlive;
-    weights_.set(rows_.value_rows(), s, value_dim());
+    if (channel && rows_.channel().last_of_block(position)) seal_pending(position + 1);
+    weights_.set(value_rows(), s, value_dim());
     return static_cast<Slot>(s);
   }
 
@@ -327,7 +355,8 @@ class HeadStore {
       mark_dead(order_.back());
       order_.pop_back();
     }
-    compact();
+    compact();  // (channel blocks left without rows go; the next append restarts the pending
+                // block if the trim reached before it)
   }
 
   /// Slots made dead since the last compaction.
@@ -358,14 +387,22 @@ class HeadStore {
   T* value_ptr(Index s) { return rows_.value_ptr(s); }
   const T* value_ptr(Index s) const { return rows_.value_ptr(s); }
   /// The stored rows as the kernels read them, slot = row index.
-  StoredRows<T> key_rows() const { return rows_.key_rows(); }
-  StoredRows<T> value_rows() const { return rows_.value_rows(); }
+  StoredRows<T> key_rows() const { return rows_.key_rows(pos_.data()); }
+  StoredRows<T> value_rows() const { return rows_.value_rows(pos_.data()); }
   bool quantized() const { return rows_.quantized(); }
   /// Bytes one slot's key and value rows take (codes and scales of quantized rows).
   std::size_t slot_bytes() const { return rows_.slot_bytes(); }
   /// Slot s's rows as T: key [dk], value [dv] (quantized rows dequantized; float32 through buf,
   /// [padded_dim(max(dk, dv))]).
-  void read_rows(Index s, T* key, T* value, float* buf) const { rows_.read(s, key, value, buf); }
+  void read_rows(Index s, T* key, T* value, float* buf) const {
+    rows_.read(s, pos_[at(s)], key, value, buf);
+  }
+  /// True when keys or values are quantized along channels; their blocks (docs/design.md 7.5).
+  bool channel_axis() const { return rows_.channel_axis(); }
+  const ChannelBlocks<T>& channel() const { return rows_.channel(); }
+  ChannelBlocks<T>& channel() { return rows_.channel(); }
+  /// Bytes of rows held for the live rows (slots, and channel blocks' tables and pending rows).
+  std::size_t held_bytes() const { return rows_.held_bytes(live()); }
   const T* keys_data() const { return rows_.key_ptr(0); }
   const T* values_data() const { return rows_.value_ptr(0); }
   const std::int64_t* positions_data() const { return pos_.data(); }
@@ -402,6 +439,7 @@ class HeadStore {
   void move_slot(Index from, Index to) noexcept {
     journal(to);
     rows_.move(from, to);
+    if (rows_.channel_axis()) rows_.channel().moved(pos_[at(from)], static_cast<Slot>(to));
     pos_[at(to)] = pos_[at(from)];
     score_[at(to)] = score_[at(from)];
     weights_.move(from, to);
@@ -446,6 +484,31 @@ class HeadStore {
     window_.swap(window);
     holes_.swap(holes);
     cap_ = rows;
+  }
+
+  // Seals the pending block of channel-axis rows (docs/design.md 7.5): its rows still live are
+  // quantized together, their slots journaled first; the next block starts at `next`.
+  void seal_pending(std::int64_t next) noexcept {
+    ChannelBlocks<T>& ch = rows_.channel();
+    Slot live[kMaxBlock];
+    Index lanes[kMaxBlock];
+    Index n = 0;
+    for (Index l = 0; l < ch.block(); ++l) {
+      const Slot s = ch.lane_slot(l);
+      if (s < 0 || s >= n_phys_ || alive_[at(s)] != kAlive ||
+          pos_[at(s)] != ch.pending_start() + l) {
+        continue;
+      }
+      live[n] = s;
+      lanes[n] = l;
+      ++n;
+    }
+    for (Index i = 0; i < n; ++i) journal(live[i]);
+    ch.seal(lanes, n, next, [&](Index i, bool keys) {
+      return reinterpret_cast<std::uint8_t*>(keys ? key_ptr(live[i]) : value_ptr(live[i]));
+    });
+    for (Index i = 0; i < n; ++i) weights_.set(value_rows(), live[i], value_dim());
+    if (n > 0) key_sum_.valid = false;
   }
 
   RowBuffer<T> rows_;  // the key and value rows, by slot

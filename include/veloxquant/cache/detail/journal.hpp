@@ -32,6 +32,7 @@ struct Journal {
   std::vector<std::uint8_t> alive;   // [phys]
   std::vector<Slot> order, holes;
   KeyDiffSum key_sum;
+  ChannelState<T> channel;  // channel-axis blocks (docs/design.md 7.5), whole: small next to rows
 
   /// Starts saving rows for a checkpoint of `n` slots in use, of which those with alive[s] ==
   /// `alive_flag` hold rows (a slot dead at the checkpoint needs no saving: its row is never read
@@ -85,7 +86,7 @@ struct Journal {
            (score.capacity() + weight.capacity()) * sizeof(float) + alive.capacity() +
            saved_.capacity() +
            (order.capacity() + holes.capacity() + slots_.capacity()) * sizeof(Slot) +
-           key_sum.heap_bytes() + rows_.capacity() * sizeof(T);
+           key_sum.heap_bytes() + channel.heap_bytes() + rows_.capacity() * sizeof(T);
   }
 
  private:

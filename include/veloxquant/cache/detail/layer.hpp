@@ -34,12 +34,22 @@ struct LayerState {
   bool rebudget = false;         ///< the budget changed: the next call brings the heads within it
 };
 
-/// How rows are stored: widths of keys and values (16: as T) and the group of quantized rows.
+/// How rows are stored: widths of keys and values (16: as T), the group of token-axis rows, and
+/// for each tensor whether it is quantized along channels, in blocks of `block` positions.
 struct RowStorage {
   int key_bits = 16, value_bits = 16, group = 32;
+  bool key_channel = false, value_channel = false;
+  int block = 32;
   bool quantized() const { return key_bits < 16 || value_bits < 16; }
-  RowFormat key_format(Index dk) const { return RowFormat{key_bits, dk, group}; }
-  RowFormat value_format(Index dv) const { return RowFormat{value_bits, dv, group}; }
+  RowFormat key_format(Index dk) const {
+    return RowFormat{key_bits, dk, group, key_bits < 16 && key_channel, block};
+  }
+  RowFormat value_format(Index dv) const {
+    return RowFormat{value_bits, dv, group, value_bits < 16 && value_channel, block};
+  }
+  /// A tensor quantized along tokens (its head dim must be a multiple of the group).
+  bool key_token_axis() const { return key_bits < 16 && !key_channel; }
+  bool value_token_axis() const { return value_bits < 16 && !value_channel; }
 };
 
 /// The engine's parallel-for a layer's calls may spread their heads over (docs/design.md 7.3).
@@ -118,7 +128,7 @@ struct Layer {
   /// Bytes of the retained rows as stored.
   std::size_t kept_bytes() const {
     std::size_t bytes = 0;
-    for (const auto& h : heads) bytes += static_cast<std::size_t>(h.live()) * h.slot_bytes();
+    for (const auto& h : heads) bytes += h.held_bytes();
     return bytes;
   }
   /// Heap bytes held now, by capacity.

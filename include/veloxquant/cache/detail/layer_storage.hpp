@@ -48,6 +48,7 @@ void grow_heads(std::vector<HeadStore<T>>& heads, Index rows, Index steady_rows,
     if (key_sum) h.keydiff_sum().reserve(h.key_dim());
     // With a checkpoint: room to save every row this call may overwrite (compaction, appends).
     h.reserve_journal(rows);
+    h.reserve_blocks(rows);
     h.compact();
     const Index needed = h.live() + rows;
     h.shrink_if_oversized(needed, tight);

@@ -1,12 +1,18 @@
-// veloxquant — the quantized row format (docs/design.md 7.4): a stored key or value row of D
-// elements at 8 or 4 bits, in groups of `group` consecutive elements along D, each group with a
-// half-precision scale and offset (x ~ offset + scale * code, code in [0, 2^bits - 1]).
+// veloxquant — the quantized row formats (docs/design.md 7.4 and 7.5): a stored key or value row
+// of D elements at 8, 4 or 2 bits (x ~ offset + scale * code, code in [0, 2^bits - 1]; scale and
+// offset IEEE halves).
 //
-// Bytes of one row: the codes of every group, group after group, then per group its scale and its
-// offset (two IEEE half bit patterns, little endian). 8 bits: one byte per element. 4 bits: a
-// group takes ceil(group / 2) bytes; element e < h = ceil(group / 2) is the low nibble of byte e,
-// element e >= h the high nibble of byte e - h (so a vector of low nibbles and one of high nibbles
-// come from the same bytes). The format does not depend on the instruction set.
+// Token axis (7.4): each row carries its scales, one scale and offset per group of `group`
+// consecutive elements along D. Bytes of one row: the codes of every group, group after group,
+// then per group its scale and its offset (two half bit patterns, little endian).
+// Channel axis (7.5): a row is its codes only; the scale and offset of each channel are shared by
+// the rows of a block of consecutive positions (channel_store.hpp keeps them).
+//
+// Codes of a span of n elements (a group, or a whole channel-axis row) at b bits: p = 8 / b codes
+// per byte, the span takes h = ceil(n / p) bytes, and element e sits in byte e % h at bit
+// b * (e / h). At 8 bits that is one byte per element; at 4 bits element e < h is the low nibble of
+// byte e and element e >= h the high nibble of byte e - h (so a vector of low nibbles and one of
+// high nibbles come from the same bytes). The format does not depend on the instruction set.
 //
 // Storing a row (quantize_row) is plain C++ written so that no multiply-add can be contracted:
 // the codes are the same whatever the consumer's flags. Reading rows is the kernels' job
@@ -32,21 +38,57 @@ inline constexpr float kHalfMax = 65504.0f;
 
 /// How rows of one kind (keys or values) of a cache are stored.
 struct RowFormat {
-  int bits = 16;    ///< 16: rows of T; 8 or 4: quantized
-  Index dim = 0;    ///< elements per row
-  Index group = 0;  ///< elements per group (quantized only)
+  int bits = 16;         ///< 16: rows of T; 8, 4 or 2: quantized
+  Index dim = 0;         ///< elements per row
+  Index group = 0;       ///< elements per group (token axis, quantized only)
+  bool channel = false;  ///< quantized along channels, in blocks of `block` positions
+  Index block = 0;       ///< positions per block (channel axis only)
 
   bool quantized() const { return bits < 16; }
-  Index groups() const { return dim / group; }
-  /// Code bytes of one group.
-  Index group_bytes() const { return bits == 8 ? group : (group + 1) / 2; }
-  /// Code bytes of one row (the scales and offsets follow).
+  /// Quantized along the token axis (each row with its own scales).
+  bool token_axis() const { return quantized() && !channel; }
+  /// Quantized along the channel axis (scales shared by a block of rows).
+  bool channel_axis() const { return quantized() && channel; }
+  /// Groups of a token-axis row (a channel-axis row: one span of dim codes, no scales).
+  Index groups() const { return channel ? 1 : dim / group; }
+  /// Elements of one span of codes.
+  Index span() const { return channel ? dim : group; }
+  /// Code bytes of one span.
+  Index group_bytes() const { return span_bytes(span(), bits); }
+  /// Code bytes of one row (a token-axis row's scales and offsets follow).
   Index code_bytes() const { return groups() * group_bytes(); }
-  /// Bytes of one quantized row: codes, then a scale and an offset (2 bytes each) per group.
-  Index row_bytes() const { return code_bytes() + 4 * groups(); }
+  /// Bytes of one quantized row: codes, then (token axis) a scale and an offset per group.
+  Index row_bytes() const { return code_bytes() + (channel ? 0 : 4 * groups()); }
   /// Highest code.
   int levels() const { return (1 << bits) - 1; }
+
+  /// Bytes of a span of n codes at b bits.
+  static Index span_bytes(Index n, int b) {
+    const Index per = 8 / b;
+    return (n + per - 1) / per;
+  }
 };
+
+/// Byte and bit of element e of a span of n codes at b bits (the layout above).
+inline void code_place(Index e, Index n, int b, Index& byte, int& shift) {
+  const Index h = RowFormat::span_bytes(n, b);
+  byte = e % h;
+  shift = b * static_cast<int>(e / h);
+}
+/// Code of element e of a span of n codes at b bits starting at `codes`.
+inline int span_code(const std::uint8_t* codes, Index e, Index n, int b) {
+  Index byte = 0;
+  int shift = 0;
+  code_place(e, n, b, byte, shift);
+  return (codes[byte] >> shift) & ((1 << b) - 1);
+}
+/// Ors code c into element e of a span (whose bytes start zeroed).
+inline void put_span_code(std::uint8_t* codes, Index e, Index n, int b, int c) {
+  Index byte = 0;
+  int shift = 0;
+  code_place(e, n, b, byte, shift);
+  codes[byte] = static_cast<std::uint8_t>(codes[byte] | (c << shift));
+}
 
 /// Stored rows as the kernels read them: row j starts at data + j * stride (bytes).
 struct QuantRows {
@@ -59,18 +101,39 @@ struct QuantRows {
 
 /// Rows of a head as they are stored: T rows (fmt.bits == 16; row j at data + j * stride, in
 /// elements of T) or quantized rows (the same buffer read as bytes, stride elements of T per row).
+/// Channel-axis rows (docs/design.md 7.5) also need where each row's scales are: the row's
+/// position picks its block (the last whose first position is <= it) or, from pending_start on,
+/// the pending block's row of T.
 template <class T>
 struct StoredRows {
   const T* data = nullptr;
   Index stride = 0;  ///< elements of T from one row to the next
   RowFormat fmt;
+  // Channel axis only.
+  const std::int64_t* pos = nullptr;       ///< position of row j: pos[j]
+  const std::int64_t* starts = nullptr;    ///< [blocks] first position of each block, ascending
+  Index blocks = 0;                        ///< sealed blocks
+  const std::uint16_t* tables = nullptr;   ///< [blocks, 2 * dim]: scales then offsets (half bits)
+  std::int64_t pending_start = 0;          ///< rows from this position on are pending
+  const T* pending = nullptr;              ///< [block, dim]: the pending row of position p at lane
+                                           ///< p - pending_start, as T
 
   bool quantized() const { return fmt.quantized(); }
+  bool channel() const { return fmt.channel_axis(); }
   /// The rows from row j on.
-  StoredRows from(Index j) const { return StoredRows{data + j * stride, stride, fmt}; }
+  StoredRows from(Index j) const {
+    StoredRows r = *this;
+    r.data = data + j * stride;
+    if (pos != nullptr) r.pos = pos + j;
+    return r;
+  }
   QuantRows bytes() const {
     return QuantRows{reinterpret_cast<const std::uint8_t*>(data),
                      stride * static_cast<Index>(sizeof(T)), fmt};
+  }
+  /// Row j's stored bytes (a quantized row's codes).
+  const std::uint8_t* row_bytes(Index j) const {
+    return reinterpret_cast<const std::uint8_t*>(data + j * stride);
   }
 };
 
@@ -114,19 +177,35 @@ inline void group_scale_offset(const std::uint8_t* row, const RowFormat& f, Inde
   offset = half_bits_to_float(so[1]);
 }
 
-/// Code of element k of a stored quantized row.
+/// Code of element k of a stored quantized row (either axis).
 inline int element_code(const std::uint8_t* row, const RowFormat& f, Index k) {
-  const Index g = k / f.group, e = k % f.group;
-  const std::uint8_t* codes = row + g * f.group_bytes();
-  if (f.bits == 8) return codes[e];
-  const Index h = f.group_bytes();
-  return e < h ? codes[e] & 0x0F : codes[e - h] >> 4;
+  const Index n = f.span(), g = k / n;
+  return span_code(row + g * f.group_bytes(), k % n, n, f.bits);
 }
 
-/// Quantizes one row x ([f.dim] float32, every element finite and within +-kHalfMax) into dst
-/// ([f.row_bytes()] bytes). Per group: offset = the largest half <= min, scale = the smallest
-/// half >= (max - offset) / levels, code = round-to-nearest((x - offset) / scale) in [0, levels];
-/// so every element is within half a step (scale / 2) of offset + code * scale.
+/// Scale and offset quantizing values in [lo, hi] at `levels` steps (lo, hi finite, within
+/// +-kHalfMax): offset = the largest half <= lo, scale = the smallest half >= (hi - offset) /
+/// levels, so every value in the range is within half a step of offset + code * scale.
+inline void range_scale_offset(float lo, float hi, float levels, std::uint16_t& scale_bits,
+                               std::uint16_t& offset_bits) {
+  offset_bits = half_bits_down(lo);
+  const float off = half_bits_to_float(offset_bits);
+  scale_bits = half_bits_up(std::max(0.0f, (hi - off) / levels));
+}
+/// The nearest code of x at (scale, offset), in [0, levels]; 0 when the scale is 0.
+inline int nearest_code(float x, float scale, float offset, float levels) {
+  if (!(scale > 0.0f)) return 0;
+  // In double: x - offset is exact there, so the nearest code is found however far the offset
+  // lies from x.
+  double t = (static_cast<double>(x) - offset) / scale;
+  t = std::min(std::max(t, 0.0), static_cast<double>(levels));
+  return round_to_int(t);
+}
+
+/// Quantizes one token-axis row x ([f.dim] float32, every element finite and within +-kHalfMax)
+/// into dst ([f.row_bytes()] bytes). Per group: its range's scale and offset
+/// (range_scale_offset) and each element's nearest code, so every element is within half a step
+/// (scale / 2) of offset + code * scale.
 inline void quantize_row(const float* x, const RowFormat& f, std::uint8_t* dst) {
   const Index G = f.groups(), gb = f.group_bytes();
   const float levels = static_cast<float>(f.levels());
@@ -134,30 +213,40 @@ inline void quantize_row(const float* x, const RowFormat& f, std::uint8_t* dst) 
   for (Index g = 0; g < G; ++g) {
     const float* xg = x + g * f.group;
     const auto mm = std::minmax_element(xg, xg + f.group);
-    const std::uint16_t off_bits = half_bits_down(*mm.first);
-    const float off = half_bits_to_float(off_bits);
-    const std::uint16_t scale_bits = half_bits_up(std::max(0.0f, (*mm.second - off) / levels));
-    const float scale = half_bits_to_float(scale_bits);
+    std::uint16_t so[2];
+    range_scale_offset(*mm.first, *mm.second, levels, so[0], so[1]);
+    const float scale = half_bits_to_float(so[0]), off = half_bits_to_float(so[1]);
     std::uint8_t* codes = dst + g * gb;
     for (Index e = 0; e < f.group; ++e) {
-      int c = 0;
-      if (scale > 0.0f) {
-        // In double: x - offset is exact there, so the nearest code is found however far the
-        // offset lies from x.
-        double t = (static_cast<double>(xg[e]) - off) / scale;
-        t = std::min(std::max(t, 0.0), static_cast<double>(levels));
-        c = round_to_int(t);
-      }
-      if (f.bits == 8) {
-        codes[e] = static_cast<std::uint8_t>(c);
-      } else if (e < gb) {
-        codes[e] = static_cast<std::uint8_t>(codes[e] | c);
-      } else {
-        codes[e - gb] = static_cast<std::uint8_t>(codes[e - gb] | (c << 4));
-      }
+      put_span_code(codes, e, f.group, f.bits, nearest_code(xg[e], scale, off, levels));
     }
-    const std::uint16_t so[2] = {scale_bits, off_bits};
     std::memcpy(dst + f.code_bytes() + 4 * g, so, sizeof(so));
+  }
+}
+
+/// Quantizes a block of n channel-axis rows together (docs/design.md 7.5): rows[r] ([f.dim]
+/// elements of R, finite, within +-kHalfMax as float32); per channel c its range over the n rows
+/// gives table[c] (scale) and table[f.dim + c] (offset), half bits; row r's codes go to codes[r]
+/// ([f.code_bytes()] bytes each). Every element is within half a step of its channel's grid.
+template <class R>
+void quantize_block(const R* const* rows, Index n, const RowFormat& f, std::uint8_t* const* codes,
+                    std::uint16_t* table) {
+  const Index d = f.dim;
+  const float levels = static_cast<float>(f.levels());
+  for (Index r = 0; r < n; ++r) std::memset(codes[r], 0, static_cast<std::size_t>(f.code_bytes()));
+  for (Index c = 0; c < d; ++c) {
+    float lo = static_cast<float>(rows[0][c]), hi = lo;
+    for (Index r = 1; r < n; ++r) {
+      const float x = static_cast<float>(rows[r][c]);
+      lo = std::min(lo, x);
+      hi = std::max(hi, x);
+    }
+    range_scale_offset(lo, hi, levels, table[c], table[d + c]);
+    const float scale = half_bits_to_float(table[c]), off = half_bits_to_float(table[d + c]);
+    for (Index r = 0; r < n; ++r) {
+      const float x = static_cast<float>(rows[r][c]);
+      put_span_code(codes[r], c, d, f.bits, nearest_code(x, scale, off, levels));
+    }
   }
 }
 

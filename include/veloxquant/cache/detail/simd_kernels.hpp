@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "cpu.hpp"
 #include "quant.hpp"
@@ -38,6 +39,22 @@
 
 namespace veloxquant::cache::detail {
 using Index = Eigen::Index;
+
+/// The per-call scratch of the folded channel-axis kernels (kernels.inl, docs/design.md 7.5):
+/// block[j] is row j's block (`blocks` for a pending row); qs [blocks, m, dp] and cst [blocks, m]
+/// the query rows times each block's scales and their dots with its offsets, filled as blocks are
+/// met (ready [blocks]); row [dp] a row being read; perm and run the rows sorted by block (block
+/// b's at perm[run[b], run[b + 1]), the pending ones last).
+struct ChannelFold {
+  const Index* block = nullptr;
+  float* qs = nullptr;
+  float* cst = nullptr;
+  std::uint8_t* ready = nullptr;
+  float* row = nullptr;
+  const std::int32_t* perm = nullptr;
+  const Index* run = nullptr;
+  float* esum = nullptr;  ///< [blocks + 1, 4]: each block's sum of e per output row
+};
 }  // namespace veloxquant::cache::detail
 
 #if VELOXQUANT_DETAIL_KERNELS_DEFINED
@@ -227,9 +244,70 @@ inline void load_query_row(const Q* src, Index d, float* dst) {
   for (Index i = d; i < padded_dim(d); ++i) dst[i] = 0.0f;
 }
 
-// ---- Stored rows of either kind (docs/design.md 7.4): T rows go to the kernels above, quantized
+// ---- Stored rows of any kind (docs/design.md 7.4, 7.5): T rows go to the kernels above, quantized
 // rows to their counterparts, which dequantize in registers and give the values the kernels above
 // give on the dequantized rows as float32.
+
+/// Room for a block's scales and offsets as float32 while channel-axis rows are read
+/// ([2, padded_dim(d)]): per thread, grown once (kernels run on the engine's workers).
+inline float* channel_scales(Index d) {
+  thread_local std::vector<float> buf;
+  const auto need = static_cast<std::size_t>(2 * padded_dim(d));
+  if (buf.size() < need) buf.resize(need);
+  return buf.data();
+}
+
+/// The scratch of the folded kernels for n rows (row j: idx ? idx[j] : j) of `rows` and m query
+/// rows, per thread (grown, then reused): each row's block, and with `sort` the rows ordered by
+/// block.
+template <class T>
+ChannelFold channel_fold(const StoredRows<T>& rows, const std::int32_t* idx, Index n, Index m,
+                         bool sort) {
+  struct Buffers {
+    std::vector<float> qs, cst, row, esum;
+    std::vector<std::uint8_t> ready;
+    std::vector<Index> block, run;
+    std::vector<std::int32_t> perm;
+  };
+  thread_local Buffers s;
+  const auto grow = [](auto& v, Index size) {
+    if (v.size() < static_cast<std::size_t>(size)) v.resize(static_cast<std::size_t>(size));
+  };
+  const Index nb = rows.blocks, dp = padded_dim(rows.fmt.dim);
+  grow(s.qs, nb * m * dp);
+  grow(s.cst, nb * m);
+  grow(s.ready, nb);
+  grow(s.row, dp);
+  grow(s.esum, 4 * (nb + 1));
+  grow(s.block, n);
+  Index last = -1;
+  for (Index j = 0; j < n; ++j) {
+    const std::int64_t p = rows.pos[idx ? idx[j] : j];
+    Index b = nb;
+    if (p < rows.pending_start) {
+      if (last < 0 || p < rows.starts[last] || (last + 1 < nb && p >= rows.starts[last + 1])) {
+        const std::int64_t* at = std::upper_bound(rows.starts, rows.starts + nb, p);
+        last = at == rows.starts ? 0 : (at - rows.starts) - 1;
+      }
+      b = last;
+    }
+    s.block[static_cast<std::size_t>(j)] = b;
+  }
+  if (sort) {
+    s.run.assign(static_cast<std::size_t>(nb + 2), 0);
+    grow(s.perm, n);
+    for (Index j = 0; j < n; ++j) ++s.run[static_cast<std::size_t>(s.block[static_cast<std::size_t>(j)] + 1)];
+    for (Index b = 0; b <= nb; ++b) s.run[static_cast<std::size_t>(b + 1)] += s.run[static_cast<std::size_t>(b)];
+    thread_local std::vector<Index> fill;  // the next free place of each block's run
+    fill.assign(s.run.begin(), s.run.end());
+    for (Index j = 0; j < n; ++j) {
+      const auto b = static_cast<std::size_t>(s.block[static_cast<std::size_t>(j)]);
+      s.perm[static_cast<std::size_t>(fill[b]++)] = static_cast<std::int32_t>(idx ? idx[j] : j);
+    }
+  }
+  return ChannelFold{s.block.data(), s.qs.data(), s.cst.data(), s.ready.data(),
+                     s.row.data(),   s.perm.data(), s.run.data(), s.esum.data()};
+}
 
 /// logits over stored key rows (row j: (idx ? idx[j] : j)). As logits() above.
 template <class T>
@@ -240,6 +318,10 @@ inline void logits(const float* q, Index m, Index ldq, const StoredRows<T>& keys
 {
   if (!keys.quantized()) {
     return logits(q, m, ldq, keys.data, keys.stride, idx, n, d, scale, out, ldo, kbuf);
+  }
+  if (keys.channel()) {
+    const ChannelFold f = channel_fold(keys, idx, n, m, false);
+    VELOXQUANT_DETAIL_DISPATCH(cfold_logits(q, m, ldq, keys, idx, n, scale, out, ldo, f));
   }
   const QuantRows r = keys.bytes();
   VELOXQUANT_DETAIL_DISPATCH(qlogits(q, m, ldq, r, idx, n, scale, out, ldo, kbuf));
@@ -254,6 +336,10 @@ inline void pack_keys(const StoredRows<T>& keys, Index j0, Index j1, Index d, fl
 #if VELOXQUANT_DETAIL_KERNELS_DEFINED
 {
   if (!keys.quantized()) return pack_keys(keys.data, keys.stride, j0, j1, d, kt, buf);
+  if (keys.channel()) {
+    float* so = channel_scales(d);
+    VELOXQUANT_DETAIL_DISPATCH(cpack_keys(keys, j0, j1, kt, buf, so));
+  }
   const QuantRows r = keys.bytes();
   VELOXQUANT_DETAIL_DISPATCH(qpack_keys(r, j0, j1, kt, buf));
 }
@@ -269,6 +355,10 @@ inline void weighted_rows(const float* e, Index lde, const float* inv, Index row
 {
   if (!values.quantized()) {
     return weighted_rows(e, lde, inv, rows, values.data, dv, n, out, ldo);
+  }
+  if (values.channel()) {
+    const ChannelFold f = channel_fold(values, nullptr, n, 0, true);
+    VELOXQUANT_DETAIL_DISPATCH(cfold_weighted_rows(e, lde, inv, rows, values, out, ldo, f));
   }
   const QuantRows r = values.bytes();
   VELOXQUANT_DETAIL_DISPATCH(qweighted_rows(e, lde, inv, rows, r, n, out, ldo));
@@ -317,6 +407,11 @@ template <class T>
 inline void load_stored_row(const StoredRows<T>& rows, Index j, Index d, float* dst)
 #if VELOXQUANT_DETAIL_KERNELS_DEFINED
 {
+  if (rows.channel()) {
+    float* so = channel_scales(d);
+    for (Index k = d; k < padded_dim(d); ++k) dst[k] = 0.0f;
+    VELOXQUANT_DETAIL_DISPATCH(cload_padded_row(rows, j, dst, so));
+  }
   if (rows.quantized()) return dequantize_row(rows.bytes(), j, dst);
   load_query_row(rows.data + j * rows.stride, d, dst);
 }

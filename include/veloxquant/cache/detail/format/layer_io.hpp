@@ -58,8 +58,95 @@ void write_heads(const Layer<T>& L, StateWriter& w, const Extra& extra) {
     if (scored_rows(rule.kind)) w.scores(h, src);
     extra(w.out(), i);
     w.rows(h, src);
+    if (h.channel_axis()) write_channel(h, src, w.out());
     w.end_head();
   }
+}
+
+/// A head's channel blocks (docs/design.md 7.5, G), after its rows: i64 pending start, u64
+/// blocks, their i64 first positions, the key tables then the value tables (u16 halves, [2, D] per
+/// block, only for a tensor along channels), then each pending row (position at or after the
+/// pending start) in the saved slot order, its key row then its value row at T (likewise).
+/// Only the blocks that hold a live row are written.
+template <class T>
+void write_channel(const HeadStore<T>& h, const std::vector<Slot>& src, ByteWriter& out) {
+  const ChannelState<T>& c = h.channel().state();
+  const RowFormat& kf = h.key_format();
+  const RowFormat& vf = h.value_format();
+  const std::int64_t pend = c.pending_start;
+  std::vector<std::uint8_t> used(c.starts.size(), 0);
+  for (const Slot s : src) {
+    const std::int64_t p = h.position(s);
+    if (p >= pend) continue;
+    const auto at = std::upper_bound(c.starts.begin(), c.starts.end(), p);
+    used[static_cast<std::size_t>(at - c.starts.begin() - 1)] = 1;
+  }
+  out.i64(pend);
+  out.u64(static_cast<std::uint64_t>(std::count(used.begin(), used.end(), 1)));
+  for (std::size_t b = 0; b < used.size(); ++b) {
+    if (used[b]) out.i64(c.starts[b]);
+  }
+  for (const auto& [tab, f] : {std::pair<const std::vector<std::uint16_t>*, const RowFormat*>{
+                                   &c.ktab, &kf}, {&c.vtab, &vf}}) {
+    if (!f->channel_axis()) continue;
+    const auto w = static_cast<std::size_t>(2 * f->dim);
+    for (std::size_t b = 0; b < used.size(); ++b) {
+      if (used[b]) out.bytes(tab->data() + b * w, w * sizeof(std::uint16_t));
+    }
+  }
+  for (const Slot s : src) {
+    const std::int64_t p = h.position(s);
+    if (p < pend) continue;
+    const auto lane = static_cast<std::size_t>(p - pend);
+    if (kf.channel_axis()) {
+      out.bytes(c.kpend.data() + lane * static_cast<std::size_t>(kf.dim),
+                static_cast<std::size_t>(kf.dim) * sizeof(T));
+    }
+    if (vf.channel_axis()) {
+      out.bytes(c.vpend.data() + lane * static_cast<std::size_t>(vf.dim),
+                static_cast<std::size_t>(vf.dim) * sizeof(T));
+    }
+  }
+}
+
+/// Reads what write_channel wrote for a head of n rows at positions pos (slot i: pos[i]) into
+/// its blocks, checked (check_saved_channel); allocations grow no faster than the file.
+template <class T>
+void read_channel(ByteReader& in, HeadStore<T>& head, const std::vector<std::int64_t>& pos,
+                  Index n) {
+  const RowFormat& kf = head.key_format();
+  const RowFormat& vf = head.value_format();
+  ChannelState<T> c;
+  c.pending_start = in.i64();
+  const std::uint64_t blocks = in.u64();
+  if (blocks > static_cast<std::uint64_t>(n)) bad_state("more channel blocks than rows");
+  in.array(c.starts, blocks);
+  if (kf.channel_axis()) in.array(c.ktab, blocks * static_cast<std::uint64_t>(2 * kf.dim));
+  if (vf.channel_axis()) in.array(c.vtab, blocks * static_cast<std::uint64_t>(2 * vf.dim));
+  const Index block = kf.channel_axis() ? kf.block : vf.block;
+  const auto lanes = static_cast<std::size_t>(block);
+  if (kf.channel_axis()) c.kpend.assign(lanes * static_cast<std::size_t>(kf.dim), T(0.0f));
+  if (vf.channel_axis()) c.vpend.assign(lanes * static_cast<std::size_t>(vf.dim), T(0.0f));
+  c.lane_slot.assign(lanes, -1);
+  std::vector<T> row;
+  for (Index i = 0; i < n; ++i) {
+    const std::int64_t p = pos[static_cast<std::size_t>(i)];
+    if (p < c.pending_start) continue;
+    if (p - c.pending_start >= block) bad_state("a row lies beyond the pending block");
+    const auto lane = static_cast<std::size_t>(p - c.pending_start);
+    if (c.lane_slot[lane] >= 0) bad_state("two rows share a position");
+    c.lane_slot[lane] = static_cast<Slot>(i);
+    if (kf.channel_axis()) {
+      in.array(row, static_cast<std::uint64_t>(kf.dim));
+      std::copy(row.begin(), row.end(), c.kpend.begin() + static_cast<std::ptrdiff_t>(lane * static_cast<std::size_t>(kf.dim)));
+    }
+    if (vf.channel_axis()) {
+      in.array(row, static_cast<std::uint64_t>(vf.dim));
+      std::copy(row.begin(), row.end(), c.vpend.begin() + static_cast<std::ptrdiff_t>(lane * static_cast<std::size_t>(vf.dim)));
+    }
+  }
+  check_saved_channel(c, kf, vf, pos, n);
+  head.channel().state().swap(c);
 }
 
 template <class T>
@@ -112,6 +199,8 @@ void read_heads(const Layer<T>& L, StateReader& r, SavedCache<T>& s, Extra& extr
       extra.read(r.in());
       HeadStore<T> head(kf, vf);
       r.rows(head, rows);
+      // Channel blocks before the rows become live: restore reads them (value weights).
+      if (head.channel_axis()) read_channel(r.in(), head, pos, rows);
       // After the rows: its buffers (one weight per slot, one value row) are then no larger than
       // what the file has already paid for; restore computes the weights.
       if (rule.value_power > 0.0) head.enable_value_weights(rule.value_power);

@@ -89,7 +89,7 @@ void check_saved_dims(const SavedCache<T>& s, const Rule& rule, const RowFormat&
               std::to_string(bh) + " heads at offset " + std::to_string(s.offset));
   }
   for (const RowFormat* f : {&kf, &vf}) {
-    if (f->quantized() && f->dim % f->group != 0) {
+    if (f->token_axis() && f->dim % f->group != 0) {
       bad_state("quant_group " + std::to_string(f->group) + " does not divide the " +
                 (f == &kf ? "key" : "value") + " dim " + std::to_string(f->dim));
     }
@@ -149,7 +149,7 @@ void check_stored_rows(const HeadStore<T>& head, Index n) {
   }
   for (const bool keys : {true, false}) {
     const RowFormat& f = keys ? kf : head.value_format();
-    if (!f.quantized()) continue;
+    if (!f.token_axis()) continue;  // channel-axis rows are codes alone (check_saved_channel)
     for (Index s = 0; s < n; ++s) {
       const auto* row =
           reinterpret_cast<const std::uint8_t*>(keys ? head.key_ptr(s) : head.value_ptr(s));
@@ -213,6 +213,58 @@ void check_saved_head(const SavedCache<T>& s, const Rule& rule, HeadStore<T>& he
     }
   }
   check_stored_rows(head, rows);
+}
+
+/// A head's channel blocks (docs/design.md 7.5, G) against its rows' positions `pos` (as saved,
+/// slot i at pos[i], n rows): the pending block starts at or after 0 and holds only positions
+/// within a block of it; sealed blocks start in ascending order below it, each holds a row, and
+/// every row below the pending block lies in one; tables hold finite halves, scales not
+/// negative; pending rows (at T) are finite and within +-65504, as quantizable rows are.
+template <class T>
+void check_saved_channel(const ChannelState<T>& c, const RowFormat& kf, const RowFormat& vf,
+                         const std::vector<std::int64_t>& pos, Index n) {
+  const Index block = kf.channel_axis() ? kf.block : vf.block;
+  const std::int64_t pend = c.pending_start;
+  if (pend < 0) bad_state("the pending block starts at a negative position");
+  const std::size_t nb = c.starts.size();
+  for (std::size_t b = 0; b < nb; ++b) {
+    if (c.starts[b] < 0 || c.starts[b] >= pend || (b > 0 && c.starts[b] <= c.starts[b - 1])) {
+      bad_state("channel block starts are not ascending below the pending block's");
+    }
+  }
+  std::vector<std::uint8_t> used(nb, 0);
+  for (Index i = 0; i < n; ++i) {
+    const std::int64_t p = pos[static_cast<std::size_t>(i)];
+    if (p >= pend) {
+      if (p - pend >= block) bad_state("a row lies beyond the pending block");
+      continue;
+    }
+    const auto at = std::upper_bound(c.starts.begin(), c.starts.end(), p);
+    if (at == c.starts.begin()) bad_state("a quantized row lies in no channel block");
+    used[static_cast<std::size_t>(at - c.starts.begin() - 1)] = 1;
+  }
+  if (std::find(used.begin(), used.end(), 0) != used.end()) {
+    bad_state("a channel block holds no row");
+  }
+  for (const auto* tab : {&c.ktab, &c.vtab}) {
+    const Index d = tab == &c.ktab ? kf.dim : vf.dim;
+    for (std::size_t b = 0; b < tab->size() / static_cast<std::size_t>(2 * std::max<Index>(d, 1)); ++b) {
+      const std::uint16_t* t = tab->data() + b * static_cast<std::size_t>(2 * d);
+      for (Index k = 0; k < 2 * d; ++k) {
+        const float x = half_bits_to_float(t[k]);
+        if (!std::isfinite(x) || (k < d && (t[k] & 0x8000u) != 0 && x != 0.0f)) {
+          bad_state("a channel block's scale or offset is not a finite half (or a scale is "
+                    "negative)");
+        }
+      }
+    }
+  }
+  for (const auto* rows : {&c.kpend, &c.vpend}) {
+    for (const T& x : *rows) {
+      const float f = static_cast<float>(x);
+      if (!(std::abs(f) <= kHalfMax)) bad_state("a pending row is not finite or beyond +-65504");
+    }
+  }
 }
 
 /// The descriptor of a cache whose policy is `rule` and rows kf / vf (their dims unused):

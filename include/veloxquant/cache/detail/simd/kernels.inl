@@ -556,7 +556,8 @@ inline void convert_row(const U* src, T* dst, Index n) {
 /// True when every vector of kLanes elements of a row lies in one group (and in one half of a
 /// 4-bit group): the kernels then take a group's scale and offset once per row and group.
 inline bool q_in_lanes(const RowFormat& f) {
-  return f.bits == 8 ? f.group % kLanes == 0 : f.group % 2 == 0 && f.group_bytes() % kLanes == 0;
+  if (f.bits == 8) return f.group % kLanes == 0;
+  return f.bits == 4 && f.group % 2 == 0 && f.group_bytes() % kLanes == 0;
 }
 
 /// Dequantized elements [k, k + kLanes) of a quantized row in any format, lane by lane (the
@@ -577,9 +578,7 @@ inline V qload_lanes(const std::uint8_t* row, const RowFormat& f, Index k) {
       e = 0;
       group_scale_offset(row, f, ++g, sg, og);
     }
-    const std::uint8_t* codes = row + g * gb;
-    const int code = f.bits == 8 ? codes[e] : e < gb ? codes[e] & 0x0F : codes[e - gb] >> 4;
-    c[j] = static_cast<float>(code);
+    c[j] = static_cast<float>(span_code(row + g * gb, e, f.group, f.bits));
     s[j] = sg;
     o[j] = og;
     ++e;
@@ -860,4 +859,349 @@ inline void qweighted_rows(const float* e, Index lde, const float* inv, Index ro
   if (!q_in_lanes(f)) return qweighted_rows_b<0>(e, lde, inv, rows, values, n, out, ldo);
   if (f.bits == 8) return qweighted_rows_b<8>(e, lde, inv, rows, values, n, out, ldo);
   qweighted_rows_b<4>(e, lde, inv, rows, values, n, out, ldo);
+}
+
+// ---- Channel-axis rows (docs/design.md 7.5) -----------------------------------------------------
+// Read back, a row's element c is offset_c + code_c * scale_c through the path's multiply-add,
+// with its block's scale and offset of channel c (a pending row: its value as T, exactly): the
+// rows fetch, state() and the key-as-query row return, and the packed prefill keys. The decode
+// logits and attention output fold the scales instead (below).
+
+/// The codes of vector [k, k + kLanes) of a channel-axis row as float32 (0 at or beyond d).
+inline V channel_codes(const std::uint8_t* codes, Index k, Index d, int bits) {
+  if (bits == 8 && k + kLanes <= d) return vcodes<8>(codes + k);
+  if (bits == 4 && d % (2 * kLanes) == 0) {
+    const Index h = d / 2;
+    return k < h ? vcodes<4, false>(codes + k) : vcodes<4, true>(codes + k - h);
+  }
+  float buf[kLanes];
+  float* c = opaque(buf);
+  for (Index i = 0; i < kLanes; ++i) {
+    c[i] = k + i < d ? static_cast<float>(span_code(codes, k + i, d, bits)) : 0.0f;
+  }
+  return vload(c);
+}
+
+/// Vector [k, k + kLanes) of half bit patterns t[0, d) as float32 (0 at or beyond d), converted
+/// as the path converts half rows (exact on every path).
+inline V channel_halves(const std::uint16_t* t, Index k, Index d) {
+  const auto* h = reinterpret_cast<const Eigen::half*>(t) + k;
+  return k + kLanes <= d ? vload_row(h) : load_row_tail(h, d - k);
+}
+
+/// Reads channel-axis rows: finds a row's block from its position (the last block looked up
+/// first: rows of a block mostly follow each other) and keeps that block's scales and offsets as
+/// float32 in so ([2, padded_lanes(d)], lanes beyond d zero).
+template <class T>
+class ChannelCursor {
+ public:
+  ChannelCursor(const StoredRows<T>& rows, float* so)
+      : r_(rows), so_(so), d_(rows.fmt.dim), dp_(padded_lanes(rows.fmt.dim)) {}
+
+  /// Row j dequantized into dst ([padded_lanes(d)], zero-padded).
+  void load(Index j, float* dst) {
+    const std::int64_t p = r_.pos[j];
+    if (p >= r_.pending_start) return load_padded_row(pending_row(p), d_, dst);
+    select(p);
+    const std::uint8_t* codes = r_.row_bytes(j);
+    for (Index k = 0; k < dp_; k += kLanes) {
+      vstore(dst + k, vmadd(channel_codes(codes, k, d_, r_.fmt.bits), vload(so_ + k),
+                                 vload(so_ + dp_ + k)));
+    }
+  }
+
+ private:
+  const T* pending_row(std::int64_t p) const { return r_.pending + (p - r_.pending_start) * d_; }
+
+  void select(std::int64_t p) {
+    if (cur_ >= 0 && p >= r_.starts[cur_] && (cur_ + 1 == r_.blocks || p < r_.starts[cur_ + 1])) {
+      return;
+    }
+    const std::int64_t* at = std::upper_bound(r_.starts, r_.starts + r_.blocks, p);
+    const Index b = at == r_.starts ? 0 : (at - r_.starts) - 1;
+    const std::uint16_t* t = r_.tables + b * 2 * d_;
+    for (Index k = 0; k < dp_; k += kLanes) {
+      vstore(so_ + k, channel_halves(t, k, d_));
+      vstore(so_ + dp_ + k, channel_halves(t + d_, k, d_));
+    }
+    cur_ = b;
+  }
+
+  const StoredRows<T>& r_;
+  float* so_;
+  Index d_, dp_;
+  Index cur_ = -1;
+};
+
+/// pack_keys over channel-axis keys [j0, j1): the rows read back. buf: [padded_lanes(d)]; so:
+/// [2, padded_lanes(d)].
+template <class T>
+inline void cpack_keys(const StoredRows<T>& keys, Index j0, Index j1, float* kt, float* buf,
+                       float* so) {
+  constexpr Index kW = 2 * kLanes;
+  const Index d = keys.fmt.dim;
+  ChannelCursor<T> cur(keys, so);
+  for (Index j = j0; j < j1; ++j) {
+    cur.load(j, buf);
+    float* col = kt + (j / kW) * d * kW + j % kW;
+    for (Index k = 0; k < d; ++k) col[k * kW] = buf[k];
+  }
+}
+
+/// Row j of channel-axis rows as float32 into out ([padded_lanes(d)], zero-padded).
+template <class T>
+inline void cload_padded_row(const StoredRows<T>& rows, Index j, float* out, float* so) {
+  ChannelCursor<T>(rows, so).load(j, out);
+}
+
+// ---- Channel-axis attention with the scales folded (docs/design.md 7.5) ------------------------
+// For a sealed block, q . (o + s * c) = (q * s) . c + q . o: the query rows times the block's
+// scales (once per block and call) meet each row's codes directly, and the offsets add one
+// constant per block and query row. The output likewise: sum_j e_j (o + s * c_j) = o * E +
+// s * sum_j e_j c_j over the rows of each block (walked block by block: ChannelFold's counting
+// sort). A pending row is read at T. Every path runs the same operations in the same order: the
+// paths with a fused multiply-add and the same reduction tree (scalar, AVX2, NEON) give the same
+// bits; the values differ from those over the dequantized rows by rounding only.
+
+/// Up to four dot products of float rows r[u] (u < count) with x over dp (whole vectors): one
+/// chain each, reduced by the path's tree, into out[u].
+inline void dots4(const float* const* r, Index count, const float* x, Index dp, float* out) {
+  V s0 = vzero(), s1 = vzero(), s2 = vzero(), s3 = vzero();
+  for (Index k = 0; k < dp; k += kLanes) {
+    const V c = vload(x + k);
+    s0 = vmadd(vload(r[0] + k), c, s0);
+    if (count > 1) s1 = vmadd(vload(r[1] + k), c, s1);
+    if (count > 2) s2 = vmadd(vload(r[2] + k), c, s2);
+    if (count > 3) s3 = vmadd(vload(r[3] + k), c, s3);
+  }
+  float sums_buf[4];
+  float* sums = opaque(sums_buf);
+  vreduce_add4(s0, s1, s2, s3, sums);
+  for (Index u = 0; u < count; ++u) out[u] = sums[u];
+}
+
+/// The dot products of up to four float rows r[u] (u < count, over dp: whole vectors) with the
+/// codes of two channel-axis rows c0 and c1 (c1 null: one row), each product one chain in
+/// ascending order reduced by the path's tree (so a logit does not depend on its pairing): out0[u],
+/// out1[u].
+inline void code_dots(const float* const* r, Index count, const std::uint8_t* c0,
+                      const std::uint8_t* c1, Index d, int bits, Index dp, float* out0,
+                      float* out1) {
+  V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  V b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
+  for (Index k = 0; k < dp; k += kLanes) {
+    const V x = channel_codes(c0, k, d, bits);
+    const V y = c1 ? channel_codes(c1, k, d, bits) : vzero();
+    const V q0 = vload(r[0] + k);
+    a0 = vmadd(q0, x, a0);
+    b0 = vmadd(q0, y, b0);
+    if (count > 1) {
+      const V q1 = vload(r[1] + k);
+      a1 = vmadd(q1, x, a1);
+      b1 = vmadd(q1, y, b1);
+    }
+    if (count > 2) {
+      const V q2 = vload(r[2] + k);
+      a2 = vmadd(q2, x, a2);
+      b2 = vmadd(q2, y, b2);
+    }
+    if (count > 3) {
+      const V q3 = vload(r[3] + k);
+      a3 = vmadd(q3, x, a3);
+      b3 = vmadd(q3, y, b3);
+    }
+  }
+  float sums_buf[8];
+  float* sums = opaque(sums_buf);
+  vreduce_add4(a0, a1, a2, a3, sums);
+  vreduce_add4(b0, b1, b2, b3, sums + 4);
+  for (Index u = 0; u < count; ++u) {
+    out0[u] = sums[u];
+    out1[u] = sums[4 + u];
+  }
+}
+
+/// Makes block b's folded query rows ready: qs = q_i * scales, cst[i] = q_i . offsets (f.row
+/// holds the offsets meanwhile).
+template <class T>
+inline void fold_block(const float* q, Index m, Index ldq, const StoredRows<T>& keys, Index b,
+                       const ChannelFold& f) {
+  const Index d = keys.fmt.dim, dp = padded_lanes(d);
+  float* qs = f.qs + b * m * dp;
+  float* cst = f.cst + b * m;
+  const std::uint16_t* t = keys.tables + b * 2 * d;
+  for (Index k = 0; k < dp; k += kLanes) vstore(f.row + k, channel_halves(t + d, k, d));
+  for (Index i = 0; i < m; ++i) {
+    for (Index k = 0; k < dp; k += kLanes) {
+      vstore(qs + i * dp + k, vmul(vload(q + i * ldq + k), channel_halves(t, k, d)));
+    }
+  }
+  const float* r[4];
+  for (Index i = 0; i < m; i += 4) {
+    const Index c = m - i < 4 ? m - i : 4;
+    for (Index u = 0; u < c; ++u) r[u] = q + (i + u) * ldq;
+    dots4(r, c, f.row, dp, cst + i);
+  }
+  f.ready[b] = 1;
+}
+
+/// logits over channel-axis keys with the scales folded: out[i * ldo + j] = scale * (q_i . k_j),
+/// k_j row (idx ? idx[j] : j), i < m. f.block[j]: row j's block (keys.blocks: pending). Rows of
+/// one block go two at a time.
+template <class T>
+inline void cfold_logits(const float* q, Index m, Index ldq, const StoredRows<T>& keys,
+                         const std::int32_t* idx, Index n, float scale, float* out, Index ldo,
+                         const ChannelFold& f) {
+  const Index d = keys.fmt.dim, dp = padded_lanes(d);
+  const int bits = keys.fmt.bits;
+  for (Index b = 0; b < keys.blocks; ++b) f.ready[b] = 0;
+  float s0[4], s1[4];
+  const float* r[4];
+  for (Index j = 0; j < n;) {
+    const Index row = idx ? idx[j] : j;
+    const Index b = f.block[j];
+    if (b == keys.blocks) {  // pending: the row at T against the query rows
+      load_padded_row(keys.pending + (keys.pos[row] - keys.pending_start) * d, d, f.row);
+      for (Index i = 0; i < m; i += 4) {
+        const Index c = m - i < 4 ? m - i : 4;
+        for (Index u = 0; u < c; ++u) r[u] = q + (i + u) * ldq;
+        dots4(r, c, f.row, dp, s0);
+        for (Index u = 0; u < c; ++u) out[(i + u) * ldo + j] = s0[u] * scale;
+      }
+      ++j;
+      continue;
+    }
+    if (!f.ready[b]) fold_block(q, m, ldq, keys, b, f);
+    const bool pair = j + 1 < n && f.block[j + 1] == b;
+    const std::uint8_t* c0 = keys.row_bytes(row);
+    const std::uint8_t* c1 = pair ? keys.row_bytes(idx ? idx[j + 1] : j + 1) : nullptr;
+    const float* qs = f.qs + b * m * dp;
+    const float* cst = f.cst + b * m;
+    for (Index i = 0; i < m; i += 4) {
+      const Index c = m - i < 4 ? m - i : 4;
+      for (Index u = 0; u < c; ++u) r[u] = qs + (i + u) * dp;
+      code_dots(r, c, c0, c1, d, bits, dp, s0, s1);
+      for (Index u = 0; u < c; ++u) {
+        out[(i + u) * ldo + j] = (s0[u] + cst[i + u]) * scale;
+        if (pair) out[(i + u) * ldo + j + 1] = (s1[u] + cst[i + u]) * scale;
+      }
+    }
+    j += pair ? 2 : 1;
+  }
+}
+
+/// R (1, 2 or 4) output rows over the value elements [k, k + width) (W = 2, 1 or 0 as in
+/// weighted_slice), the rows walked block by block: f.perm[f.run[b], f.run[b + 1]) are block b's
+/// rows, block f.blocks the pending ones.
+template <int R, int W, class T>
+inline void cfold_weighted_slice(const float* e, Index lde, const float* inv,
+                                 const StoredRows<T>& v, const ChannelFold& f, Index k,
+                                 Index width, float* out, Index ldo) {
+  const Index d = v.fmt.dim;
+  const int bits = v.fmt.bits;
+  V t0 = vzero(), t1 = vzero(), u0 = vzero(), u1 = vzero();  // totals of rows 0, 1
+  V w0 = vzero(), w1 = vzero(), z0 = vzero(), z1 = vzero();  // rows 2, 3
+  for (Index b = 0; b <= v.blocks; ++b) {
+    const Index first = f.run[b], last = f.run[b + 1];
+    if (first == last) continue;
+    V a0 = vzero(), a1 = vzero(), b0 = vzero(), b1 = vzero();
+    V c0 = vzero(), c1 = vzero(), d0 = vzero(), d1 = vzero();
+    const float* E = f.esum + b * 4;
+    for (Index at = first; at < last; ++at) {
+      const Index j = f.perm[at];
+      V x0, x1 = vzero();
+      if (b == v.blocks) {
+        const T* row = v.pending + (v.pos[j] - v.pending_start) * d + k;
+        x0 = k + kLanes <= d ? vload_row(row) : load_row_tail(row, d - k);
+        if constexpr (W == 2) {
+          x1 = k + 2 * kLanes <= d ? vload_row(row + kLanes) : load_row_tail(row + kLanes, d - k - kLanes);
+        }
+      } else {
+        const std::uint8_t* codes = v.row_bytes(j);
+        x0 = channel_codes(codes, k, d, bits);
+        if constexpr (W == 2) x1 = channel_codes(codes, k + kLanes, d, bits);
+      }
+      const float e0 = e[j];
+      a0 = vmadd(vset(e0), x0, a0);
+      if constexpr (W == 2) a1 = vmadd(vset(e0), x1, a1);
+      if constexpr (R >= 2) {
+        const float e1 = e[lde + j];
+        b0 = vmadd(vset(e1), x0, b0);
+        if constexpr (W == 2) b1 = vmadd(vset(e1), x1, b1);
+      }
+      if constexpr (R >= 4) {
+        const float e2 = e[2 * lde + j], e3 = e[3 * lde + j];
+        c0 = vmadd(vset(e2), x0, c0);
+        d0 = vmadd(vset(e3), x0, d0);
+        if constexpr (W == 2) {
+          c1 = vmadd(vset(e2), x1, c1);
+          d1 = vmadd(vset(e3), x1, d1);
+        }
+      }
+    }
+    if (b == v.blocks) {
+      t0 = vadd(t0, a0), t1 = vadd(t1, a1), u0 = vadd(u0, b0), u1 = vadd(u1, b1);
+      w0 = vadd(w0, c0), w1 = vadd(w1, c1), z0 = vadd(z0, d0), z1 = vadd(z1, d1);
+      continue;
+    }
+    const std::uint16_t* tab = v.tables + b * 2 * d;
+    const V s0 = channel_halves(tab, k, d), o0 = channel_halves(tab + d, k, d);
+    V s1 = vzero(), o1 = vzero();
+    if constexpr (W == 2) {
+      s1 = channel_halves(tab, k + kLanes, d);
+      o1 = channel_halves(tab + d, k + kLanes, d);
+    }
+    const auto fold = [&](V& tot0, V& tot1, V acc0, V acc1, float sum) {
+      tot0 = vmadd(o0, vset(sum), vmadd(s0, acc0, tot0));
+      if constexpr (W == 2) tot1 = vmadd(o1, vset(sum), vmadd(s1, acc1, tot1));
+    };
+    fold(t0, t1, a0, a1, E[0]);
+    if constexpr (R >= 2) fold(u0, u1, b0, b1, E[1]);
+    if constexpr (R >= 4) {
+      fold(w0, w1, c0, c1, E[2]);
+      fold(z0, z1, d0, d1, E[3]);
+    }
+  }
+  put_weighted_rows<R, W>(inv, out, ldo, k, width, t0, t1, u0, u1, w0, w1, z0, z1);
+}
+
+template <int R, class T>
+inline void cfold_weighted_group(const float* e, Index lde, const float* inv,
+                                 const StoredRows<T>& v, const ChannelFold& f, float* out,
+                                 Index ldo) {
+  const Index dv = v.fmt.dim;
+  // Each block's sum of e per output row, in the walk's order (f.esum [blocks + 1, 4]).
+  for (Index b = 0; b <= v.blocks; ++b) {
+    for (Index r = 0; r < R; ++r) {
+      float sum = 0.0f;
+      for (Index at = f.run[b]; at < f.run[b + 1]; ++at) sum += e[r * lde + f.perm[at]];
+      f.esum[b * 4 + r] = sum;
+    }
+  }
+  Index k = 0;
+  for (; k + 2 * kLanes <= dv; k += 2 * kLanes) {
+    cfold_weighted_slice<R, 2>(e, lde, inv, v, f, k, 2 * kLanes, out, ldo);
+  }
+  if (k + kLanes <= dv) {
+    cfold_weighted_slice<R, 1>(e, lde, inv, v, f, k, kLanes, out, ldo);
+    k += kLanes;
+  }
+  if (k < dv) cfold_weighted_slice<R, 0>(e, lde, inv, v, f, k, dv - k, out, ldo);
+}
+
+/// weighted_rows over the first n channel-axis value rows with the scales folded (f: the rows'
+/// counting sort by block, ChannelFold).
+template <class T>
+inline void cfold_weighted_rows(const float* e, Index lde, const float* inv, Index rows,
+                                const StoredRows<T>& values, float* out, Index ldo,
+                                const ChannelFold& f) {
+  Index r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    cfold_weighted_group<4>(e + r * lde, lde, inv + r, values, f, out + r * ldo, ldo);
+  }
+  if (r + 2 <= rows) {
+    cfold_weighted_group<2>(e + r * lde, lde, inv + r, values, f, out + r * ldo, ldo);
+    r += 2;
+  }
+  if (r < rows) cfold_weighted_group<1>(e + r * lde, lde, inv + r, values, f, out + r * ldo, ldo);
 }
