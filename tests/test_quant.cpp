@@ -14,10 +14,11 @@
 #include <cstring>
 #include <limits>
 #include <optional>
-#include <sstream>
-#include <tuple>
 #include <random>
+#include <set>
+#include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 #include <veloxquant/cache.hpp>
 
@@ -905,6 +906,56 @@ TEST(ChannelCache, EveryPolicyKeepsEachRowWithinHalfAStepOfItsBlock) {
       }
     }
   }
+}
+
+/// Adaptive head budgets (SPEC 14) over channel-axis rows (4/4 bits, blocks of 8): the heads come
+/// to hold different numbers of rows, attend serves them with the output a twin cache gives, and
+/// after an empty call kept_bytes() is each head's codes and the tables of the blocks its rows
+/// lie in, plus the pending blocks.
+TEST(ChannelCache, AdaptiveHeadsKeepTheirOwnBlocks) {
+  const Index H = 4, G = 2, D = 16, block = 8;
+  vc::KVCacheConfig c;
+  c.method = "h2o";
+  c.set_budget(10);
+  c.h2o_n_sink = 1;
+  c.h2o_grace = 1;
+  c.head_budgets = "adaptive";
+  c.head_budget_floor = 0.25;
+  c.key_bits = c.value_bits = 4;
+  c.key_axis = c.value_axis = "channel";
+  c.quant_block = static_cast<int>(block);
+  auto a = vc::KVCacheFactory::create<float>(c), b = vc::KVCacheFactory::create<float>(c);
+  std::mt19937 rng(61);
+  std::set<Index> spreads;
+  for (const Index S : {Index{13}, Index{1}, Index{1}, Index{1}, Index{6}, Index{1}, Index{1},
+                        Index{1}, Index{1}, Index{1}, Index{1}, Index{1}}) {
+    const vc::Tensor4<float> q = veloxquant::test::random_queries(rng, 1, G * H, S, D);
+    const vc::Tensor4<double> k = random_input(rng, 1, H, S, D), v = random_input(rng, 1, H, S, D);
+    const vc::Tensor4<float> kf = k.cast<float>(), vf = v.cast<float>();
+    const vc::Tensor4<float> oa = a->attend(q, kf, vf), ob = b->attend(q, kf, vf);
+    ASSERT_EQ(std::memcmp(oa.data(), ob.data(), sizeof(float) * oa.size()), 0);
+    Index lo = a->offset(), hi = 0;
+    for (Index h = 0; h < H; ++h) {
+      const auto n = static_cast<Index>(a->positions(0, h).size());
+      lo = std::min(lo, n);
+      hi = std::max(hi, n);
+    }
+    spreads.insert(hi - lo);
+  }
+  EXPECT_GT(*spreads.rbegin(), 0) << "the heads never came to differ";
+  (void)a->attend(vc::Tensor4<float>(1, G * H, 0, D), vc::Tensor4<float>(1, H, 0, D),
+                  vc::Tensor4<float>(1, H, 0, D));
+  const std::int64_t pending = a->offset() / block * block;
+  std::size_t expected = 0;
+  for (Index h = 0; h < H; ++h) {
+    const std::vector<std::int64_t> pos = a->positions(0, h);
+    std::set<std::int64_t> blocks;
+    for (const std::int64_t p : pos) {
+      if (p < pending) blocks.insert(p / block);
+    }
+    expected += pos.size() * 2 * 8 + 2 * (blocks.size() * 4 * D + block * D * 4);
+  }
+  EXPECT_EQ(a->kept_bytes(), expected);
 }
 
 /// Channel-axis rows carry their blocks through the set's operations: a fork continues exactly as
