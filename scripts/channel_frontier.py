@@ -109,8 +109,8 @@ def main():
                 continue
             ax.plot([100 * x for x, _ in pts], [max(y, 1e-4) for _, y in pts], marker=marker,
                     color=color, alpha=1.0 if w in ("4/4", "16/16") else 0.45,
-                    linestyle="-" if w == "4/4" else ":" if w == "16/16" else "--",
-                    label=f"{series}, {w}" if w in ("4/4", "16/16", "4/2") else None)
+                    linestyle={"4/4": "-", "16/16": ":", "8/8": "-."}.get(w, "--"),
+                    label=f"{series}, {w}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("kept bytes, % of the full cache of half rows")
@@ -120,7 +120,7 @@ def main():
     ax.axvline(6.25, color="grey", linewidth=0.8)
     ax.axhline(0.013, color="grey", linewidth=0.8)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=6, ncol=2)
     out = os.path.join(ROOT, "docs", "fidelity_channel.png")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
