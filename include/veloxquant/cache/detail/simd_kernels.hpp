@@ -280,16 +280,19 @@ ChannelFold channel_fold(const StoredRows<T>& rows, const std::int32_t* idx, Ind
   grow(s.row, dp);
   grow(s.esum, 4 * (nb + 1));
   grow(s.block, n);
-  Index last = -1;
   for (Index j = 0; j < n; ++j) {
     const std::int64_t p = rows.pos[idx ? idx[j] : j];
     Index b = nb;
-    if (p < rows.pending_start) {
-      if (last < 0 || p < rows.starts[last] || (last + 1 < nb && p >= rows.starts[last + 1])) {
-        const std::int64_t* at = std::upper_bound(rows.starts, rows.starts + nb, p);
-        last = at == rows.starts ? 0 : (at - rows.starts) - 1;
+    if (p < rows.pending_start && nb > 0) {
+      // The last block whose first position is <= p, with no branch on the data (the rows of a
+      // window after many evictions come from blocks in no order).
+      const std::int64_t* base = rows.starts;
+      for (Index len = nb; len > 1;) {
+        const Index half = len / 2;
+        base = base[half] <= p ? base + half : base;
+        len -= half;
       }
-      b = last;
+      b = base - rows.starts;
     }
     s.block[static_cast<std::size_t>(j)] = b;
   }

@@ -980,35 +980,31 @@ inline void dots4(const float* const* r, Index count, const float* x, Index dp, 
   for (Index u = 0; u < count; ++u) out[u] = sums[u];
 }
 
-/// The dot products of up to four float rows r[u] (u < count, over dp: whole vectors) with the
-/// codes of two channel-axis rows c0 and c1 (c1 null: one row), each product one chain in
-/// ascending order reduced by the path's tree (so a logit does not depend on its pairing): out0[u],
-/// out1[u].
-inline void code_dots(const float* const* r, Index count, const std::uint8_t* c0,
-                      const std::uint8_t* c1, Index d, int bits, Index dp, float* out0,
-                      float* out1) {
+/// The dot products of up to four float rows r0[u] (u < count, over dp: whole vectors) with the
+/// codes of channel-axis row c0, and of r1[u] with the codes of row c1 (c1 null: one row), each
+/// one chain in ascending order reduced by the path's tree (so a logit does not depend on its
+/// pairing): out0[u], out1[u].
+inline void code_dots(const float* const* r0, const float* const* r1, Index count,
+                      const std::uint8_t* c0, const std::uint8_t* c1, Index d, int bits, Index dp,
+                      float* out0, float* out1) {
   V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
   V b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
   for (Index k = 0; k < dp; k += kLanes) {
     const V x = channel_codes(c0, k, d, bits);
     const V y = c1 ? channel_codes(c1, k, d, bits) : vzero();
-    const V q0 = vload(r[0] + k);
-    a0 = vmadd(q0, x, a0);
-    b0 = vmadd(q0, y, b0);
+    a0 = vmadd(vload(r0[0] + k), x, a0);
+    b0 = vmadd(vload(r1[0] + k), y, b0);
     if (count > 1) {
-      const V q1 = vload(r[1] + k);
-      a1 = vmadd(q1, x, a1);
-      b1 = vmadd(q1, y, b1);
+      a1 = vmadd(vload(r0[1] + k), x, a1);
+      b1 = vmadd(vload(r1[1] + k), y, b1);
     }
     if (count > 2) {
-      const V q2 = vload(r[2] + k);
-      a2 = vmadd(q2, x, a2);
-      b2 = vmadd(q2, y, b2);
+      a2 = vmadd(vload(r0[2] + k), x, a2);
+      b2 = vmadd(vload(r1[2] + k), y, b2);
     }
     if (count > 3) {
-      const V q3 = vload(r[3] + k);
-      a3 = vmadd(q3, x, a3);
-      b3 = vmadd(q3, y, b3);
+      a3 = vmadd(vload(r0[3] + k), x, a3);
+      b3 = vmadd(vload(r1[3] + k), y, b3);
     }
   }
   float sums_buf[8];
@@ -1046,8 +1042,8 @@ inline void fold_block(const float* q, Index m, Index ldq, const StoredRows<T>& 
 }
 
 /// logits over channel-axis keys with the scales folded: out[i * ldo + j] = scale * (q_i . k_j),
-/// k_j row (idx ? idx[j] : j), i < m. f.block[j]: row j's block (keys.blocks: pending). Rows of
-/// one block go two at a time.
+/// k_j row (idx ? idx[j] : j), i < m. f.block[j]: row j's block (keys.blocks: pending). Sealed
+/// rows go two at a time, each against its own block's folded rows.
 template <class T>
 inline void cfold_logits(const float* q, Index m, Index ldq, const StoredRows<T>& keys,
                          const std::int32_t* idx, Index n, float scale, float* out, Index ldo,
@@ -1056,7 +1052,8 @@ inline void cfold_logits(const float* q, Index m, Index ldq, const StoredRows<T>
   const int bits = keys.fmt.bits;
   for (Index b = 0; b < keys.blocks; ++b) f.ready[b] = 0;
   float s0[4], s1[4];
-  const float* r[4];
+  const float* r0[4];
+  const float* r1[4];
   for (Index j = 0; j < n;) {
     const Index row = idx ? idx[j] : j;
     const Index b = f.block[j];
@@ -1064,26 +1061,34 @@ inline void cfold_logits(const float* q, Index m, Index ldq, const StoredRows<T>
       load_padded_row(keys.pending + (keys.pos[row] - keys.pending_start) * d, d, f.row);
       for (Index i = 0; i < m; i += 4) {
         const Index c = m - i < 4 ? m - i : 4;
-        for (Index u = 0; u < c; ++u) r[u] = q + (i + u) * ldq;
-        dots4(r, c, f.row, dp, s0);
+        for (Index u = 0; u < c; ++u) r0[u] = q + (i + u) * ldq;
+        dots4(r0, c, f.row, dp, s0);
         for (Index u = 0; u < c; ++u) out[(i + u) * ldo + j] = s0[u] * scale;
       }
       ++j;
       continue;
     }
     if (!f.ready[b]) fold_block(q, m, ldq, keys, b, f);
-    const bool pair = j + 1 < n && f.block[j + 1] == b;
+    // The next row joins when it is sealed too (its block made ready first).
+    const Index b1 = j + 1 < n ? f.block[j + 1] : keys.blocks;
+    const bool pair = b1 != keys.blocks;
+    if (pair && !f.ready[b1]) fold_block(q, m, ldq, keys, b1, f);
     const std::uint8_t* c0 = keys.row_bytes(row);
     const std::uint8_t* c1 = pair ? keys.row_bytes(idx ? idx[j + 1] : j + 1) : nullptr;
-    const float* qs = f.qs + b * m * dp;
-    const float* cst = f.cst + b * m;
+    const float* qs0 = f.qs + b * m * dp;
+    const float* qs1 = f.qs + (pair ? b1 : b) * m * dp;
+    const float* cst0 = f.cst + b * m;
+    const float* cst1 = f.cst + (pair ? b1 : b) * m;
     for (Index i = 0; i < m; i += 4) {
       const Index c = m - i < 4 ? m - i : 4;
-      for (Index u = 0; u < c; ++u) r[u] = qs + (i + u) * dp;
-      code_dots(r, c, c0, c1, d, bits, dp, s0, s1);
       for (Index u = 0; u < c; ++u) {
-        out[(i + u) * ldo + j] = (s0[u] + cst[i + u]) * scale;
-        if (pair) out[(i + u) * ldo + j + 1] = (s1[u] + cst[i + u]) * scale;
+        r0[u] = qs0 + (i + u) * dp;
+        r1[u] = qs1 + (i + u) * dp;
+      }
+      code_dots(r0, r1, c, c0, c1, d, bits, dp, s0, s1);
+      for (Index u = 0; u < c; ++u) {
+        out[(i + u) * ldo + j] = (s0[u] + cst0[i + u]) * scale;
+        if (pair) out[(i + u) * ldo + j + 1] = (s1[u] + cst1[i + u]) * scale;
       }
     }
     j += pair ? 2 : 1;
