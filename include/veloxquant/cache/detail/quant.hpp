@@ -137,6 +137,23 @@ struct StoredRows {
   }
 };
 
+/// Channel-axis rows as the kernels read them (docs/design.md 7.5): StoredRows' fields with the
+/// pending rows already converted to float32 (simd_kernels.hpp, channel_rows), so that the
+/// channel kernels are compiled once per instruction set, not once per storage type too.
+struct ChannelRows {
+  const std::uint8_t* data = nullptr;      ///< row j's codes at data + j * stride
+  Index stride = 0;                        ///< bytes from one row to the next
+  RowFormat fmt;
+  const std::int64_t* pos = nullptr;       ///< position of row j
+  const std::int64_t* starts = nullptr;    ///< [blocks] first position of each sealed block
+  Index blocks = 0;
+  const std::uint16_t* tables = nullptr;   ///< [blocks, 2 * dim] scales then offsets (half bits)
+  std::int64_t pending_start = 0;
+  const float* pending = nullptr;          ///< [block, dim] the pending rows as float32, by lane
+
+  const std::uint8_t* row_bytes(Index j) const { return data + j * stride; }
+};
+
 /// IEEE half bit patterns and float32, exactly (no F16C needed: storage is not on a hot path).
 inline float half_bits_to_float(std::uint16_t h) {
   return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(h));

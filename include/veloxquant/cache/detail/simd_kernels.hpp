@@ -257,12 +257,30 @@ inline float* channel_scales(Index d) {
   return buf.data();
 }
 
+/// Channel-axis rows for the kernels: the pending block's rows converted to float32 (per thread,
+/// `slot` 0 for keys, 1 for values: a call may hold both).
+/// With `convert` false the pending rows are left out (a caller that reads sealed rows only).
+template <class T>
+ChannelRows channel_rows(const StoredRows<T>& r, int slot, bool convert = true) {
+  thread_local std::vector<float> pending[2];
+  std::vector<float>& buf = pending[slot];
+  if (convert) {
+    const auto count = static_cast<std::size_t>(r.fmt.block * r.fmt.dim);
+    if (buf.size() < count) buf.resize(count);
+    for (std::size_t i = 0; i < count; ++i) buf[i] = static_cast<float>(r.pending[i]);
+  }
+  return ChannelRows{r.row_bytes(0), r.stride * static_cast<Index>(sizeof(T)),
+                     r.fmt,          r.pos,
+                     r.starts,       r.blocks,
+                     r.tables,       r.pending_start,
+                     convert ? buf.data() : nullptr};
+}
+
 /// The scratch of the folded kernels for n rows (row j: idx ? idx[j] : j) of `rows` and m query
 /// rows, per thread (grown, then reused): each row's block, and with `sort` the rows ordered by
 /// block.
-template <class T>
-ChannelFold channel_fold(const StoredRows<T>& rows, const std::int32_t* idx, Index n, Index m,
-                         bool sort) {
+inline ChannelFold channel_fold(const ChannelRows& rows, const std::int32_t* idx, Index n, Index m,
+                                bool sort) {
   struct Buffers {
     std::vector<float> qs, cst, row, esum;
     std::vector<std::uint8_t> ready;
@@ -323,8 +341,9 @@ inline void logits(const float* q, Index m, Index ldq, const StoredRows<T>& keys
     return logits(q, m, ldq, keys.data, keys.stride, idx, n, d, scale, out, ldo, kbuf);
   }
   if (keys.channel()) {
-    const ChannelFold f = channel_fold(keys, idx, n, m, false);
-    VELOXQUANT_DETAIL_DISPATCH(cfold_logits(q, m, ldq, keys, idx, n, scale, out, ldo, f));
+    const ChannelRows c = channel_rows(keys, 0);
+    const ChannelFold f = channel_fold(c, idx, n, m, false);
+    VELOXQUANT_DETAIL_DISPATCH(cfold_logits(q, m, ldq, c, idx, n, scale, out, ldo, f));
   }
   const QuantRows r = keys.bytes();
   VELOXQUANT_DETAIL_DISPATCH(qlogits(q, m, ldq, r, idx, n, scale, out, ldo, kbuf));
@@ -341,7 +360,8 @@ inline void pack_keys(const StoredRows<T>& keys, Index j0, Index j1, Index d, fl
   if (!keys.quantized()) return pack_keys(keys.data, keys.stride, j0, j1, d, kt, buf);
   if (keys.channel()) {
     float* so = channel_scales(d);
-    VELOXQUANT_DETAIL_DISPATCH(cpack_keys(keys, j0, j1, kt, buf, so));
+    const ChannelRows c = channel_rows(keys, 0);
+    VELOXQUANT_DETAIL_DISPATCH(cpack_keys(c, j0, j1, kt, buf, so));
   }
   const QuantRows r = keys.bytes();
   VELOXQUANT_DETAIL_DISPATCH(qpack_keys(r, j0, j1, kt, buf));
@@ -360,8 +380,9 @@ inline void weighted_rows(const float* e, Index lde, const float* inv, Index row
     return weighted_rows(e, lde, inv, rows, values.data, dv, n, out, ldo);
   }
   if (values.channel()) {
-    const ChannelFold f = channel_fold(values, nullptr, n, 0, true);
-    VELOXQUANT_DETAIL_DISPATCH(cfold_weighted_rows(e, lde, inv, rows, values, out, ldo, f));
+    const ChannelRows c = channel_rows(values, 1);
+    const ChannelFold f = channel_fold(c, nullptr, n, 0, true);
+    VELOXQUANT_DETAIL_DISPATCH(cfold_weighted_rows(e, lde, inv, rows, c, out, ldo, f));
   }
   const QuantRows r = values.bytes();
   VELOXQUANT_DETAIL_DISPATCH(qweighted_rows(e, lde, inv, rows, r, n, out, ldo));
@@ -411,9 +432,14 @@ inline void load_stored_row(const StoredRows<T>& rows, Index j, Index d, float* 
 #if VELOXQUANT_DETAIL_KERNELS_DEFINED
 {
   if (rows.channel()) {
+    const std::int64_t p = rows.pos[j];
+    if (p >= rows.pending_start) {  // a pending row: its values at T, exactly
+      return load_query_row(rows.pending + (p - rows.pending_start) * d, d, dst);
+    }
     float* so = channel_scales(d);
     for (Index k = d; k < padded_dim(d); ++k) dst[k] = 0.0f;
-    VELOXQUANT_DETAIL_DISPATCH(cload_padded_row(rows, j, dst, so));
+    const ChannelRows c = channel_rows(rows, 0, false);
+    VELOXQUANT_DETAIL_DISPATCH(cload_padded_row(c, j, dst, so));
   }
   if (rows.quantized()) return dequantize_row(rows.bytes(), j, dst);
   load_query_row(rows.data + j * rows.stride, d, dst);

@@ -892,10 +892,9 @@ inline V channel_halves(const std::uint16_t* t, Index k, Index d) {
 /// Reads channel-axis rows: finds a row's block from its position (the last block looked up
 /// first: rows of a block mostly follow each other) and keeps that block's scales and offsets as
 /// float32 in so ([2, padded_lanes(d)], lanes beyond d zero).
-template <class T>
 class ChannelCursor {
  public:
-  ChannelCursor(const StoredRows<T>& rows, float* so)
+  ChannelCursor(const ChannelRows& rows, float* so)
       : r_(rows), so_(so), d_(rows.fmt.dim), dp_(padded_lanes(rows.fmt.dim)) {}
 
   /// Row j dequantized into dst ([padded_lanes(d)], zero-padded).
@@ -911,7 +910,7 @@ class ChannelCursor {
   }
 
  private:
-  const T* pending_row(std::int64_t p) const { return r_.pending + (p - r_.pending_start) * d_; }
+  const float* pending_row(std::int64_t p) const { return r_.pending + (p - r_.pending_start) * d_; }
 
   void select(std::int64_t p) {
     if (cur_ >= 0 && p >= r_.starts[cur_] && (cur_ + 1 == r_.blocks || p < r_.starts[cur_ + 1])) {
@@ -927,7 +926,7 @@ class ChannelCursor {
     cur_ = b;
   }
 
-  const StoredRows<T>& r_;
+  const ChannelRows& r_;
   float* so_;
   Index d_, dp_;
   Index cur_ = -1;
@@ -935,12 +934,11 @@ class ChannelCursor {
 
 /// pack_keys over channel-axis keys [j0, j1): the rows read back. buf: [padded_lanes(d)]; so:
 /// [2, padded_lanes(d)].
-template <class T>
-inline void cpack_keys(const StoredRows<T>& keys, Index j0, Index j1, float* kt, float* buf,
+inline void cpack_keys(const ChannelRows& keys, Index j0, Index j1, float* kt, float* buf,
                        float* so) {
   constexpr Index kW = 2 * kLanes;
   const Index d = keys.fmt.dim;
-  ChannelCursor<T> cur(keys, so);
+  ChannelCursor cur(keys, so);
   for (Index j = j0; j < j1; ++j) {
     cur.load(j, buf);
     float* col = kt + (j / kW) * d * kW + j % kW;
@@ -949,9 +947,8 @@ inline void cpack_keys(const StoredRows<T>& keys, Index j0, Index j1, float* kt,
 }
 
 /// Row j of channel-axis rows as float32 into out ([padded_lanes(d)], zero-padded).
-template <class T>
-inline void cload_padded_row(const StoredRows<T>& rows, Index j, float* out, float* so) {
-  ChannelCursor<T>(rows, so).load(j, out);
+inline void cload_padded_row(const ChannelRows& rows, Index j, float* out, float* so) {
+  ChannelCursor(rows, so).load(j, out);
 }
 
 // ---- Channel-axis attention with the scales folded (docs/design.md 7.5) ------------------------
@@ -1019,8 +1016,7 @@ inline void code_dots(const float* const* r0, const float* const* r1, Index coun
 
 /// Makes block b's folded query rows ready: qs = q_i * scales, cst[i] = q_i . offsets (f.row
 /// holds the offsets meanwhile).
-template <class T>
-inline void fold_block(const float* q, Index m, Index ldq, const StoredRows<T>& keys, Index b,
+inline void fold_block(const float* q, Index m, Index ldq, const ChannelRows& keys, Index b,
                        const ChannelFold& f) {
   const Index d = keys.fmt.dim, dp = padded_lanes(d);
   float* qs = f.qs + b * m * dp;
@@ -1044,8 +1040,7 @@ inline void fold_block(const float* q, Index m, Index ldq, const StoredRows<T>& 
 /// logits over channel-axis keys with the scales folded: out[i * ldo + j] = scale * (q_i . k_j),
 /// k_j row (idx ? idx[j] : j), i < m. f.block[j]: row j's block (keys.blocks: pending). Sealed
 /// rows go two at a time, each against its own block's folded rows.
-template <class T>
-inline void cfold_logits(const float* q, Index m, Index ldq, const StoredRows<T>& keys,
+inline void cfold_logits(const float* q, Index m, Index ldq, const ChannelRows& keys,
                          const std::int32_t* idx, Index n, float scale, float* out, Index ldo,
                          const ChannelFold& f) {
   const Index d = keys.fmt.dim, dp = padded_lanes(d);
@@ -1098,9 +1093,9 @@ inline void cfold_logits(const float* q, Index m, Index ldq, const StoredRows<T>
 /// R (1, 2 or 4) output rows over the value elements [k, k + width) (W = 2, 1 or 0 as in
 /// weighted_slice), the rows walked block by block: f.perm[f.run[b], f.run[b + 1]) are block b's
 /// rows, block f.blocks the pending ones.
-template <int R, int W, class T>
+template <int R, int W>
 inline void cfold_weighted_slice(const float* e, Index lde, const float* inv,
-                                 const StoredRows<T>& v, const ChannelFold& f, Index k,
+                                 const ChannelRows& v, const ChannelFold& f, Index k,
                                  Index width, float* out, Index ldo) {
   const Index d = v.fmt.dim;
   const int bits = v.fmt.bits;
@@ -1116,7 +1111,7 @@ inline void cfold_weighted_slice(const float* e, Index lde, const float* inv,
       const Index j = f.perm[at];
       V x0, x1 = vzero();
       if (b == v.blocks) {
-        const T* row = v.pending + (v.pos[j] - v.pending_start) * d + k;
+        const float* row = v.pending + (v.pos[j] - v.pending_start) * d + k;
         x0 = k + kLanes <= d ? vload_row(row) : load_row_tail(row, d - k);
         if constexpr (W == 2) {
           x1 = k + 2 * kLanes <= d ? vload_row(row + kLanes) : load_row_tail(row + kLanes, d - k - kLanes);
@@ -1170,9 +1165,9 @@ inline void cfold_weighted_slice(const float* e, Index lde, const float* inv,
   put_weighted_rows<R, W>(inv, out, ldo, k, width, t0, t1, u0, u1, w0, w1, z0, z1);
 }
 
-template <int R, class T>
+template <int R>
 inline void cfold_weighted_group(const float* e, Index lde, const float* inv,
-                                 const StoredRows<T>& v, const ChannelFold& f, float* out,
+                                 const ChannelRows& v, const ChannelFold& f, float* out,
                                  Index ldo) {
   const Index dv = v.fmt.dim;
   // Each block's sum of e per output row, in the walk's order (f.esum [blocks + 1, 4]).
@@ -1196,9 +1191,8 @@ inline void cfold_weighted_group(const float* e, Index lde, const float* inv,
 
 /// weighted_rows over the first n channel-axis value rows with the scales folded (f: the rows'
 /// counting sort by block, ChannelFold).
-template <class T>
 inline void cfold_weighted_rows(const float* e, Index lde, const float* inv, Index rows,
-                                const StoredRows<T>& values, float* out, Index ldo,
+                                const ChannelRows& values, float* out, Index ldo,
                                 const ChannelFold& f) {
   Index r = 0;
   for (; r + 4 <= rows; r += 4) {
