@@ -55,14 +55,12 @@ struct ChannelState {
 };
 
 /// The sealed blocks and the pending block of one head whose keys, values or both are quantized
-/// along channels. Inactive (and empty) when neither is.
+/// along channels (a head holds one only then: RowBuffer).
 template <class T>
 class ChannelBlocks {
  public:
-  ChannelBlocks() = default;
   ChannelBlocks(const RowFormat& kf, const RowFormat& vf)
       : keys_(kf.channel_axis()), values_(vf.channel_axis()), kf_(kf), vf_(vf) {
-    if (!active()) return;
     block_ = keys_ ? kf.block : vf.block;
     const auto b = static_cast<std::size_t>(block_);
     if (keys_) s_.kpend.resize(b * static_cast<std::size_t>(kf.dim));
@@ -70,9 +68,6 @@ class ChannelBlocks {
     s_.lane_slot.assign(b, -1);
   }
 
-  bool active() const { return keys_ || values_; }
-  bool keys() const { return keys_; }
-  bool values() const { return values_; }
   Index block() const { return block_; }
   Index blocks() const { return static_cast<Index>(s_.starts.size()); }
   std::int64_t pending_start() const { return s_.pending_start; }
@@ -97,9 +92,7 @@ class ChannelBlocks {
   }
   /// The row of position p moved to slot `to` (compaction): a pending row's lane follows it.
   void moved(std::int64_t p, Slot to) noexcept {
-    if (p >= s_.pending_start && p < s_.pending_start + block_) {
-      s_.lane_slot[static_cast<std::size_t>(lane(p))] = to;
-    }
+    if (fits(p)) s_.lane_slot[static_cast<std::size_t>(lane(p))] = to;
   }
   /// Slot `from` now holds slot map[from]'s row (a fork's gather): lanes follow, lanes of rows
   /// not carried over (map -1) are cleared.
@@ -164,7 +157,8 @@ class ChannelBlocks {
     if (values_) s_.vtab.resize(at(kept) * 2 * at(vf_.dim));
   }
 
-  /// Releases the blocks' room when more than half of it is unused. Strong exception guarantee.
+  /// Releases the blocks' room when more than a third of it (and 8 blocks) is unused. Strong
+  /// exception guarantee.
   void shrink() {
     if (s_.starts.capacity() <= s_.starts.size() + s_.starts.size() / 2 + 8) return;
     ChannelState<T> tight;

@@ -137,6 +137,20 @@ struct StoredRows {
   }
 };
 
+/// The block of position p among `blocks` sealed blocks whose first positions `starts` ascend:
+/// the last one whose first position is <= p (0 when p precedes them all, which the blocks'
+/// invariant rules out for a sealed row). No branch on the data: a window's rows come from
+/// blocks in no order after many evictions.
+inline Index block_at(const std::int64_t* starts, Index blocks, std::int64_t p) {
+  const std::int64_t* base = starts;
+  for (Index len = blocks; len > 1;) {
+    const Index half = len / 2;
+    base = base[half] <= p ? base + half : base;
+    len -= half;
+  }
+  return base - starts;
+}
+
 /// Channel-axis rows as the kernels read them (docs/design.md 7.5): StoredRows' fields with the
 /// pending rows already converted to float32 (simd_kernels.hpp, channel_rows), so that the
 /// channel kernels are compiled once per instruction set, not once per storage type too.

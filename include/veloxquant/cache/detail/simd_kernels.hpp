@@ -301,17 +301,7 @@ inline ChannelFold channel_fold(const ChannelRows& rows, const std::int32_t* idx
   for (Index j = 0; j < n; ++j) {
     const std::int64_t p = rows.pos[idx ? idx[j] : j];
     Index b = nb;
-    if (p < rows.pending_start && nb > 0) {
-      // The last block whose first position is <= p, with no branch on the data (the rows of a
-      // window after many evictions come from blocks in no order).
-      const std::int64_t* base = rows.starts;
-      for (Index len = nb; len > 1;) {
-        const Index half = len / 2;
-        base = base[half] <= p ? base + half : base;
-        len -= half;
-      }
-      b = base - rows.starts;
-    }
+    if (p < rows.pending_start && nb > 0) b = block_at(rows.starts, nb, p);
     s.block[static_cast<std::size_t>(j)] = b;
   }
   if (sort) {

@@ -78,8 +78,8 @@ void write_channel(const HeadStore<T>& h, const std::vector<Slot>& src, ByteWrit
   for (const Slot s : src) {
     const std::int64_t p = h.position(s);
     if (p >= pend) continue;
-    const auto at = std::upper_bound(c.starts.begin(), c.starts.end(), p);
-    used[static_cast<std::size_t>(at - c.starts.begin() - 1)] = 1;
+    const Index b = block_at(c.starts.data(), static_cast<Index>(c.starts.size()), p);
+    used[static_cast<std::size_t>(b)] = 1;
   }
   out.i64(pend);
   out.u64(static_cast<std::uint64_t>(std::count(used.begin(), used.end(), 1)));

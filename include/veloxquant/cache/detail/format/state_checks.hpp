@@ -239,9 +239,8 @@ void check_saved_channel(const ChannelState<T>& c, const RowFormat& kf, const Ro
       if (p - pend >= block) bad_state("a row lies beyond the pending block");
       continue;
     }
-    const auto at = std::upper_bound(c.starts.begin(), c.starts.end(), p);
-    if (at == c.starts.begin()) bad_state("a quantized row lies in no channel block");
-    used[static_cast<std::size_t>(at - c.starts.begin() - 1)] = 1;
+    if (nb == 0 || p < c.starts.front()) bad_state("a quantized row lies in no channel block");
+    used[static_cast<std::size_t>(block_at(c.starts.data(), static_cast<Index>(nb), p))] = 1;
   }
   if (std::find(used.begin(), used.end(), 0) != used.end()) {
     bad_state("a channel block holds no row");

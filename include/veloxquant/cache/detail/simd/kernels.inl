@@ -916,8 +916,7 @@ class ChannelCursor {
     if (cur_ >= 0 && p >= r_.starts[cur_] && (cur_ + 1 == r_.blocks || p < r_.starts[cur_ + 1])) {
       return;
     }
-    const std::int64_t* at = std::upper_bound(r_.starts, r_.starts + r_.blocks, p);
-    const Index b = at == r_.starts ? 0 : (at - r_.starts) - 1;
+    const Index b = block_at(r_.starts, r_.blocks, p);
     const std::uint16_t* t = r_.tables + b * 2 * d_;
     for (Index k = 0; k < dp_; k += kLanes) {
       vstore(so_ + k, channel_halves(t, k, d_));
