@@ -1089,9 +1089,10 @@ inline void cfold_logits(const float* q, Index m, Index ldq, const ChannelRows& 
   }
 }
 
-/// R (1, 2 or 4) output rows over the value elements [k, k + width) (W = 2, 1 or 0 as in
-/// weighted_slice), the rows walked block by block: f.perm[f.run[b], f.run[b + 1]) are block b's
-/// rows, block f.blocks the pending ones.
+/// R (1 or 4) output rows over the value elements [k, k + width), the rows walked block by block:
+/// f.perm[f.run[b], f.run[b + 1]) are block b's rows, block f.blocks the pending ones. W = 2: two
+/// whole vectors; W = 1: one vector, whole or a tail (width < kLanes; the reads give 0 beyond d).
+/// (Two instances fewer per R than weighted_slice's three: compile time, docs/testing.md.)
 template <int R, int W>
 inline void cfold_weighted_slice(const float* e, Index lde, const float* inv,
                                  const ChannelRows& v, const ChannelFold& f, Index k,
@@ -1161,7 +1162,11 @@ inline void cfold_weighted_slice(const float* e, Index lde, const float* inv,
       fold(z0, z1, d0, d1, E[3]);
     }
   }
-  put_weighted_rows<R, W>(inv, out, ldo, k, width, t0, t1, u0, u1, w0, w1, z0, z1);
+  if (W == 1 && width < kLanes) {
+    put_weighted_rows<R, 0>(inv, out, ldo, k, width, t0, t1, u0, u1, w0, w1, z0, z1);
+  } else {
+    put_weighted_rows<R, W>(inv, out, ldo, k, width, t0, t1, u0, u1, w0, w1, z0, z1);
+  }
 }
 
 template <int R>
@@ -1181,11 +1186,9 @@ inline void cfold_weighted_group(const float* e, Index lde, const float* inv,
   for (; k + 2 * kLanes <= dv; k += 2 * kLanes) {
     cfold_weighted_slice<R, 2>(e, lde, inv, v, f, k, 2 * kLanes, out, ldo);
   }
-  if (k + kLanes <= dv) {
-    cfold_weighted_slice<R, 1>(e, lde, inv, v, f, k, kLanes, out, ldo);
-    k += kLanes;
+  for (; k < dv; k += kLanes) {
+    cfold_weighted_slice<R, 1>(e, lde, inv, v, f, k, std::min<Index>(kLanes, dv - k), out, ldo);
   }
-  if (k < dv) cfold_weighted_slice<R, 0>(e, lde, inv, v, f, k, dv - k, out, ldo);
 }
 
 /// weighted_rows over the first n channel-axis value rows with the scales folded (f: the rows'
@@ -1197,9 +1200,7 @@ inline void cfold_weighted_rows(const float* e, Index lde, const float* inv, Ind
   for (; r + 4 <= rows; r += 4) {
     cfold_weighted_group<4>(e + r * lde, lde, inv + r, values, f, out + r * ldo, ldo);
   }
-  if (r + 2 <= rows) {
-    cfold_weighted_group<2>(e + r * lde, lde, inv + r, values, f, out + r * ldo, ldo);
-    r += 2;
+  for (; r < rows; ++r) {
+    cfold_weighted_group<1>(e + r * lde, lde, inv + r, values, f, out + r * ldo, ldo);
   }
-  if (r < rows) cfold_weighted_group<1>(e + r * lde, lde, inv + r, values, f, out + r * ldo, ldo);
 }
