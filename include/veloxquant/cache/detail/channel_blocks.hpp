@@ -185,6 +185,9 @@ class ChannelBlocks {
     r.tables = keys ? s_.ktab.data() : s_.vtab.data();
     r.pending_start = s_.pending_start;
     r.pending = keys ? s_.kpend.data() : s_.vpend.data();
+    Index lanes = block_;
+    while (lanes > 0 && s_.lane_slot[at(lanes - 1)] < 0) --lanes;
+    r.pending_lanes = lanes;
   }
 
  private:

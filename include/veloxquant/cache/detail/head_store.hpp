@@ -387,8 +387,12 @@ class HeadStore {
   T* value_ptr(Index s) { return rows_.value_ptr(s); }
   const T* value_ptr(Index s) const { return rows_.value_ptr(s); }
   /// The stored rows as the kernels read them, slot = row index.
-  StoredRows<T> key_rows() const { return rows_.key_rows(pos_.data()); }
-  StoredRows<T> value_rows() const { return rows_.value_rows(pos_.data()); }
+  StoredRows<T> key_rows() const {
+    return rows_.key_rows(pos_.data(), order_.data(), live(), n_phys_);
+  }
+  StoredRows<T> value_rows() const {
+    return rows_.value_rows(pos_.data(), order_.data(), live(), n_phys_);
+  }
   bool quantized() const { return rows_.quantized(); }
   /// Bytes one slot's key and value rows take (codes and scales of quantized rows).
   std::size_t slot_bytes() const { return rows_.slot_bytes(); }

@@ -117,6 +117,10 @@ struct StoredRows {
   std::int64_t pending_start = 0;          ///< rows from this position on are pending
   const T* pending = nullptr;              ///< [block, dim]: the pending row of position p at lane
                                            ///< p - pending_start, as T
+  Index pending_lanes = 0;                 ///< lanes [0, pending_lanes) may hold a row
+  const std::int32_t* order = nullptr;     ///< [live] the live rows in ascending position (or null)
+  Index live = 0;
+  Index slots = 0;                         ///< rows in the buffer, live or dead
 
   bool quantized() const { return fmt.quantized(); }
   bool channel() const { return fmt.channel_axis(); }
@@ -164,6 +168,9 @@ struct ChannelRows {
   const std::uint16_t* tables = nullptr;   ///< [blocks, 2 * dim] scales then offsets (half bits)
   std::int64_t pending_start = 0;
   const float* pending = nullptr;          ///< [block, dim] the pending rows as float32, by lane
+  const std::int32_t* order = nullptr;     ///< [live] the live rows in ascending position (or null)
+  Index live = 0;
+  Index slots = 0;                         ///< rows in the buffer, live or dead
 
   const std::uint8_t* row_bytes(Index j) const { return data + j * stride; }
 };

@@ -69,12 +69,15 @@ class RowBuffer {
   T* value_ptr(Index s) { return v_.data() + s * vs_; }
   const T* value_ptr(Index s) const { return v_.data() + s * vs_; }
   /// The stored rows as the kernels read them, slot = row index (channel-axis rows also need
-  /// their positions: pos, by slot).
-  StoredRows<T> key_rows(const std::int64_t* pos = nullptr) const {
-    return described(StoredRows<T>{k_.data(), ks_, kf_}, true, pos);
+  /// their positions: pos, by slot; and, for the folded kernels, the live slots in ascending
+  /// position, order [live], among `slots`).
+  StoredRows<T> key_rows(const std::int64_t* pos = nullptr, const Slot* order = nullptr,
+                         Index live = 0, Index slots = 0) const {
+    return described(StoredRows<T>{k_.data(), ks_, kf_}, true, pos, order, live, slots);
   }
-  StoredRows<T> value_rows(const std::int64_t* pos = nullptr) const {
-    return described(StoredRows<T>{v_.data(), vs_, vf_}, false, pos);
+  StoredRows<T> value_rows(const std::int64_t* pos = nullptr, const Slot* order = nullptr,
+                           Index live = 0, Index slots = 0) const {
+    return described(StoredRows<T>{v_.data(), vs_, vf_}, false, pos, order, live, slots);
   }
 
   /// Stores one input row pair of position p in slot s: converted to T, and quantized from that
@@ -209,10 +212,14 @@ class RowBuffer {
     store_row(buf, dst, f.dim);
   }
 
-  StoredRows<T> described(StoredRows<T> r, bool keys, const std::int64_t* pos) const {
+  StoredRows<T> described(StoredRows<T> r, bool keys, const std::int64_t* pos,
+                          const Slot* order = nullptr, Index live = 0, Index slots = 0) const {
     if (!r.channel()) return r;
     ch_->describe(keys, r);
     r.pos = pos;
+    r.order = order;
+    r.live = live;
+    r.slots = slots;
     return r;
   }
 

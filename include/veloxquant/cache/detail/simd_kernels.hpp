@@ -8,6 +8,7 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -257,23 +258,29 @@ inline float* channel_scales(Index d) {
   return buf.data();
 }
 
-/// Channel-axis rows for the kernels: the pending block's rows converted to float32 (per thread,
-/// `slot` 0 for keys, 1 for values: a call may hold both).
-/// With `convert` false the pending rows are left out (a caller that reads sealed rows only).
+/// Channel-axis rows for the kernels: the pending block's rows as float32 (float rows as they are;
+/// others converted, the lanes in use only, per thread, `slot` 0 for keys, 1 for values: a call
+/// may hold both). With `convert` false the pending rows are left out (a caller that reads sealed
+/// rows only).
 template <class T>
 ChannelRows channel_rows(const StoredRows<T>& r, int slot, bool convert = true) {
-  thread_local std::vector<float> pending[2];
-  std::vector<float>& buf = pending[slot];
-  if (convert) {
-    const auto count = static_cast<std::size_t>(r.fmt.block * r.fmt.dim);
-    if (buf.size() < count) buf.resize(count);
-    for (std::size_t i = 0; i < count; ++i) buf[i] = static_cast<float>(r.pending[i]);
+  const float* pending = nullptr;
+  if constexpr (std::is_same_v<T, float>) {
+    pending = r.pending;
+  } else if (convert) {
+    thread_local std::vector<float> buf[2];
+    std::vector<float>& b = buf[slot];
+    const auto count = static_cast<std::size_t>(r.pending_lanes * r.fmt.dim);
+    if (b.size() < count) b.resize(count);
+    for (std::size_t i = 0; i < count; ++i) b[i] = static_cast<float>(r.pending[i]);
+    pending = b.data();
   }
   return ChannelRows{r.row_bytes(0), r.stride * static_cast<Index>(sizeof(T)),
                      r.fmt,          r.pos,
                      r.starts,       r.blocks,
                      r.tables,       r.pending_start,
-                     convert ? buf.data() : nullptr};
+                     pending,        r.order,
+                     r.live,         r.slots};
 }
 
 /// The scratch of the folded kernels for n rows (row j: idx ? idx[j] : j) of `rows` and m query
@@ -284,7 +291,7 @@ inline ChannelFold channel_fold(const ChannelRows& rows, const std::int32_t* idx
   struct Buffers {
     std::vector<float> qs, cst, row, esum;
     std::vector<std::uint8_t> ready;
-    std::vector<Index> block, run;
+    std::vector<Index> block, run, slot_block;
     std::vector<std::int32_t> perm;
   };
   thread_local Buffers s;
@@ -298,10 +305,33 @@ inline ChannelFold channel_fold(const ChannelRows& rows, const std::int32_t* idx
   grow(s.row, dp);
   grow(s.esum, 4 * (nb + 1));
   grow(s.block, n);
+  // Each live slot's block from one walk over the slots in ascending position, beside the
+  // blocks' first positions (no search per row: after many evictions a window's rows come from
+  // blocks in no order); a slot the walk does not reach (dead, or no order given) searches.
+  Index* slot_block = nullptr;
+  if (rows.order != nullptr) {
+    grow(s.slot_block, rows.slots);
+    slot_block = s.slot_block.data();
+    if (rows.live < rows.slots) std::fill_n(slot_block, rows.slots, Index{-1});  // dead slots
+    Index b = 0;
+    for (Index i = 0; i < rows.live; ++i) {
+      const std::int32_t slot = rows.order[i];
+      const std::int64_t p = rows.pos[slot];
+      if (p >= rows.pending_start || nb == 0) {
+        slot_block[slot] = nb;
+        continue;
+      }
+      while (b + 1 < nb && rows.starts[b + 1] <= p) ++b;
+      slot_block[slot] = b;
+    }
+  }
   for (Index j = 0; j < n; ++j) {
-    const std::int64_t p = rows.pos[idx ? idx[j] : j];
-    Index b = nb;
-    if (p < rows.pending_start && nb > 0) b = block_at(rows.starts, nb, p);
+    const Index row = idx ? idx[j] : j;
+    Index b = slot_block != nullptr && row < rows.slots ? slot_block[row] : -1;
+    if (b < 0) {
+      const std::int64_t p = rows.pos[row];
+      b = p < rows.pending_start && nb > 0 ? block_at(rows.starts, nb, p) : nb;
+    }
     s.block[static_cast<std::size_t>(j)] = b;
   }
   if (sort) {

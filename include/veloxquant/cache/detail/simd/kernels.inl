@@ -1013,6 +1013,46 @@ inline void code_dots(const float* const* r0, const float* const* r1, Index coun
   }
 }
 
+/// code_dots for four query rows and two rows, the decode step's usual case (G = 4), with the
+/// codes' layout known: Bits 4 (d a multiple of 2 * kLanes: low nibbles hold channels [0, d/2),
+/// high ones [d/2, d)) or 8 (d a multiple of kLanes). The same chains in the same order as
+/// code_dots, so the same bits, without its per-vector tests.
+template <int Bits>
+inline void code_dots_4x2(const float* const* r0, const float* const* r1, const std::uint8_t* c0,
+                          const std::uint8_t* c1, Index d, float* out0, float* out1) {
+  V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  V b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
+  const auto step = [&](Index k, V x, V y) {
+    a0 = vmadd(vload(r0[0] + k), x, a0);
+    b0 = vmadd(vload(r1[0] + k), y, b0);
+    a1 = vmadd(vload(r0[1] + k), x, a1);
+    b1 = vmadd(vload(r1[1] + k), y, b1);
+    a2 = vmadd(vload(r0[2] + k), x, a2);
+    b2 = vmadd(vload(r1[2] + k), y, b2);
+    a3 = vmadd(vload(r0[3] + k), x, a3);
+    b3 = vmadd(vload(r1[3] + k), y, b3);
+  };
+  if constexpr (Bits == 8) {
+    for (Index k = 0; k < d; k += kLanes) step(k, vcodes<8>(c0 + k), vcodes<8>(c1 + k));
+  } else {
+    const Index h = d / 2;
+    for (Index k = 0; k < h; k += kLanes) {
+      step(k, vcodes<4, false>(c0 + k), vcodes<4, false>(c1 + k));
+    }
+    for (Index k = h; k < d; k += kLanes) {
+      step(k, vcodes<4, true>(c0 + k - h), vcodes<4, true>(c1 + k - h));
+    }
+  }
+  float sums_buf[8];
+  float* sums = opaque(sums_buf);
+  vreduce_add4(a0, a1, a2, a3, sums);
+  vreduce_add4(b0, b1, b2, b3, sums + 4);
+  for (Index u = 0; u < 4; ++u) {
+    out0[u] = sums[u];
+    out1[u] = sums[4 + u];
+  }
+}
+
 /// Makes block b's folded query rows ready: qs = q_i * scales, cst[i] = q_i . offsets (f.row
 /// holds the offsets meanwhile).
 inline void fold_block(const float* q, Index m, Index ldq, const ChannelRows& keys, Index b,
@@ -1044,6 +1084,8 @@ inline void cfold_logits(const float* q, Index m, Index ldq, const ChannelRows& 
                          const ChannelFold& f) {
   const Index d = keys.fmt.dim, dp = padded_lanes(d);
   const int bits = keys.fmt.bits;
+  // The layouts code_dots_4x2 takes (0: none).
+  const int fast = bits == 4 && d % (2 * kLanes) == 0 ? 4 : bits == 8 && d % kLanes == 0 ? 8 : 0;
   for (Index b = 0; b < keys.blocks; ++b) f.ready[b] = 0;
   float s0[4], s1[4];
   const float* r0[4];
@@ -1079,7 +1121,13 @@ inline void cfold_logits(const float* q, Index m, Index ldq, const ChannelRows& 
         r0[u] = qs0 + (i + u) * dp;
         r1[u] = qs1 + (i + u) * dp;
       }
-      code_dots(r0, r1, c, c0, c1, d, bits, dp, s0, s1);
+      if (pair && c == 4 && fast == 4) {
+        code_dots_4x2<4>(r0, r1, c0, c1, d, s0, s1);
+      } else if (pair && c == 4 && fast == 8) {
+        code_dots_4x2<8>(r0, r1, c0, c1, d, s0, s1);
+      } else {
+        code_dots(r0, r1, c, c0, c1, d, bits, dp, s0, s1);
+      }
       for (Index u = 0; u < c; ++u) {
         out[(i + u) * ldo + j] = (s0[u] + cst0[i + u]) * scale;
         if (pair) out[(i + u) * ldo + j + 1] = (s1[u] + cst1[i + u]) * scale;
@@ -1099,6 +1147,17 @@ inline void cfold_weighted_slice(const float* e, Index lde, const float* inv,
                                  Index width, float* out, Index ldo) {
   const Index d = v.fmt.dim;
   const int bits = v.fmt.bits;
+  // channel_codes' layout tests, made once for the slice: 8 (whole vectors of 8-bit codes), 4 and
+  // 5 (low or high nibbles, the slice within one half of d), 0 (channel_codes per vector).
+  const Index h = d / 2, end = k + (W == 2 ? 2 : 1) * kLanes;
+  const bool split = bits == 4 && d % (2 * kLanes) == 0;
+  const int mode = bits == 8 && end <= d ? 8 : split && end <= h ? 4 : split && k >= h ? 5 : 0;
+  const auto codes_at = [&](const std::uint8_t* codes, Index at) {
+    if (mode == 8) return vcodes<8>(codes + at);
+    if (mode == 4) return vcodes<4, false>(codes + at);
+    if (mode == 5) return vcodes<4, true>(codes + at - h);
+    return channel_codes(codes, at, d, bits);
+  };
   V t0 = vzero(), t1 = vzero(), u0 = vzero(), u1 = vzero();  // totals of rows 0, 1
   V w0 = vzero(), w1 = vzero(), z0 = vzero(), z1 = vzero();  // rows 2, 3
   for (Index b = 0; b <= v.blocks; ++b) {
@@ -1118,8 +1177,8 @@ inline void cfold_weighted_slice(const float* e, Index lde, const float* inv,
         }
       } else {
         const std::uint8_t* codes = v.row_bytes(j);
-        x0 = channel_codes(codes, k, d, bits);
-        if constexpr (W == 2) x1 = channel_codes(codes, k + kLanes, d, bits);
+        x0 = codes_at(codes, k);
+        if constexpr (W == 2) x1 = codes_at(codes, k + kLanes);
       }
       const float e0 = e[j];
       a0 = vmadd(vset(e0), x0, a0);
