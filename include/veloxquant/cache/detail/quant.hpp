@@ -99,38 +99,39 @@ struct QuantRows {
   const std::uint8_t* row(Index j) const { return data + j * stride; }
 };
 
-/// Rows of a head as they are stored: T rows (fmt.bits == 16; row j at data + j * stride, in
-/// elements of T) or quantized rows (the same buffer read as bytes, stride elements of T per row).
-/// Channel-axis rows (docs/design.md 7.5) also need where each row's scales are: the row's
-/// position picks its block (the last whose first position is <= it) or, from pending_start on,
-/// the pending block's row of T.
-template <class T>
-struct StoredRows {
-  const T* data = nullptr;
-  Index stride = 0;  ///< elements of T from one row to the next
-  RowFormat fmt;
-  // Channel axis only.
+/// Where channel-axis rows' scales are (docs/design.md 7.5): a row's position picks its block (the
+/// last whose first position is <= it) or, from pending_start on, its lane of the pending block.
+/// What the stored rows (StoredRows) and the kernels' view of them (ChannelRows) share.
+struct ChannelIndex {
   const std::int64_t* pos = nullptr;       ///< position of row j: pos[j]
   const std::int64_t* starts = nullptr;    ///< [blocks] first position of each block, ascending
   Index blocks = 0;                        ///< sealed blocks
   const std::uint16_t* tables = nullptr;   ///< [blocks, 2 * dim]: scales then offsets (half bits)
   std::int64_t pending_start = 0;          ///< rows from this position on are pending
-  const T* pending = nullptr;              ///< [block, dim]: the pending row of position p at lane
-                                           ///< p - pending_start, as T
-  Index pending_lanes = 0;                 ///< lanes [0, pending_lanes) may hold a row
   const std::int32_t* order = nullptr;     ///< [live] the live rows in ascending position (or null)
   Index live = 0;
   Index slots = 0;                         ///< rows in the buffer, live or dead
+};
+
+/// Rows of a head as they are stored: T rows (fmt.bits == 16; row j at data + j * stride, in
+/// elements of T) or quantized rows (the same buffer read as bytes, stride elements of T per row);
+/// channel-axis rows also carry their ChannelIndex and the pending rows at T.
+template <class T>
+struct StoredRows : ChannelIndex {
+  StoredRows() = default;
+  StoredRows(const T* rows, Index row_stride, const RowFormat& format)
+      : data(rows), stride(row_stride), fmt(format) {}
+
+  const T* data = nullptr;
+  Index stride = 0;  ///< elements of T from one row to the next
+  RowFormat fmt;
+  // Channel axis only, beside ChannelIndex.
+  const T* pending = nullptr;              ///< [block, dim]: the pending row of position p at lane
+                                           ///< p - pending_start, as T
+  Index pending_lanes = 0;                 ///< lanes [0, pending_lanes) may hold a row
 
   bool quantized() const { return fmt.quantized(); }
   bool channel() const { return fmt.channel_axis(); }
-  /// The rows from row j on.
-  StoredRows from(Index j) const {
-    StoredRows r = *this;
-    r.data = data + j * stride;
-    if (pos != nullptr) r.pos = pos + j;
-    return r;
-  }
   QuantRows bytes() const {
     return QuantRows{reinterpret_cast<const std::uint8_t*>(data),
                      stride * static_cast<Index>(sizeof(T)), fmt};
@@ -158,19 +159,11 @@ inline Index block_at(const std::int64_t* starts, Index blocks, std::int64_t p) 
 /// Channel-axis rows as the kernels read them (docs/design.md 7.5): StoredRows' fields with the
 /// pending rows already converted to float32 (simd_kernels.hpp, channel_rows), so that the
 /// channel kernels are compiled once per instruction set, not once per storage type too.
-struct ChannelRows {
+struct ChannelRows : ChannelIndex {
   const std::uint8_t* data = nullptr;      ///< row j's codes at data + j * stride
   Index stride = 0;                        ///< bytes from one row to the next
   RowFormat fmt;
-  const std::int64_t* pos = nullptr;       ///< position of row j
-  const std::int64_t* starts = nullptr;    ///< [blocks] first position of each sealed block
-  Index blocks = 0;
-  const std::uint16_t* tables = nullptr;   ///< [blocks, 2 * dim] scales then offsets (half bits)
-  std::int64_t pending_start = 0;
   const float* pending = nullptr;          ///< [block, dim] the pending rows as float32, by lane
-  const std::int32_t* order = nullptr;     ///< [live] the live rows in ascending position (or null)
-  Index live = 0;
-  Index slots = 0;                         ///< rows in the buffer, live or dead
 
   const std::uint8_t* row_bytes(Index j) const { return data + j * stride; }
 };

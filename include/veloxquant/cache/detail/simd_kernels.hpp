@@ -275,12 +275,13 @@ ChannelRows channel_rows(const StoredRows<T>& r, int slot, bool convert = true) 
     for (std::size_t i = 0; i < count; ++i) b[i] = static_cast<float>(r.pending[i]);
     pending = b.data();
   }
-  return ChannelRows{r.row_bytes(0), r.stride * static_cast<Index>(sizeof(T)),
-                     r.fmt,          r.pos,
-                     r.starts,       r.blocks,
-                     r.tables,       r.pending_start,
-                     pending,        r.order,
-                     r.live,         r.slots};
+  ChannelRows c;
+  static_cast<ChannelIndex&>(c) = r;
+  c.data = r.row_bytes(0);
+  c.stride = r.stride * static_cast<Index>(sizeof(T));
+  c.fmt = r.fmt;
+  c.pending = pending;
+  return c;
 }
 
 /// The scratch of the folded kernels for n rows (row j: idx ? idx[j] : j) of `rows` and m query
