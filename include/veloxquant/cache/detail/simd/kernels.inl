@@ -867,10 +867,14 @@ inline void qweighted_rows(const float* e, Index lde, const float* inv, Index ro
 // rows fetch, state() and the key-as-query row return, and the packed prefill keys. The decode
 // logits and attention output fold the scales instead (below).
 
+/// True when a row's 4-bit codes are read a whole vector at a time: d a multiple of 2 * kLanes,
+/// the low nibbles holding channels [0, d/2), the high ones [d/2, d) (span_code's layout).
+inline bool nibble_halves(int bits, Index d) { return bits == 4 && d % (2 * kLanes) == 0; }
+
 /// The codes of vector [k, k + kLanes) of a channel-axis row as float32 (0 at or beyond d).
 inline V channel_codes(const std::uint8_t* codes, Index k, Index d, int bits) {
   if (bits == 8 && k + kLanes <= d) return vcodes<8>(codes + k);
-  if (bits == 4 && d % (2 * kLanes) == 0) {
+  if (nibble_halves(bits, d)) {
     const Index h = d / 2;
     return k < h ? vcodes<4, false>(codes + k) : vcodes<4, true>(codes + k - h);
   }
@@ -1014,8 +1018,7 @@ inline void code_dots(const float* const* r0, const float* const* r1, Index coun
 }
 
 /// code_dots for four query rows and two rows, the decode step's usual case (G = 4), with the
-/// codes' layout known: Bits 4 (d a multiple of 2 * kLanes: low nibbles hold channels [0, d/2),
-/// high ones [d/2, d)) or 8 (d a multiple of kLanes). The same chains in the same order as
+/// codes' layout known: Bits 4 (nibble_halves) or 8 (d a multiple of kLanes). The same chains in the same order as
 /// code_dots, so the same bits, without its per-vector tests.
 template <int Bits>
 inline void code_dots_4x2(const float* const* r0, const float* const* r1, const std::uint8_t* c0,
@@ -1085,7 +1088,7 @@ inline void cfold_logits(const float* q, Index m, Index ldq, const ChannelRows& 
   const Index d = keys.fmt.dim, dp = padded_lanes(d);
   const int bits = keys.fmt.bits;
   // The layouts code_dots_4x2 takes (0: none).
-  const int fast = bits == 4 && d % (2 * kLanes) == 0 ? 4 : bits == 8 && d % kLanes == 0 ? 8 : 0;
+  const int fast = nibble_halves(bits, d) ? 4 : bits == 8 && d % kLanes == 0 ? 8 : 0;
   for (Index b = 0; b < keys.blocks; ++b) f.ready[b] = 0;
   float s0[4], s1[4];
   const float* r0[4];
@@ -1150,7 +1153,7 @@ inline void cfold_weighted_slice(const float* e, Index lde, const float* inv,
   // channel_codes' layout tests, made once for the slice: 8 (whole vectors of 8-bit codes), 4 and
   // 5 (low or high nibbles, the slice within one half of d), 0 (channel_codes per vector).
   const Index h = d / 2, end = k + (W == 2 ? 2 : 1) * kLanes;
-  const bool split = bits == 4 && d % (2 * kLanes) == 0;
+  const bool split = nibble_halves(bits, d);
   const int mode = bits == 8 && end <= d ? 8 : split && end <= h ? 4 : split && k >= h ? 5 : 0;
   const auto codes_at = [&](const std::uint8_t* codes, Index at) {
     if (mode == 8) return vcodes<8>(codes + at);
