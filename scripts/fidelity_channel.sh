@@ -15,13 +15,9 @@
 # Environment: OUT_DIR (default docs/fidelity_channel), BUILD_DIR (default build-fidelity).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/deps.sh --demo-only
-BUILD=${BUILD_DIR:-build-fidelity}
-cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DVELOXQUANT_BUILD_TESTS=OFF >/dev/null
-cmake --build "$BUILD" -j"$(nproc)" --target llama2c_fidelity
+F=$(bash scripts/fidelity_build.sh)
 OUT=${OUT_DIR:-docs/fidelity_channel}
 mkdir -p "$OUT"
-F="$BUILD/examples/llama2c_fidelity"
 COMMON=(--text validation --range 0:400000 --windows 32 --length 512 --prompt 128 --scoring queries
         --storage half)
 REC=value_norm_power=2,squeeze_decay=0.95,squeeze_n_sink=0,head_budgets=adaptive

@@ -18,10 +18,7 @@
 # ONLY=keydiff,knorm). Each run's progress and errors go to a .log beside its CSV.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/deps.sh --demo-only
-BUILD=${BUILD_DIR:-build-fidelity}
-cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DVELOXQUANT_BUILD_TESTS=OFF >/dev/null
-cmake --build "$BUILD" -j"$(nproc)" --target llama2c_fidelity
+F=$(bash scripts/fidelity_build.sh)
 OUT=${OUT_DIR:-docs/fidelity_heldout}
 mkdir -p "$OUT"
 COMMON=(--text validation --windows 64 --length 512 --prompt 128 --budgets 32,64,128
@@ -51,7 +48,7 @@ run_one() {  # half name prefix harness-arguments...: CSV and plot at prefix.csv
   # printed table and the log in $OUT
   local half=$1 name=$2 prefix=$3
   shift 3
-  "$BUILD"/examples/llama2c_fidelity "${COMMON[@]}" "$@" --csv "$prefix.csv" --svg "$prefix.svg" \
+  "$F" "${COMMON[@]}" "$@" --csv "$prefix.csv" --svg "$prefix.svg" \
     >"$OUT/${half}_${name}.txt" 2>"$OUT/${half}_${name}.log" || {
     echo "[fidelity] $half $name failed: $OUT/${half}_${name}.log" >&2
     tail -3 "$OUT/${half}_${name}.log" >&2
