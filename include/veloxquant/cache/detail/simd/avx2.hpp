@@ -52,6 +52,13 @@ inline V vcodes(const std::uint8_t* p) {
   if (B == 4) c = Hi ? _mm256_srli_epi32(c, 4) : _mm256_and_si256(c, _mm256_set1_epi32(0x0F));
   return _mm256_cvtepi32_ps(c);
 }
+/// The bit fields (p[i] >> shift) & mask of kLanes bytes as float32 codes (shift 0 or 4, mask 15
+/// or 255: a slice's 8-bit codes or one of its nibbles, chosen at run time, exactly as vcodes).
+inline V vcodes_field(const std::uint8_t* p, int shift, int mask) {
+  const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtepi32_ps(
+      _mm256_and_si256(_mm256_srl_epi32(c, _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(mask)));
+}
 /// Both nibbles of kLanes bytes as float32 codes: lo = p[i] & 15, hi = p[i] >> 4.
 inline void vcodes4x2(const std::uint8_t* p, V& lo, V& hi) {
   const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));

@@ -60,6 +60,15 @@ inline V vcodes(const std::uint8_t* p) {
     c = Hi ? _mm512_maskz_srli_epi32(kAll, c, 4) : _mm512_and_si512(c, _mm512_set1_epi32(0x0F));
   return _mm512_maskz_cvtepi32_ps(kAll, c);
 }
+/// The bit fields (p[i] >> shift) & mask of kLanes bytes as float32 codes (shift 0 or 4, mask 15
+/// or 255: a slice's 8-bit codes or one of its nibbles, chosen at run time, exactly as vcodes).
+inline V vcodes_field(const std::uint8_t* p, int shift, int mask) {
+  const __m512i c =
+      _mm512_maskz_cvtepu8_epi32(kAll, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_maskz_cvtepi32_ps(
+      kAll, _mm512_and_si512(_mm512_maskz_srl_epi32(kAll, c, _mm_cvtsi32_si128(shift)),
+                             _mm512_set1_epi32(mask)));
+}
 /// Both nibbles of kLanes bytes as float32 codes: lo = p[i] & 15, hi = p[i] >> 4.
 inline void vcodes4x2(const std::uint8_t* p, V& lo, V& hi) {
   const __m512i c =

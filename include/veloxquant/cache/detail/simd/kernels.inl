@@ -1018,22 +1018,26 @@ inline void code_dots(const float* const* r0, const float* const* r1, Index coun
 }
 
 /// code_dots for four query rows and two rows, the decode step's usual case (G = 4), with the
-/// codes' layout known: Bits 4 (nibble_halves) or 8 (d a multiple of kLanes). The same chains in the same order as
-/// code_dots, so the same bits, without its per-vector tests.
-template <int Bits>
+/// codes' layout known: Bits 4 (nibble_halves) or 8 (d a multiple of kLanes). The same chains in
+/// the same order as code_dots, so the same bits, without its per-vector tests. Shared: both rows
+/// are in one block (r1 is r0), so each folded query vector is loaded once for the two rows, as
+/// logits_4x2 loads its query once per key pair (most pairs: a block holds 32 neighbours).
+template <int Bits, bool Shared>
 inline void code_dots_4x2(const float* const* r0, const float* const* r1, const std::uint8_t* c0,
                           const std::uint8_t* c1, Index d, float* out0, float* out1) {
   V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
   V b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
   const auto step = [&](Index k, V x, V y) {
-    a0 = vmadd(vload(r0[0] + k), x, a0);
-    b0 = vmadd(vload(r1[0] + k), y, b0);
-    a1 = vmadd(vload(r0[1] + k), x, a1);
-    b1 = vmadd(vload(r1[1] + k), y, b1);
-    a2 = vmadd(vload(r0[2] + k), x, a2);
-    b2 = vmadd(vload(r1[2] + k), y, b2);
-    a3 = vmadd(vload(r0[3] + k), x, a3);
-    b3 = vmadd(vload(r1[3] + k), y, b3);
+    const V q0 = vload(r0[0] + k), q1 = vload(r0[1] + k);
+    const V q2 = vload(r0[2] + k), q3 = vload(r0[3] + k);
+    a0 = vmadd(q0, x, a0);
+    b0 = vmadd(Shared ? q0 : vload(r1[0] + k), y, b0);
+    a1 = vmadd(q1, x, a1);
+    b1 = vmadd(Shared ? q1 : vload(r1[1] + k), y, b1);
+    a2 = vmadd(q2, x, a2);
+    b2 = vmadd(Shared ? q2 : vload(r1[2] + k), y, b2);
+    a3 = vmadd(q3, x, a3);
+    b3 = vmadd(Shared ? q3 : vload(r1[3] + k), y, b3);
   };
   if constexpr (Bits == 8) {
     for (Index k = 0; k < d; k += kLanes) step(k, vcodes<8>(c0 + k), vcodes<8>(c1 + k));
@@ -1057,17 +1061,21 @@ inline void code_dots_4x2(const float* const* r0, const float* const* r1, const 
 }
 
 /// Makes block b's folded query rows ready: qs = q_i * scales, cst[i] = q_i . offsets (f.row
-/// holds the offsets meanwhile).
+/// holds the offsets meanwhile, then the scales: each table converted once, not per query row).
 inline void fold_block(const float* q, Index m, Index ldq, const ChannelRows& keys, Index b,
                        const ChannelFold& f) {
   const Index d = keys.fmt.dim, dp = padded_lanes(d);
   float* qs = f.qs + b * m * dp;
   float* cst = f.cst + b * m;
   const std::uint16_t* t = keys.tables + b * 2 * d;
-  for (Index k = 0; k < dp; k += kLanes) vstore(f.row + k, channel_halves(t + d, k, d));
+  float* scales = f.row + dp;
+  for (Index k = 0; k < dp; k += kLanes) {
+    vstore(f.row + k, channel_halves(t + d, k, d));
+    vstore(scales + k, channel_halves(t, k, d));
+  }
   for (Index i = 0; i < m; ++i) {
     for (Index k = 0; k < dp; k += kLanes) {
-      vstore(qs + i * dp + k, vmul(vload(q + i * ldq + k), channel_halves(t, k, d)));
+      vstore(qs + i * dp + k, vmul(vload(q + i * ldq + k), vload(scales + k)));
     }
   }
   const float* r[4];
@@ -1125,9 +1133,11 @@ inline void cfold_logits(const float* q, Index m, Index ldq, const ChannelRows& 
         r1[u] = qs1 + (i + u) * dp;
       }
       if (pair && c == 4 && fast == 4) {
-        code_dots_4x2<4>(r0, r1, c0, c1, d, s0, s1);
+        b1 == b ? code_dots_4x2<4, true>(r0, r1, c0, c1, d, s0, s1)
+                : code_dots_4x2<4, false>(r0, r1, c0, c1, d, s0, s1);
       } else if (pair && c == 4 && fast == 8) {
-        code_dots_4x2<8>(r0, r1, c0, c1, d, s0, s1);
+        b1 == b ? code_dots_4x2<8, true>(r0, r1, c0, c1, d, s0, s1)
+                : code_dots_4x2<8, false>(r0, r1, c0, c1, d, s0, s1);
       } else {
         code_dots(r0, r1, c, c0, c1, d, bits, dp, s0, s1);
       }
@@ -1150,17 +1160,15 @@ inline void cfold_weighted_slice(const float* e, Index lde, const float* inv,
                                  Index width, float* out, Index ldo) {
   const Index d = v.fmt.dim;
   const int bits = v.fmt.bits;
-  // channel_codes' layout tests, made once for the slice: 8 (whole vectors of 8-bit codes), 4 and
-  // 5 (low or high nibbles, the slice within one half of d), 0 (channel_codes per vector).
+  // channel_codes' layout tests, made once for the slice: whole vectors of 8-bit codes, or the
+  // low or high nibbles (the slice within one half of d) read as bit fields (vcodes_field) from
+  // `at`; otherwise (fast false) channel_codes per vector.
   const Index h = d / 2, end = k + (W == 2 ? 2 : 1) * kLanes;
   const bool split = nibble_halves(bits, d);
-  const int mode = bits == 8 && end <= d ? 8 : split && end <= h ? 4 : split && k >= h ? 5 : 0;
-  const auto codes_at = [&](const std::uint8_t* codes, Index at) {
-    if (mode == 8) return vcodes<8>(codes + at);
-    if (mode == 4) return vcodes<4, false>(codes + at);
-    if (mode == 5) return vcodes<4, true>(codes + at - h);
-    return channel_codes(codes, at, d, bits);
-  };
+  const bool whole = bits == 8 && end <= d, low = split && end <= h, high = split && k >= h;
+  const bool fast = whole || low || high;
+  const int shift = high ? 4 : 0, mask = whole ? 0xFF : 0x0F;
+  const Index at = high ? k - h : k;
   V t0 = vzero(), t1 = vzero(), u0 = vzero(), u1 = vzero();  // totals of rows 0, 1
   V w0 = vzero(), w1 = vzero(), z0 = vzero(), z1 = vzero();  // rows 2, 3
   for (Index b = 0; b <= v.blocks; ++b) {
@@ -1169,42 +1177,56 @@ inline void cfold_weighted_slice(const float* e, Index lde, const float* inv,
     V a0 = vzero(), a1 = vzero(), b0 = vzero(), b1 = vzero();
     V c0 = vzero(), c1 = vzero(), d0 = vzero(), d1 = vzero();
     const float* E = f.esum + b * 4;
-    for (Index at = first; at < last; ++at) {
-      const Index j = f.perm[at];
-      V x0, x1 = vzero();
-      if (b == v.blocks) {
+    // The block's rows, each read by load(j, x0, x1) (one loop per kind of read: no test per row).
+    const auto walk = [&](auto load) {
+      for (Index i = first; i < last; ++i) {
+        const Index j = f.perm[i];
+        V x0, x1 = vzero();
+        load(j, x0, x1);
+        const float e0 = e[j];
+        a0 = vmadd(vset(e0), x0, a0);
+        if constexpr (W == 2) a1 = vmadd(vset(e0), x1, a1);
+        if constexpr (R >= 2) {
+          const float e1 = e[lde + j];
+          b0 = vmadd(vset(e1), x0, b0);
+          if constexpr (W == 2) b1 = vmadd(vset(e1), x1, b1);
+        }
+        if constexpr (R >= 4) {
+          const float e2 = e[2 * lde + j], e3 = e[3 * lde + j];
+          c0 = vmadd(vset(e2), x0, c0);
+          d0 = vmadd(vset(e3), x0, d0);
+          if constexpr (W == 2) {
+            c1 = vmadd(vset(e2), x1, c1);
+            d1 = vmadd(vset(e3), x1, d1);
+          }
+        }
+      }
+    };
+    if (b == v.blocks) {
+      walk([&](Index j, V& x0, V& x1) {
         const float* row = v.pending + (v.pos[j] - v.pending_start) * d + k;
         x0 = k + kLanes <= d ? vload_row(row) : load_row_tail(row, d - k);
         if constexpr (W == 2) {
-          x1 = k + 2 * kLanes <= d ? vload_row(row + kLanes) : load_row_tail(row + kLanes, d - k - kLanes);
+          x1 = k + 2 * kLanes <= d ? vload_row(row + kLanes)
+                                   : load_row_tail(row + kLanes, d - k - kLanes);
         }
-      } else {
-        const std::uint8_t* codes = v.row_bytes(j);
-        x0 = codes_at(codes, k);
-        if constexpr (W == 2) x1 = codes_at(codes, k + kLanes);
-      }
-      const float e0 = e[j];
-      a0 = vmadd(vset(e0), x0, a0);
-      if constexpr (W == 2) a1 = vmadd(vset(e0), x1, a1);
-      if constexpr (R >= 2) {
-        const float e1 = e[lde + j];
-        b0 = vmadd(vset(e1), x0, b0);
-        if constexpr (W == 2) b1 = vmadd(vset(e1), x1, b1);
-      }
-      if constexpr (R >= 4) {
-        const float e2 = e[2 * lde + j], e3 = e[3 * lde + j];
-        c0 = vmadd(vset(e2), x0, c0);
-        d0 = vmadd(vset(e3), x0, d0);
-        if constexpr (W == 2) {
-          c1 = vmadd(vset(e2), x1, c1);
-          d1 = vmadd(vset(e3), x1, d1);
-        }
-      }
-    }
-    if (b == v.blocks) {
+      });
       t0 = vadd(t0, a0), t1 = vadd(t1, a1), u0 = vadd(u0, b0), u1 = vadd(u1, b1);
       w0 = vadd(w0, c0), w1 = vadd(w1, c1), z0 = vadd(z0, d0), z1 = vadd(z1, d1);
       continue;
+    }
+    if (fast) {
+      walk([&](Index j, V& x0, V& x1) {
+        const std::uint8_t* codes = v.row_bytes(j) + at;
+        x0 = vcodes_field(codes, shift, mask);
+        if constexpr (W == 2) x1 = vcodes_field(codes + kLanes, shift, mask);
+      });
+    } else {
+      walk([&](Index j, V& x0, V& x1) {
+        const std::uint8_t* codes = v.row_bytes(j);
+        x0 = channel_codes(codes, k, d, bits);
+        if constexpr (W == 2) x1 = channel_codes(codes, k + kLanes, d, bits);
+      });
     }
     const std::uint16_t* tab = v.tables + b * 2 * d;
     const V s0 = channel_halves(tab, k, d), o0 = channel_halves(tab + d, k, d);

@@ -72,6 +72,12 @@ inline V vcodes(const std::uint8_t* p) {
   if (B == 4) b = Hi ? vshr_n_u8(b, 4) : vand_u8(b, vdup_n_u8(0x0F));
   return codes_to_float(b);
 }
+/// The bit fields (p[i] >> shift) & mask of kLanes bytes as float32 codes (shift 0 or 4, mask 15
+/// or 255: a slice's 8-bit codes or one of its nibbles, chosen at run time, exactly as vcodes).
+inline V vcodes_field(const std::uint8_t* p, int shift, int mask) {
+  const uint8x8_t b = vshl_u8(vld1_u8(p), vdup_n_s8(static_cast<std::int8_t>(-shift)));
+  return codes_to_float(vand_u8(b, vdup_n_u8(static_cast<std::uint8_t>(mask))));
+}
 /// Both nibbles of kLanes bytes as float32 codes: lo = p[i] & 15, hi = p[i] >> 4.
 inline void vcodes4x2(const std::uint8_t* p, V& lo, V& hi) {
   const uint8x8_t b = vld1_u8(p);

@@ -65,6 +65,13 @@ inline V vcodes(const std::uint8_t* p) {
   }
   return r;
 }
+/// The bit fields (p[i] >> shift) & mask of kLanes bytes as float32 codes (shift 0 or 4, mask 15
+/// or 255: a slice's 8-bit codes or one of its nibbles, chosen at run time, exactly as vcodes).
+inline V vcodes_field(const std::uint8_t* p, int shift, int mask) {
+  V r;
+  for (int i = 0; i < kLanes; ++i) r.x[i] = static_cast<float>((p[i] >> shift) & mask);
+  return r;
+}
 /// Both nibbles of kLanes bytes as float32 codes: lo = p[i] & 15, hi = p[i] >> 4.
 inline void vcodes4x2(const std::uint8_t* p, V& lo, V& hi) {
   lo = vcodes<4, false>(p);

@@ -64,6 +64,16 @@ inline V vcodes(const std::uint8_t* p) {
   if (B == 4) c = Hi ? _mm_srli_epi32(c, 4) : _mm_and_si128(c, _mm_set1_epi32(0x0F));
   return _mm_cvtepi32_ps(c);
 }
+/// The bit fields (p[i] >> shift) & mask of kLanes bytes as float32 codes (shift 0 or 4, mask 15
+/// or 255: a slice's 8-bit codes or one of its nibbles, chosen at run time, exactly as vcodes).
+inline V vcodes_field(const std::uint8_t* p, int shift, int mask) {
+  int w;
+  std::memcpy(&w, p, sizeof(w));
+  const __m128i z = _mm_setzero_si128();
+  const __m128i c = _mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(w), z), z);
+  return _mm_cvtepi32_ps(
+      _mm_and_si128(_mm_srl_epi32(c, _mm_cvtsi32_si128(shift)), _mm_set1_epi32(mask)));
+}
 /// Both nibbles of kLanes bytes as float32 codes: lo = p[i] & 15, hi = p[i] >> 4.
 inline void vcodes4x2(const std::uint8_t* p, V& lo, V& hi) {
   lo = vcodes<4, false>(p);
