@@ -39,6 +39,8 @@
 //                                 (docs/design.md 7.5), blocks of 32; same comparison point
 //   BM_ChannelHeap/budget         heap_bytes() / kept_bytes() of an H2O cache over 4-bit
 //                                 channel-axis rows after 2,000 decode steps (counters)
+//   BM_DecodeLayers/budget/bits/layers  a decode step through `layers` layers, half rows (16) or
+//                                 4-bit channel rows (4): the rows read from memory, not cache
 //   BM_PrefillAttend/S            an S-token prompt through attend() into budget 512
 //   BM_CausalAttention/S/8        its comparison point (above, 32 query heads over 8 KV heads)
 #include <benchmark/benchmark.h>
@@ -537,6 +539,48 @@ BENCHMARK(BM_DecodeAttendChannel)
     ->Args({2048, 4})
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ChannelHeap)->Arg(512)->Iterations(1)->Unit(benchmark::kMillisecond);
+
+// One decode step of a whole model: `layers` layers at budget `budget` (H 8, G 4, D 128 each, one
+// cache per layer), each layer's attend once per iteration, its rows half (bits 16) or 4-bit along
+// channels in blocks of 32 (bits 4). Unlike BM_DecodeAttend, whose one layer stays in the caches
+// between steps, a layer's rows here come from memory as in an engine (64 layers at 2048 half
+// rows: 512 MiB). Per iteration: a step of every layer. The prompts are absorbed without queries
+// (the rows are what is measured; scoring them by queries would cost minutes of set-up).
+void BM_DecodeLayers(benchmark::State& state) {
+  const int budget = static_cast<int>(state.range(0));
+  const int bits = static_cast<int>(state.range(1));
+  const auto layers = static_cast<std::size_t>(state.range(2));
+  vc::KVCacheConfig config = squeeze_config(budget);
+  if (bits < 16) {
+    config.key_bits = config.value_bits = bits;
+    config.key_axis = config.value_axis = "channel";
+    config.quant_block = 32;
+  }
+  const auto prompt_k = random_tensor<Eigen::half>(1, kAttendKv, budget, kDim, 1);
+  std::vector<std::unique_ptr<vc::SqueezeAttentionCache<Eigen::half>>> model;
+  for (std::size_t l = 0; l < layers; ++l) {
+    model.push_back(std::make_unique<vc::SqueezeAttentionCache<Eigen::half>>(config));
+    (void)model.back()->update_and_view(prompt_k, prompt_k);
+  }
+  const auto k = random_tensor<Eigen::half>(1, kAttendKv, 1, kDim, 3);
+  const auto v = random_tensor<Eigen::half>(1, kAttendKv, 1, kDim, 4);
+  const auto q = random_tensor<float>(1, kAttendQ, 1, kDim, 5);
+  std::vector<float> out(static_cast<std::size_t>(kAttendQ * kDim));
+  for (auto _ : state) {
+    for (auto& cache : model) cache->attend(q, k, v, out.data());
+    benchmark::DoNotOptimize(out.data());
+  }
+  std::size_t kept = 0;
+  for (const auto& cache : model) kept += cache->kept_bytes();
+  state.SetItemsProcessed(state.iterations());
+  state.counters["kept_bytes"] = static_cast<double>(kept);
+}
+BENCHMARK(BM_DecodeLayers)
+    ->Args({2048, 16, 64})
+    ->Args({2048, 4, 64})
+    ->Args({512, 16, 64})
+    ->Args({512, 4, 64})
+    ->Unit(benchmark::kMillisecond);
 
 // Decode attention with grouped queries over fp32 rows: Eigen GEMMs (the build's flags).
 void BM_DecodeGQAF32Gemm(benchmark::State& state) {
