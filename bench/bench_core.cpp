@@ -53,11 +53,12 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <random>
 #include <thread>
 #include <vector>
 
 #include <veloxquant/cache.hpp>
+
+#include "bench_support.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -74,14 +75,7 @@ constexpr Index kDim = 128;
 constexpr Index kHeads = 32;
 using RowsF = Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
 
-template <class T>
-vc::Tensor4<T> random_tensor(Index b, Index h, Index s, Index d, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  vc::Tensor4<T> t(b, h, s, d);
-  for (Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<T>(nd(rng));
-  return t;
-}
+using veloxquant::bench::random_tensor;
 
 vc::KVCacheConfig h2o_config(int budget) {
   vc::KVCacheConfig cfg;

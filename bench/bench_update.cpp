@@ -6,11 +6,11 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
-#include <random>
 #include <vector>
 
 #include <veloxquant/cache.hpp>
 
+#include "bench_support.hpp"
 #include "reference/oracle.hpp"
 
 namespace vc = veloxquant::cache;
@@ -34,11 +34,7 @@ inline void softmax_inplace(float* x, Index n) {
 
 template <class T>
 vc::Tensor4<T> random_tokens(Index heads, Index s, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  vc::Tensor4<T> t(1, heads, s, kHeadDim);
-  for (Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<T>(nd(rng));
-  return t;
+  return veloxquant::bench::random_tensor<T>(1, heads, s, kHeadDim, seed);
 }
 
 vc::KVCacheConfig h2o_config(int budget) {

@@ -15,11 +15,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
 #include <veloxquant/cache.hpp>
+
+#include "bench_support.hpp"
 
 #if defined(__has_include)
 #if __has_include(<valgrind/callgrind.h>)
@@ -40,11 +41,7 @@ constexpr int kWarmSteps = 20;
 
 template <class T>
 vc::Tensor4<T> random_rows(Index heads, Index tokens, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  vc::Tensor4<T> t(1, heads, tokens, kDim);
-  for (Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<T>(nd(rng));
-  return t;
+  return veloxquant::bench::random_tensor<T>(1, heads, tokens, kDim, seed);
 }
 
 vc::KVCacheConfig config(int budget, bool channel) {
