@@ -260,8 +260,8 @@ inline float* channel_scales(Index d) {
 
 /// Channel-axis rows for the kernels: the pending block's rows as float32 (float rows as they are;
 /// others converted, the lanes in use only, per thread, `slot` 0 for keys, 1 for values: a call
-/// may hold both). With `convert` false the pending rows are left out (a caller that reads sealed
-/// rows only).
+/// may hold both). With `convert` false other types' pending rows are not converted and left
+/// null (a caller that reads sealed rows only).
 template <class T>
 ChannelRows channel_rows(const StoredRows<T>& r, int slot, bool convert = true) {
   const float* pending = nullptr;
