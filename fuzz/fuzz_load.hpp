@@ -225,7 +225,8 @@ inline std::map<std::string, std::string> make_seeds() {
   model(Eigen::half{}, "seed-squeeze-q84-half", c, {9, 1, 1}, true);
   c = seed_config();
   for (const vc::detail::MethodSpec& m : vc::detail::kMethodTable) {  // squeeze's are above
-    if (m.id == vc::detail::Method::squeeze) continue;
+    // KVzip's comes last: the seeds before it keep the random draws they were made with.
+    if (m.id == vc::detail::Method::squeeze || m.id == vc::detail::Method::kvzip) continue;
     c.method = m.name;
     model(float{}, (std::string("seed-") + m.name + "-float").c_str(), c, {9, 1, 1}, true);
   }
@@ -303,6 +304,11 @@ inline std::map<std::string, std::string> make_seeds() {
   c.key_axis = c.value_axis = "channel";
   c.quant_block = 8;
   model(Eigen::half{}, "seed-h2o-c42-half", c, {9, 1, 1, 1, 1, 1, 1, 1, 1}, true);
+  {
+    vc::KVCacheConfig kvzip = seed_config();
+    kvzip.method = "kvzip";
+    model(float{}, "seed-kvzip-float", kvzip, {9, 1, 1}, true);
+  }
   return out;
 }
 

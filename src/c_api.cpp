@@ -820,7 +820,8 @@ vq_status vq_fetch(const vq_caches* s, int layer, float* keys, float* values, vq
         if (view->ragged()) {
           fail(VQ_EINVAL, "layer " + std::to_string(layer) +
                               ": its heads hold different numbers of rows (adaptive head "
-                              "budgets), which one dense buffer cannot return; use vq_attend");
+                              "budgets or a compress), which one dense buffer cannot return; use "
+                              "vq_attend");
         }
         if (keys != nullptr) {
           copy_rows(
@@ -945,6 +946,25 @@ vq_status vq_rollback(vq_caches* s) {
     need(s, "caches");
     visit(*s, [&](auto& set) {
       vc::KVCacheBuilder::rollback(set.caches);
+      set.forget_views();
+    });
+  });
+}
+
+vq_status vq_observe(vq_caches* s, int layer, const vq_tensor* q) {
+  return on_layer(
+      "vq_observe", VQ_ESTATE, s, layer, [&] { check_tensor(q, "q"); },
+      [&](auto& set, auto&) {
+        auto& cache = *set.caches[static_cast<std::size_t>(layer)];
+        with_ref(*q, "q", [&](auto qr) { layer_call(set, layer, [&] { cache.observe(qr); }); });
+      });
+}
+
+vq_status vq_compress(vq_caches* s, double keep) {
+  return guarded("vq_compress", VQ_ESTATE, [&] {
+    need(s, "caches");
+    visit(*s, [&](auto& set) {
+      vc::KVCacheBuilder::compress(set.caches, keep);
       set.forget_views();
     });
   });

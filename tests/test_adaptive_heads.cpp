@@ -1272,7 +1272,7 @@ TEST(AdaptiveHeadsConfigTest, OtherMethodsIgnoreHeadBudgets) {
       EXPECT_TRUE(bitwise_equal(su.first, sa.first) && bitwise_equal(su.second, sa.second)) << ctx;
       EXPECT_EQ(u->kept_bytes(), a->kept_bytes()) << ctx;
     }
-    if (uniform.method != "standard") {
+    if (uniform.method != "standard" && uniform.method != "kvzip") {  // they keep every row
       EXPECT_LT(a->tokens_kept(), a->offset()) << ctx << ": nothing was evicted";
     }
   }

@@ -26,8 +26,8 @@ using vc::KVCacheConfig;
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-const std::vector<std::string> kAllMethods = {"squeeze", "tova",     "h2o",     "pyramidkv",
-                                              "snapkv",  "standard", "streaming_llm"};
+const std::vector<std::string> kAllMethods = {"squeeze", "tova",     "h2o",          "pyramidkv",
+                                              "snapkv",  "standard", "streaming_llm", "kvzip"};
 
 std::string Lower(std::string s) {
   std::transform(s.begin(), s.end(), s.begin(),
@@ -100,6 +100,7 @@ std::vector<FieldCase> FieldCases() {
     cases.push_back({"tova_n_sink", s, [v](KVCacheConfig& c) { c.tova_n_sink = v; }});
     cases.push_back({"stream_n_sink", s, [v](KVCacheConfig& c) { c.stream_n_sink = v; }});
     cases.push_back({"snap_n_sink", s, [v](KVCacheConfig& c) { c.snap_n_sink = v; }});
+    cases.push_back({"kvzip_n_sink", s, [v](KVCacheConfig& c) { c.kvzip_n_sink = v; }});
     cases.push_back({"h2o_grace", s, [v](KVCacheConfig& c) { c.h2o_grace = v; }});
   }
   // Strength and recent ratios outside [0, 1] or NaN.
@@ -188,6 +189,8 @@ TEST(KVCacheConfigTest, DefaultsEqualSpecTable) {
   EXPECT_EQ(c.snap_budget, 512);
   EXPECT_EQ(c.snap_obs_window, 32);
   EXPECT_EQ(c.snap_n_sink, 4);
+
+  EXPECT_EQ(c.kvzip_n_sink, 4);
 }
 
 TEST(KVCacheConfigTest, FieldTypesEqualSpecTable) {
@@ -210,7 +213,7 @@ TEST(KVCacheConfigTest, FieldTypesEqualSpecTable) {
 // ---------------------------------------------------------------------------------------------
 
 TEST(KVCacheConfigTest, ValidateAcceptsDefaultsForEveryMethod) {
-  ASSERT_EQ(kAllMethods.size(), 7u);
+  ASSERT_EQ(kAllMethods.size(), 8u);
   for (const std::string& m : kAllMethods) {
     EXPECT_NO_THROW(WithMethod(m).validate()) << m;
   }
@@ -252,7 +255,8 @@ TEST(KVCacheConfigTest, ValidateAcceptsBoundaryValues) {
 std::string MethodOfField(const std::string& field) {
   const std::vector<std::pair<std::string, std::string>> prefixes = {
       {"squeeze_", "squeeze"}, {"h2o_", "h2o"},         {"pyramid_", "pyramidkv"},
-      {"tova_", "tova"},       {"stream_", "streaming_llm"}, {"snap_", "snapkv"}};
+      {"tova_", "tova"},       {"stream_", "streaming_llm"}, {"snap_", "snapkv"},
+      {"kvzip_", "kvzip"}};
   for (const auto& [prefix, method] : prefixes) {
     if (field.rfind(prefix, 0) == 0) return method;
   }
@@ -293,8 +297,9 @@ TEST(KVCacheConfigTest, SetBudgetSetsEveryMethodsBudget) {
     KVCacheConfig k = WithMethod(m);
     k.set_budget(100);
     EXPECT_NO_THROW(k.validate()) << m;
-    // Built caches evict down to it (StreamingLLM: sinks + window = the same rows).
-    if (m != "standard") {
+    // Built caches evict down to it (StreamingLLM: sinks + window = the same rows); the standard
+    // cache and KVzip (which keeps a share of the set's rows, not a budget) have none.
+    if (m != "standard" && m != "kvzip") {
       EXPECT_EQ(vc::KVCacheFactory::create<float>(k)->layer_budget(), 100) << m;
     }
   }

@@ -76,7 +76,7 @@ Index snap_rows(Index rows, Index S) { return S > 1 && rows + S > 6 ? 6 : rows +
 /// adoption 8) but SnapKV, whose count follows the calls (snap_rows).
 Index expected_rows(Kind kind, std::int64_t offset, int calls) {
   const auto upto = [&](Index cap) { return std::min<Index>(offset, cap); };
-  if (kind == Method::standard) return offset;
+  if (keeps_every_row(kind.method)) return offset;
   if (kind == Kind::kSqueezeDefer || kind == Kind::kSqueezeDeferKeyDiff) {
     // Holds everything in its first call (budget unknown), then falls back to squeeze_budget.
     return calls <= 1 ? offset : upto(8);
@@ -665,7 +665,7 @@ TYPED_TEST(ContractTest, EveryApiLeavesTheSameState) {
 TYPED_TEST(ContractTest, HeapStaysBoundedOverALongDecode) {
   using T = TypeParam;
   for (const Kind kind : kContractKinds) {
-    if (kind == Method::standard || kind == Method::snapkv) continue;
+    if (keeps_every_row(kind.method) || kind == Method::snapkv) continue;
     SCOPED_TRACE(kind_name(kind));
     Subject<T> s = make_subject<T>(kind);
     std::mt19937 rng(23u);
@@ -768,7 +768,7 @@ TYPED_TEST(ContractTest, ChunkedPrefillHoldsAtMostBudgetPlusC) {
   // (The fetching APIs: their return has the shape that counts the rows.)
   const Api apis[] = {Api::kFetch, Api::kFetchIntoQ, Api::kFetchInto, Api::kFetchQ};
   for (const Kind kind : kContractKinds) {
-    if (kind == Method::standard) continue;
+    if (keeps_every_row(kind.method)) continue;
     if (is_adaptive(kind)) {
       for (const Index C : {2, 3, 5}) adaptive_chunked_prefill<T>(kind, C, apis);
       continue;
@@ -1795,7 +1795,7 @@ TYPED_TEST(ContractTest, PoliciesReportTheirBudgetsAndParameters) {
     // budget: the one-layer coordinator publishes 6 in the first call; the deferring layer's
     // coordinator waits for a second layer that never reports.
     const bool squeeze_fallback = kind == Kind::kSqueezeCoordinated || is_squeeze_defer(kind);
-    const int before = kind == Method::standard        ? -1
+    const int before = keeps_every_row(kind.method)    ? -1
                        : kind == Method::streaming_llm ? c.stream_n_sink + c.stream_window_size
                        : squeeze_fallback              ? c.squeeze_budget
                                                        : 6;

@@ -123,7 +123,7 @@ void parallel_equals_serial(int key_bits, int value_bits) {
       }
       if (round == 0) {
         std::int64_t kept = 96;
-        if (kind == Method::standard) kept = 238;
+        if (keeps_every_row(kind.method)) kept = 238;
         if (kind == Method::squeeze || kind == Kind::kSqueezeCoordinated) kept = 6;
         // SnapKV: the 70-token chunk cut it to 64; 4 decode steps.
         if (kind == Method::snapkv) kept = 64 + 4;

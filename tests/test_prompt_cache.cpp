@@ -680,10 +680,14 @@ template <class T>
 Caches<T> rich_set() {
   vc::KVCacheConfig c = small_config();
   c.squeeze_calibration_tokens = 6;
+  // Newer than every older version the version tests write: at its default, so that their
+  // files, loaded with it at its default, save back to the same bytes.
+  c.kvzip_n_sink = vc::KVCacheConfig{}.kvzip_n_sink;
   Caches<T> set =
       vc::KVCacheBuilder::for_model<T>(std::vector<std::optional<int>>{8, std::nullopt, 8}, c);
   vc::KVCacheConfig q = small_config();
   q.method = "snapkv";
+  q.kvzip_n_sink = c.kvzip_n_sink;
   q.key_bits = 8;
   q.value_bits = 4;
   set.push_back(vc::KVCacheFactory::create<T>(q));
@@ -764,9 +768,8 @@ std::string as_version(const std::string& bytes, std::uint32_t version) {
   fmt::FileMap moved;  // the sections where they lie once the fields are out
   moved.sections = map.sections;
   // The fields that came after version 1, the last in a config first: earlier offsets stay valid.
-  const char* newer[] = {"quant_block",  "value_axis",       "key_axis",
-                         "head_budget_floor", "head_budgets", "value_norm_power",
-                         "proxy_scoring"};
+  const char* newer[] = {"kvzip_n_sink",      "quant_block",  "value_axis",       "key_axis",
+                         "head_budget_floor", "head_budgets", "value_norm_power", "proxy_scoring"};
   for (std::uint32_t i = caches; i-- > 0;) {  // the last cache first, for the same reason
     const std::string p = "cache" + std::to_string(i);
     std::uint32_t removed = 0;
@@ -800,7 +803,7 @@ std::string as_version(const std::string& bytes, std::uint32_t version) {
 /// behaviour that wrote it (docs/design.md G, 4.7), and is the very set: saved again, it is the
 /// current file byte for byte. A version-1 file may not hold the newer field.
 TEST(PromptCacheLoad, Version1FilesLoadWithTheKeyAsQueryProxy) {
-  ASSERT_EQ(vc::detail::kPromptCacheVersion, 5U);
+  ASSERT_EQ(vc::detail::kPromptCacheVersion, 6U);
   const std::string v4 = save_to_string(rich_set<Eigen::half>(), {{"k", "v"}});
   const std::string v1 = as_version<Eigen::half>(v4, 1);
   ASSERT_LT(v1.size(), v4.size());
@@ -1021,7 +1024,7 @@ TEST(PromptCacheLoad, CraftedFilesAreRefusedNamingTheProblem) {
       {"cache0.config.squeeze_defer", 2, "config field 'squeeze_defer' is 2"},
       {"cache0.config.method.type", 1, "config field 'method' has type code 1"},
       {"cache0.config_fields", 28, "holds 28 fields"},
-      {"cache0.flags", 8, "unknown state flags"},
+      {"cache0.flags", 16, "unknown state flags"},
       {"cache0.budget", 1000, "budget 1000 before adoption"},
       {"cache0.rows", 9, "9 rows per head at offset 8"},
       {"cache0.offset", 9, "tokens_seen 16 does not fit 2 heads at offset 9"},
@@ -1038,7 +1041,9 @@ TEST(PromptCacheLoad, CraftedFilesAreRefusedNamingTheProblem) {
       {"cache0.offset", (std::int64_t{1} << 62) + 1, "is beyond 2^62"},
       {"cache3.config.quant_group", 16, "quant_group 16 does not divide the key dim 8"},
       {"cache0.rows", 0, "no rows after a call"},
-      {"cache0.flags", 1 | 2 | 4, "compressed, but not a SnapKV cache that has seen a call"},
+      {"cache0.flags", 1 | 2 | 4,
+       "compressed, but not a SnapKV or KVzip cache that has seen a call"},
+      {"cache0.flags", 1 | 2 | 8, "observed, but not a KVzip cache that holds rows"},
       {"cache0.budget", 0, "budget 0 is below 1"},
       {"cache0.budget", 5, "8 rows per head over its budget of 5"},
       {"cache1.flags", 0, "a cache that has seen no call holds dims"},

@@ -13,6 +13,7 @@
 //                    [--scoring proxy,queries] [--widths 16/16,8/8,8/4,4/4] [--group G]
 //                    [--range FROM:TO] [--set FIELD=VALUE,...] [--heads uniform,adaptive:F,...]
 //                    [--storage float|half] [--csv FILE] [--svg FILE]
+//                    [--compress-once] [--kvzip-cue none|bos]
 //
 // --widths gives key/value bits per row (quantized storage, docs/design.md 2.9), --group the
 // quantization group (default 8: the model's head dim), --range the bytes of the text windows may
@@ -25,6 +26,12 @@
 // (so --set head_budgets=adaptive still works, and is labelled the same way). --storage picks the
 // caches' row type (default float); with half, the reference is the full cache of half rows and
 // kept_bytes / full_bytes is the fraction of the full fp16 cache (docs/fidelity.md).
+// Method kvzip (SPEC 18) compresses the prompt once after its prefill to budget / P of its rows
+// (llama2c::kvzip_compress: a fork re-reads the prompt in chunks of 64 tokens, each after the
+// cue: none, or the BOS token with --kvzip-cue bos); method keydiff is H2O ranking by KeyDiff
+// (proxy_scoring keydiff). --compress-once compares methods at the rows they hold at the end of
+// the window: the methods that evict while decoding (all but kvzip and snapkv, which cut the
+// prompt to the budget and then append) get budget + L - P rows.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -68,6 +75,8 @@ struct Options {
   // Head budgets per run: "" (as the config says), "uniform", "adaptive" or "adaptive:F".
   std::vector<std::string> heads{""};
   std::string storage = "float";  // the caches' row type: float or half
+  bool compress_once = false;     // online methods get budget + L - P rows (see above)
+  std::vector<int> kvzip_cue;     // tokens before each re-read chunk
 };
 
 std::vector<std::string> split(const std::string& s, char sep) {
@@ -166,6 +175,12 @@ Options parse(int argc, char** argv) {
         }
       }
       if (o.heads.empty()) throw std::invalid_argument("--heads needs a value");
+    } else if (a == "--compress-once") {
+      o.compress_once = true;
+    } else if (a == "--kvzip-cue") {
+      const std::string cue = value();
+      if (cue != "none" && cue != "bos") throw std::invalid_argument("--kvzip-cue: none or bos");
+      o.kvzip_cue = cue == "bos" ? std::vector<int>{1} : std::vector<int>{};
     } else if (a == "--csv") {
       o.csv = value();
     } else if (a == "--svg") {
@@ -299,8 +314,9 @@ vc::KVCacheConfig config_for(const std::string& method, int budget, std::pair<in
   c.key_bits = widths.first;
   c.value_bits = widths.second;
   c.quant_group = group;
-  c.method = method == "squeeze_uniform" ? "squeeze" : method;
+  c.method = method == "squeeze_uniform" ? "squeeze" : method == "keydiff" ? "h2o" : method;
   if (method == "squeeze_uniform") c.squeeze_strength = 0.0;
+  if (method == "keydiff") c.proxy_scoring = "keydiff";
   c.squeeze_budget = c.h2o_budget = c.pyramid_budget = c.tova_budget = c.snap_budget = budget;
   c.stream_window_size = budget - c.stream_n_sink;
   c.snap_obs_window = std::min(c.snap_obs_window, budget);
@@ -337,15 +353,19 @@ std::vector<double> log_softmax(const Eigen::Ref<const Eigen::RowVectorXf>& logi
 // Next-token logits of a teacher-forced window: the prompt as one call, then one call per token.
 // Rows i = 0 .. L - P - 1 predict token P + i. Returns [L - P, V]; `decode_seconds` gets the
 // time of the one-token calls.
+// kvzip_keep > 0: KVzip's procedure compresses the prompt's caches after its prefill (cue: the
+// tokens before each re-read chunk).
 template <class T>
 Eigen::MatrixXf run_window(ll::Engine<T>& engine, const std::vector<int>& w, int prompt,
-                           double* decode_seconds) {
+                           double* decode_seconds, double kvzip_keep = 0.0,
+                           const std::vector<int>& cue = {}) {
   engine.reset();
   const auto P = static_cast<std::size_t>(prompt);
   const Eigen::Index n_eval = static_cast<Eigen::Index>(w.size() - P);
   Eigen::MatrixXf out;
   const std::vector<int> head(w.begin(), w.begin() + static_cast<std::ptrdiff_t>(P));
   const Eigen::MatrixXf first = engine.forward(head);
+  if (kvzip_keep > 0.0) ll::kvzip_compress(engine, head, kvzip_keep, cue);
   out.resize(n_eval, first.cols());
   out.row(0) = first.row(first.rows() - 1);
   const auto t0 = std::chrono::steady_clock::now();
@@ -545,10 +565,15 @@ int main(int argc, char** argv) {
           const std::string& heads = o.heads[hi];
           for (int b : o.budgets) {
             for (const auto& sc : o.scorings) {
-              if (m == "streaming_llm" && sc == "queries") continue;  // does not score rows
+              // StreamingLLM does not score rows; KeyDiff and KVzip score without the call's
+              // queries (KVzip's come from its re-read).
+              if ((m == "streaming_llm" || m == "keydiff" || m == "kvzip") && sc == "queries") {
+                continue;
+              }
               const std::string series =
                   series_name(m, config_for(m, b, wd, o.group, o.set, heads));
-              runs.push_back(Run{m, m == "streaming_llm" ? "-" : sc, b, wd, heads, series, {}});
+              const bool own = m == "streaming_llm" || m == "kvzip";
+              runs.push_back(Run{m, own ? "-" : sc, b, wd, heads, series, {}});
             }
           }
         }
@@ -565,16 +590,20 @@ int main(int argc, char** argv) {
             windows.size(), run.series.c_str(), run.scoring.c_str(), run.width_name().c_str(),
             run.budget, ri + 1, runs.size(),
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count());
+        // --compress-once: the methods that evict while decoding hold budget + L - P rows.
+        const bool once = run.method == "kvzip" || run.method == "snapkv";
+        const int rows = o.compress_once && !once ? run.budget + o.length - o.prompt : run.budget;
         const vc::KVCacheConfig cfg =
-            run.budget == 0
-                ? config_for("standard", 512, {16, 16}, o.group)
-                : config_for(run.method, run.budget, run.widths, o.group, o.set, run.heads);
+            run.budget == 0 ? config_for("standard", 512, {16, 16}, o.group)
+                            : config_for(run.method, rows, run.widths, o.group, o.set, run.heads);
+        const double keep =
+            run.method == "kvzip" ? std::min(1.0, static_cast<double>(run.budget) / o.prompt) : 0.0;
         double secs = 0, kept = 0, full_bytes = 0;
         const auto run_as = [&](auto tag) {
           using T = decltype(tag);
           ll::Engine<T> engine(model, vc::KVCacheBuilder::for_model<T>(n_layers, cfg),
                                run.scoring == "queries");
-          Eigen::MatrixXf lg = run_window(engine, w, o.prompt, &secs);
+          Eigen::MatrixXf lg = run_window(engine, w, o.prompt, &secs, keep, o.kvzip_cue);
           kept = static_cast<double>(engine.kept_bytes());
           full_bytes = static_cast<double>(engine.full_seq_bytes());
           return lg;

@@ -432,6 +432,12 @@ class Engine {
   /// Marks the caches' state; rollback() returns to it (speculative decoding).
   void checkpoint() { cache::KVCacheBuilder::checkpoint(caches_); }
   void rollback() { cache::KVCacheBuilder::rollback(caches_); }
+  /// KVzip's observer (SPEC 18): while set, every layer's queries of this engine's forward passes
+  /// are also given to observe() of `target`'s cache of that layer (null: none). The target's
+  /// caches must outlive the forward passes that observe into them.
+  void observe_into(const Caches* target) { observe_into_ = target; }
+  /// KVzip's compress of this engine's caches (KVCacheBuilder::compress).
+  void compress(double keep) { cache::KVCacheBuilder::compress(caches_, keep); }
   const Caches& caches() const { return caches_; }
   const Model& model() const { return *model_; }
 
@@ -466,6 +472,7 @@ class Engine {
     const cache::TensorRef<float> qr(q.data(), 1, c.n_heads, S, hd, cache::Layout::token_major);
     const cache::TensorRef<float> kr(k.data(), 1, c.n_kv_heads, S, hd, cache::Layout::token_major);
     const cache::TensorRef<float> vr(v.data(), 1, c.n_kv_heads, S, hd, cache::Layout::token_major);
+    if (observe_into_ != nullptr) (*observe_into_)[static_cast<std::size_t>(l)]->observe(qr);
     RowMatrix out(S, c.dim);  // the heads' outputs side by side: [S, n_heads · hd] = [1, S, n_heads, hd]
     if (path_ == AttentionPath::fused) {
       kv_cache.attend(qr, kr, vr, out.data(), cache::Layout::token_major);
@@ -509,7 +516,31 @@ class Engine {
   Caches caches_;
   bool pass_queries_;
   AttentionPath path_;
+  const Caches* observe_into_ = nullptr;
 };
+
+/// KVzip's whole procedure (SPEC 18, docs/design.md 6.1) on an engine whose kvzip caches hold a
+/// prompt: a fork of them re-reads the prompt teacher-forced, `chunk` tokens at a time after the
+/// `cue` tokens (each chunk from the prompt's own end: the fork rolls back after each), and every
+/// layer's queries of the chunk's tokens are observed on the engine's own caches; then the engine's
+/// caches keep `keep` of their rows and the fork is dropped. prompt: the tokens the caches hold.
+template <class T>
+void kvzip_compress(Engine<T>& engine, const std::vector<int>& prompt, double keep,
+                    const std::vector<int>& cue = {}, int chunk = 64) {
+  Engine<T> reread = engine.fork();
+  reread.checkpoint();
+  for (std::size_t at = 0; at < prompt.size(); at += static_cast<std::size_t>(chunk)) {
+    const std::size_t end = std::min(prompt.size(), at + static_cast<std::size_t>(chunk));
+    if (!cue.empty()) (void)reread.forward(cue);
+    reread.observe_into(&engine.caches());
+    (void)reread.forward(std::vector<int>(prompt.begin() + static_cast<std::ptrdiff_t>(at),
+                                          prompt.begin() + static_cast<std::ptrdiff_t>(end)));
+    reread.observe_into(nullptr);
+    reread.rollback();
+    if (end < prompt.size()) reread.checkpoint();
+  }
+  engine.compress(keep);
+}
 
 /// The token the last row of `logits` predicts: its first maximum, like llama2.c. logits: [n, vocab]
 inline int predicted_token(const Eigen::MatrixXf& logits) {

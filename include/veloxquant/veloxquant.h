@@ -34,7 +34,7 @@ extern "C" {
  * (a program built against another major must not load this library); the minor when functions
  * are added. vq_abi_version() returns the library's VQ_ABI_VERSION. */
 #define VQ_ABI_VERSION_MAJOR 1
-#define VQ_ABI_VERSION_MINOR 2
+#define VQ_ABI_VERSION_MINOR 3
 #define VQ_ABI_VERSION (VQ_ABI_VERSION_MAJOR * 1000 + VQ_ABI_VERSION_MINOR)
 
 #if defined(_WIN32) && defined(VQ_BUILDING_SHARED)
@@ -151,8 +151,9 @@ VQ_API vq_status vq_attend_ex(vq_caches* s, int layer, const vq_tensor* q, const
 /* Absorbs a call without attending (KVCache::update_and_view; q may be NULL: the policy's
  * query-free scoring). *rows gets the rows per head of the returned window (the rows kept before
  * the call plus seq), which vq_fetch copies out until the layer's next call. With adaptive head
- * budgets (field "head_budgets", docs/design.md 4.9) heads may hold different numbers of rows:
- * *rows is then the longest head's, and vq_fetch refuses (VQ_EINVAL): use vq_attend. */
+ * budgets (field "head_budgets", docs/design.md 4.9) or after vq_compress, heads may hold
+ * different numbers of rows: *rows is then the longest head's, and vq_fetch refuses (VQ_EINVAL):
+ * use vq_attend. */
 VQ_API vq_status vq_update(vq_caches* s, int layer, const vq_tensor* k, const vq_tensor* v,
                            const vq_tensor* q, int64_t* rows);
 /* Copies the returned window of layer's last vq_update as float: keys [batch, kv_heads, rows,
@@ -212,6 +213,20 @@ VQ_API vq_status vq_fork(const vq_caches* s, vq_caches** out);
 VQ_API vq_status vq_checkpoint(vq_caches* s);
 /* Returns the set to its checkpoint (KVCacheBuilder::rollback); VQ_ESTATE without one. */
 VQ_API vq_status vq_rollback(vq_caches* s);
+
+/* ---- compress once from observed queries (KVzip, SPEC 18, docs/design.md 6.1) --------------- */
+
+/* Scores every row layer keeps by the attention queries q ([batch, q_heads, seq, head_dim], q_heads
+ * a multiple of the layer's KV heads, RoPE applied) give it: the most any query and query head of
+ * its group gives it (KVCache::observe). Only "kvzip" layers take it; changes no row. Drops the
+ * layer's vq_fetch window. */
+VQ_API vq_status vq_observe(vq_caches* s, int layer, const vq_tensor* q);
+/* Keeps ceil(keep x the rows held) rows of the set's kvzip layers, the best-observed over all of
+ * their heads with one threshold, every head its floor (KVCacheBuilder::compress); keep in (0, 1].
+ * VQ_EINVAL, the set unchanged, for keep outside (0, 1], a layer of another method (standard
+ * layers are left alone) or a kvzip layer not observed since its reset. Heads then hold their own
+ * numbers of rows (vq_fetch refuses: use vq_attend); drops every vq_fetch window. */
+VQ_API vq_status vq_compress(vq_caches* s, double keep);
 
 /* ---- threads --------------------------------------------------------------------------------- */
 

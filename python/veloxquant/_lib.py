@@ -106,6 +106,8 @@ _PROTOTYPES = {  # name: (restype, argtypes)
     "vq_fork": (_st, [_p, _PP]),
     "vq_checkpoint": (_st, [_p]),
     "vq_rollback": (_st, [_p]),
+    "vq_observe": (_st, [_p, _i, _T]),
+    "vq_compress": (_st, [_p, ctypes.c_double]),
     "vq_metadata_set": (_st, [_p, _s, _s]),
     "vq_metadata_count": (_i, [_p]),
     "vq_metadata_at": (_st, [_p, _i, _SP, _SP]),
@@ -113,8 +115,8 @@ _PROTOTYPES = {  # name: (restype, argtypes)
     "vq_load": (_st, [_s, _PP]),
 }
 
-# The ABI this module needs: major 1, minor 2 or later (the per-layer diagnostics).
-ABI_MAJOR, ABI_MINOR = 1, 2
+# The ABI this module needs: major 1, minor 3 or later (vq_observe and vq_compress).
+ABI_MAJOR, ABI_MINOR = 1, 3
 # The library's file name where an installed package carries it beside this module (pip install
 # of the repository: python/pip_backend/veloxquant_backend.py puts it there).
 BUNDLED = {"darwin": "libveloxquant_c.dylib", "win32": "veloxquant_c.dll"}.get(

@@ -184,7 +184,7 @@ class KVCache:
         if self._ragged(k.shape[0], k.shape[1]):  # refused before the call, as in C++
             raise _lib.InvalidArgumentError(
                 "update_and_fetch: the heads hold different numbers of rows (adaptive head "
-                "budgets), which one dense array cannot return; use attend")
+                "budgets or a compress), which one dense array cannot return; use attend")
         check(lib().vq_update(h, self.layer, kt, vt, qt, ctypes.byref(rows)))
         B, H, _, Dk = k.shape
         K = np.empty((B, H, rows.value, Dk), np.float32)
@@ -203,6 +203,13 @@ class KVCache:
         check(lib().vq_attend_ex(self._set._handle, self.layer, qt, kt, vt, out.ctypes.data,
                                  _lib.HEAD_MAJOR))
         return out
+
+    def observe(self, queries):
+        """KVzip (method "kvzip"): scores every kept row by the attention queries [B, G*H, S, D]
+        (RoPE applied; a re-read of the prompt) give it, the most any query and query head of its
+        group gives it. Changes no row; CacheSet.compress then keeps the best-observed rows."""
+        q, qt = _tensor("queries", queries)
+        check(lib().vq_observe(self._set._handle, self.layer, qt))
 
     @property
     def offset(self):
@@ -374,6 +381,12 @@ class CacheSet:
         """Returns to the checkpoint and consumes it; StateError without one."""
         check(lib().vq_rollback(self._handle))
 
+    def compress(self, keep):
+        """KVzip: keeps ceil(keep x the rows held) rows of the set's kvzip layers, the
+        best-observed over all their heads (one threshold, a floor per head); keep in (0, 1].
+        Every kvzip layer must have been observed since its reset."""
+        check(lib().vq_compress(self._handle, float(keep)))
+
     def save(self, path, metadata=None):
         """Writes the set to path (replaced atomically). metadata (a dict of str), when given,
         replaces the set's metadata, if the save succeeds (on any error it is left as it was)."""
@@ -445,6 +458,10 @@ class KVCacheBuilder:
     @staticmethod
     def fork(caches):
         return caches.fork()
+
+    @staticmethod
+    def compress(caches, keep):
+        caches.compress(keep)
 
     @staticmethod
     def checkpoint(caches):

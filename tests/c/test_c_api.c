@@ -2482,6 +2482,40 @@ static void feed(vq_caches* s, int n_layers, int rounds, uint32_t seed) {
     }
 }
 
+/* KVzip (SPEC 18): vq_observe scores a layer, vq_compress keeps ceil(keep x rows) of the set over
+ * every head; refusals (keep, a layer not observed, another method) leave the set unchanged. */
+static void test_kvzip(void) {
+  vq_caches* s = new_set("kvzip", 0, 2, VQ_FLOAT);
+  vq_caches* h2o = new_set("h2o", 8, 1, VQ_FLOAT);
+  call_t c = call_new(shape_std(20), 3300u);
+  call_t r = call_new(shape_std(6), 3301u); /* r.q: the observed queries */
+  const vq_tensor q = tensor_of(r.q, VQ_F32, 1, 4, 6, 8, VQ_HEAD_MAJOR);
+  int l;
+  int64_t rows = 0;
+  for (l = 0; l < 2; ++l) CHECK_OK(attend_hm(s, l, &c, c.out));
+  CHECK_OK(attend_hm(h2o, 0, &c, c.out));
+  CHECK_OK(vq_observe(s, 0, &q));
+  {
+    const snap_t before = snap_of(s);
+    CHECK_FAIL(vq_compress(s, 0.25), VQ_EINVAL, "cache 1 has not been observed");
+    CHECK_FAIL(vq_compress(s, 0.0), VQ_EINVAL, "must be in (0, 1]");
+    CHECK_FAIL(vq_observe(s, 2, &q), VQ_EINVAL, "layer");
+    CHECK_FAIL(vq_observe(h2o, 0, &q), VQ_EINVAL, "observed scores are KVzip's");
+    CHECK_FAIL(vq_compress(h2o, 0.5), VQ_EINVAL, "compress keeps the rows of kvzip caches");
+    CHECK_UNCHANGED(before, s);
+  }
+  CHECK_OK(vq_observe(s, 1, &q));
+  CHECK_OK(vq_compress(s, 0.25));
+  for (l = 0; l < 2; ++l) rows += vq_head_rows(s, l, 0, 0) + vq_head_rows(s, l, 0, 1);
+  CHECK(rows == 20); /* ceil(0.25 x 80) */
+  CHECK(vq_kept_bytes(s) == 20 * 2 * 8 * sizeof(float));
+  CHECK_OK(attend_hm(s, 0, &r, r.out));
+  call_free(&r);
+  call_free(&c);
+  vq_caches_free(h2o);
+  vq_caches_free(s);
+}
+
 static void test_fork(void) {
   vq_caches* a = new_set("squeeze", 8, 3, VQ_HALF);
   vq_caches* f = SENTINEL_CACHES;
@@ -3309,6 +3343,7 @@ int main(void) {
       {"caches_new_dims", test_caches_new_dims},
       {"reset", test_reset},
       {"fork", test_fork},
+      {"kvzip", test_kvzip},
       {"checkpoint_rollback", test_checkpoint_rollback},
       {"parallel_for", test_parallel_for},
       {"metadata", test_metadata},

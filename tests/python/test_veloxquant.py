@@ -360,6 +360,32 @@ class CacheSetTest(unittest.TestCase):
         self.assertEqual((caches[0].offset, fork[0].offset), (10, 14))
         self.assertEqual(copy.deepcopy(fork)[1].offset, 14)
 
+    def test_kvzip_observe_and_compress(self):
+        """KVzip (SPEC 18): observe scores a layer's rows, compress keeps a share of the set's
+        rows over every head, the heads then ragged; compress before observe refuses."""
+        config = vq.KVCacheConfig(method="kvzip", kvzip_n_sink=1)
+        caches = vq.KVCacheBuilder.for_model(2, config, "float")
+        rng = np.random.default_rng(12)
+        q, k, v = (rng.standard_normal(s).astype(np.float32)
+                   for s in ((1, 4, 40, 8), (1, 2, 40, 8), (1, 2, 40, 8)))
+        for cache in caches:
+            cache.attend(q, k, v)
+        caches[0].observe(rng.standard_normal((1, 4, 10, 8)))
+        with self.assertRaisesRegex(vq.InvalidArgumentError, "cache 1 has not been observed"):
+            caches.compress(0.25)
+        with self.assertRaisesRegex(vq.InvalidArgumentError, "must be in"):
+            caches.compress(1.5)
+        caches[1].observe(rng.standard_normal((1, 4, 10, 8)))
+        before = caches.kept_bytes
+        vq.KVCacheBuilder.compress(caches, 0.25)
+        rows = sum(c.head_rows(0, h) for c in caches for h in range(2))
+        self.assertEqual(rows, 40)  # ceil(0.25 x 160)
+        self.assertEqual(caches.kept_bytes * 160, before * 40)
+        with self.assertRaisesRegex(vq.InvalidArgumentError, "different numbers of rows"):
+            caches[0].update_and_fetch(k[:, :, :1], v[:, :, :1])
+        out = caches[0].attend(q[:, :, :1], k[:, :, :1], v[:, :, :1])
+        self.assertEqual(out.shape, (1, 4, 1, 8))
+
     def test_layer_head_dims(self):
         """for_model with a list of head dims: None is a layer without attention (standard)."""
         config = vq.KVCacheConfig(method="h2o")

@@ -45,6 +45,7 @@ inline constexpr std::array<MethodEntry, cache::detail::kMethodTable.size()> kMe
     {Method::tova, "tova_", &cache::KVCacheConfig::tova_n_sink, false, true},
     {Method::streaming_llm, "stream_", &cache::KVCacheConfig::stream_n_sink, false, false},
     {Method::snapkv, "snap_", &cache::KVCacheConfig::snap_n_sink, false, true},
+    {Method::kvzip, "kvzip_", &cache::KVCacheConfig::kvzip_n_sink, false, true},
     {Method::standard, "", nullptr, false, false},
 }};
 
@@ -70,6 +71,9 @@ constexpr std::array<Method, kMethodEntries.size()> all_methods() {
 inline constexpr std::array<Method, kMethodEntries.size()> kMethods = all_methods();
 
 constexpr bool is_core(Method m) { return method_entry(m).h2o_core; }
+/// Whether its calls keep every row: the standard cache, and KVzip, whose rows go only in a set's
+/// compress (KVCacheBuilder::compress, tests/test_kvzip_cache.cpp), which the sweeps do not make.
+constexpr bool keeps_every_row(Method m) { return m == Method::standard || m == Method::kvzip; }
 
 /// The methods of the H2O core, in the order the core's sweeps run them (their seeds follow it).
 inline constexpr Method kCoreMethods[] = {Method::h2o, Method::squeeze, Method::pyramidkv};
@@ -153,13 +157,15 @@ inline constexpr Kind Kind::kPyramidAdaptive{Method::pyramidkv, Wiring::alone, 0
 
 /// What most sweeps run, read from the table: the standard cache first (the reference of the
 /// others), then every other method in the table's order (squeeze followed by its coordinated and
-/// deferring subjects), then the query-free scorers' subjects.
-constexpr std::array<Kind, kMethodEntries.size() + 4> uniform_kinds() {
-  std::array<Kind, kMethodEntries.size() + 4> out{};
+/// deferring subjects), then the query-free scorers' subjects. KVzip is left out: its calls keep
+/// every row as the standard cache's do (with scores of -1 until observed), and what it adds, the
+/// set's observe and compress, is tests/test_kvzip_cache.cpp's.
+constexpr std::array<Kind, kMethodEntries.size() + 3> uniform_kinds() {
+  std::array<Kind, kMethodEntries.size() + 3> out{};
   std::size_t n = 0;
   out[n++] = Method::standard;
   for (const MethodEntry& e : kMethodEntries) {
-    if (e.id == Method::standard) continue;
+    if (e.id == Method::standard || e.id == Method::kvzip) continue;
     out[n++] = e.id;
     if (e.id == Method::squeeze) {
       out[n++] = Kind::kSqueezeCoordinated;
@@ -170,7 +176,7 @@ constexpr std::array<Kind, kMethodEntries.size() + 4> uniform_kinds() {
   out[n++] = Kind::kH2OKNorm;
   return out;
 }
-inline constexpr std::array<Kind, kMethodEntries.size() + 4> kKinds = uniform_kinds();
+inline constexpr std::array<Kind, kMethodEntries.size() + 3> kKinds = uniform_kinds();
 /// The subjects with adaptive head budgets (SPEC 14).
 inline constexpr Kind kAdaptiveKinds[] = {Kind::kH2OAdaptive, Kind::kSqueezeAdaptive,
                                           Kind::kSqueezeDeferAdaptive, Kind::kPyramidAdaptive};

@@ -145,9 +145,10 @@ class Walker {
     end();
     if (!(flags & 1) || rows == 0) return;  // head sections only for a cache holding rows
     const bool h2o_core = method == "squeeze" || method == "h2o" || method == "pyramidkv";
-    const bool scored = h2o_core || method == "tova" || method == "snapkv";
-    // Adaptive heads (version 4): each head section starts with its own row count.
-    const bool adaptive = h2o_core && head_budgets == "adaptive";
+    const bool scored = h2o_core || method == "tova" || method == "snapkv" || method == "kvzip";
+    // Adaptive heads (version 4) and KVzip heads (version 6): each head section starts with its
+    // own row count.
+    const bool adaptive = (h2o_core && head_budgets == "adaptive") || method == "kvzip";
     const auto stride = [&](std::int64_t bits, std::int64_t dim) -> std::size_t {
       if (bits == 16) return static_cast<std::size_t>(dim) * elem_;
       const std::int64_t g = ints.at("quant_group"), groups = dim / g;

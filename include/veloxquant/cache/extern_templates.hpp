@@ -20,6 +20,7 @@
 #include "kv_cache_builder.hpp"
 #include "kv_cache_factory.hpp"
 #include "kv_view.hpp"
+#include "kvzip_cache.hpp"
 #include "prompt_cache.hpp"
 #include "pyramidkv_cache.hpp"
 #include "snapkv_cache.hpp"
@@ -45,6 +46,7 @@
   VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::TOVACache<T>)                                   \
   VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::StreamingLLMCache<T>)                           \
   VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::SnapKVCache<T>)                                 \
+  VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::KVzipCache<T>)                                  \
   VELOXQUANT_DETAIL_INSTANTIATE(veloxquant::cache::detail::PromptCacheIO<T>)                       \
   VELOXQUANT_DETAIL_INSTANTIATE_FUNCTION(                                                          \
       std::unique_ptr<veloxquant::cache::KVCache<T>> veloxquant::cache::KVCacheFactory::create<T>( \

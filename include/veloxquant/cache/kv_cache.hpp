@@ -28,6 +28,7 @@
 #include "detail/head_store.hpp"
 #include "detail/input.hpp"
 #include "detail/layer.hpp"
+#include "detail/observed_call.hpp"
 #include "detail/format/layer_io.hpp"
 #include "detail/format/state_io.hpp"
 #include "kv_cache_config.hpp"
@@ -174,6 +175,26 @@ class KVCache {
     float empty = 0.0f;  // an empty output has no data but is not "out == nullptr"
     attend_rows(q, k, v, out.size() ? out.data() : &empty, Layout::head_major);
     return out;
+  }
+
+  /// KVzip's scores (SPEC 18, docs/design.md 6.1): every retained row of every head is scored by
+  /// the attention these queries give it, the most any of the S queries and any of the G query
+  /// heads of its KV head gives it in their softmax over that head's retained rows (no mask:
+  /// the engine observes with queries that come after the rows, a re-read of the prompt); a row
+  /// keeps the most any observe call since the reset gave it. Changes no row, offset or budget;
+  /// KVCacheBuilder::compress then keeps the set's best-observed rows. Only a kvzip cache
+  /// (KVzipCache) takes observed scores. Throws std::invalid_argument, changing nothing, for a
+  /// cache of another method, a cache that holds no rows yet, or queries that are not
+  /// [B, G·H, S, Dk] (this cache's B, H and Dk) or hold a value that is not finite in float32.
+  /// queries: [B, Hq = G·H, S, Dk], RoPE applied at their positions
+  template <class Q>
+  void observe(TensorRef<Q> queries) {
+    observe_rows(rows_of(queries, "queries", "observe"));
+  }
+  /// observe for Tensor4s and TensorMaps (see above).
+  template <class QX, class = detail::input_element_t<QX>>
+  void observe(const QX& queries) {
+    observe_rows(rows_of(queries, "queries", "observe"));
   }
 
   /// Position the next token will take (tokens per sequence absorbed since the last reset).
@@ -347,6 +368,16 @@ class KVCache {
     }
     do_fork_from(src, links);
   }
+  /// Compress (KVCacheBuilder::compress, SPEC 18, docs/design.md 6.1): the builder holds every
+  /// cache's call gate and runs this on the set. Its kvzip caches keep ceil(keep x the rows they
+  /// hold) rows together, the best-observed over all their heads (detail::plan_compress); the
+  /// standard caches of a model's non-attention layers are left as they are. Throws
+  /// std::invalid_argument, changing nothing, for keep outside (0, 1], a cache of another method,
+  /// or a kvzip cache no observe call has scored since its reset.
+  /// (Defined after the class, not inline: with VELOXQUANT_EXTERN_TEMPLATES a consumer TU does
+  /// not compile the selection; extern_templates.hpp.)
+  static void compress_set(const std::vector<KVCache*>& set, double keep);
+
   /// Checkpoint (KVCacheBuilder::checkpoint, docs/design.md 10.2): marks the cache's state under
   /// `token` (the set's), replacing a live checkpoint. The heads copy their bookkeeping and
   /// journal the rows later calls overwrite. Allocates only; if it throws, the cache holds no
@@ -443,6 +474,9 @@ class KVCache {
     const detail::InputRows q = rows_of(queries, "queries", api);
     return run(detail::Call{k, v, &q, api, nullptr}, out);
   }
+  // observe's body (detail/observed_call.hpp), behind the call gate. (Defined after the class,
+  // not inline, as run.)
+  void observe_rows(const detail::InputRows& queries);
   // attend's entry, in the same order.
   template <class Q, class K, class V>
   void attend_call(const Q& queries, const K& keys, const V& values, float* out, Layout layout) {
@@ -483,9 +517,9 @@ class KVCache {
     const detail::LayerDims& d = layer_.state.dims;
     if (!d.known)
       return KVView<T>(&layer_.heads, keys.batch, keys.heads, keys.dim, values.dim, 0, 0);
-    // Adaptive heads may differ: each then shows its own slots in use (the copy of a quantized
-    // window is laid out at the longest head's rows).
-    const Index stride = rule().adaptive ? layer_.max_physical() : v.rows;
+    // Adaptive and compressed KVzip heads may differ: each then shows its own slots in use (the
+    // copy of a quantized window is laid out at the longest head's rows).
+    const Index stride = rule().per_head_rows() ? layer_.max_physical() : v.rows;
     bool ragged = false;
     for (const auto& h : layer_.heads) ragged = ragged || h.physical() != stride;
     return KVView<T>(&layer_.heads, d.batch, d.heads, d.key_dim, d.value_dim, ragged ? -1 : stride,
@@ -521,6 +555,49 @@ KVView<T> KVCache<T>::run(const detail::Call& call, KVPair<T>* out) {
   if (out) sink.emplace(*out);
   const detail::CallView v = detail::run_call(layer_, call, sink ? &*sink : nullptr, hooks);
   return make_view(v, call.keys, call.values);
+}
+
+template <class T>
+void KVCache<T>::compress_set(const std::vector<KVCache*>& set, double keep) {
+  const char* api = "KVCacheBuilder::compress";
+  if (!(keep > 0.0 && keep <= 1.0)) {
+    throw std::invalid_argument(std::string(api) + ": keep (" + std::to_string(keep) +
+                                ") must be in (0, 1]");
+  }
+  std::vector<KVCache*> kvzip;
+  std::vector<const detail::Layer<T>*> layers;
+  for (std::size_t i = 0; i < set.size(); ++i) {
+    const KVCache& c = *set[i];
+    const detail::RuleKind kind = c.rule().kind;
+    if (kind == detail::RuleKind::keep_all) continue;
+    if (kind != detail::RuleKind::observed) {
+      throw std::invalid_argument(std::string(api) + ": cache " + std::to_string(i) +
+                                  " is a '" + c.config_.method +
+                                  "' cache; compress keeps the rows of kvzip caches");
+    }
+    if (!c.rule().observed) {
+      throw std::invalid_argument(std::string(api) + ": cache " + std::to_string(i) +
+                                  " has not been observed since its reset (call observe with "
+                                  "the queries of a re-read of its rows first)");
+    }
+    kvzip.push_back(set[i]);
+    layers.push_back(&c.layer_);
+  }
+  const std::vector<std::vector<std::vector<detail::Slot>>> drop =
+      detail::plan_compress(layers, keep);
+  for (std::size_t i = 0; i < kvzip.size(); ++i) {
+    detail::reserve_compress(kvzip[i]->layer_, drop[i]);
+  }
+  // No-throw from here on.
+  for (std::size_t i = 0; i < kvzip.size(); ++i) {
+    detail::apply_compress(kvzip[i]->layer_, drop[i]);
+  }
+}
+
+template <class T>
+void KVCache<T>::observe_rows(const detail::InputRows& queries) {
+  const detail::CallGate::Entry entry = gate_.enter("observe");
+  detail::observe_layer(layer_, queries, config_.method.c_str());
 }
 
 }  // namespace veloxquant::cache

@@ -141,6 +141,30 @@ class KVCacheBuilder {
     for (SqueezeCoordinator* co : coordinators) co->rollback();
   }
 
+  /// KVzip's compress (SPEC 18, docs/design.md 6.1): the set's kvzip caches keep ceil(keep x R)
+  /// of the R rows they hold, keep in (0, 1]: every head's sinks (kvzip_n_sink) and the rows no
+  /// observe call has scored, each head's best-observed rows up to its floor (head_budget_floor
+  /// of ceil(keep x its rows)), then the best-observed rows of the whole set, one threshold across
+  /// layers and heads (ties keep the earlier position). Heads then hold their own numbers of rows
+  /// (ragged_heads(): use attend or update_and_view) and the memory of the dropped rows is freed
+  /// (kept_bytes() at once, the heap as far as the allocator allows). The standard caches of a
+  /// model's non-attention layers are left as they are. Throws std::invalid_argument for a null
+  /// entry, keep outside (0, 1], a cache of another method, or a kvzip cache not observed since
+  /// its reset, and std::logic_error for a cache a call is running on; the set is then unchanged.
+  /// A live checkpoint of the set still returns it to before the compress. Views of earlier calls
+  /// are invalidated.
+  template <class T>
+  static void compress(std::vector<std::unique_ptr<KVCache<T>>>& caches, double keep) {
+    check_entries(caches, "KVCacheBuilder::compress");
+    const std::vector<detail::CallGate::Entry> entries = hold(caches, "KVCacheBuilder::compress");
+    std::vector<KVCache<T>*> set;
+    set.reserve(caches.size());
+    for (const auto& c : caches) {
+      if (std::find(set.begin(), set.end(), c.get()) == set.end()) set.push_back(c.get());
+    }
+    KVCache<T>::compress_set(set, keep);
+  }
+
   /// Starts a new sequence: resets each distinct SqueezeCoordinator once, then every cache.
   /// Throws std::invalid_argument, before anything is reset, for a null entry.
   template <class T>

@@ -94,7 +94,7 @@ inline void check_sink_below(const char* sink_field, int n_sink, const char* bud
 struct KVCacheConfig {
   // Every field is also listed in detail::for_each_config_field (below): the prompt-cache format.
   std::string method =
-      "squeeze";  ///< squeeze, h2o, pyramidkv, tova, streaming_llm, snapkv, standard
+      "squeeze";  ///< squeeze, h2o, pyramidkv, tova, streaming_llm, snapkv, kvzip, standard
 
   // SqueezeAttention
   int squeeze_budget = 512;                      ///< average budget; budget without coordinator
@@ -132,6 +132,10 @@ struct KVCacheConfig {
   int snap_budget = 512;
   int snap_obs_window = 32;
   int snap_n_sink = 4;
+
+  // KVzip (SPEC 18, docs/design.md 6.1): keeps every row until KVCacheBuilder::compress keeps the
+  // set's best-observed rows; head_budget_floor is each head's least share of what it keeps.
+  int kvzip_n_sink = 4;  ///< leading positions compress never drops
 
   // Storage of rows (docs/design.md 2.9): every method, every storage type
   int key_bits = 16;     ///< 16 (rows of T), 8, 4 or 2 (quantized along key_axis)
@@ -266,10 +270,23 @@ inline void validate_snapkv(const KVCacheConfig& c) {
   check_sink_below("snap_n_sink", c.snap_n_sink, "snap_budget", c.snap_budget);
 }
 
+inline void validate_kvzip(const KVCacheConfig& c) {
+  check_non_negative("kvzip_n_sink", c.kvzip_n_sink);
+}
+
 inline void validate_standard(const KVCacheConfig&) {}
 
 /// The policies, in the order of kMethodTable.
-enum class Method : std::uint8_t { squeeze, h2o, pyramidkv, tova, streaming_llm, snapkv, standard };
+enum class Method : std::uint8_t {
+  squeeze,
+  h2o,
+  pyramidkv,
+  tova,
+  streaming_llm,
+  snapkv,
+  kvzip,
+  standard
+};
 
 /// One policy as the configuration, the factory, the builder and the prompt-cache file know it
 /// (docs/design.md "Adding a policy"). Its cache class is the one whose constructor passes `id`
@@ -285,7 +302,7 @@ struct MethodSpec {
   void (*validate)(const KVCacheConfig&);
 };
 
-inline constexpr std::array<MethodSpec, 7> kMethodTable = {{
+inline constexpr std::array<MethodSpec, 8> kMethodTable = {{
     {Method::squeeze, "squeeze", [](KVCacheConfig& c, int rows) { c.squeeze_budget = rows; },
      validate_squeeze},
     {Method::h2o, "h2o", [](KVCacheConfig& c, int rows) { c.h2o_budget = rows; }, validate_h2o},
@@ -302,6 +319,9 @@ inline constexpr std::array<MethodSpec, 7> kMethodTable = {{
      validate_streaming_llm},
     {Method::snapkv, "snapkv", [](KVCacheConfig& c, int rows) { c.snap_budget = rows; },
      validate_snapkv},
+    // Keeps every row until compressed: no rows-per-head budget (KVCacheBuilder::compress keeps a
+    // share of the set instead).
+    {Method::kvzip, "kvzip", nullptr, validate_kvzip},
     {Method::standard, "standard", nullptr, validate_standard},
 }};
 
@@ -424,6 +444,7 @@ void for_each_config_field(Config& c, F&& f) {
   f("key_axis", c.key_axis);                    // since prompt-cache format version 5
   f("value_axis", c.value_axis);                // since prompt-cache format version 5
   f("quant_block", c.quant_block);              // since prompt-cache format version 5
+  f("kvzip_n_sink", c.kvzip_n_sink);            // since prompt-cache format version 6
 }
 
 /// The prompt-cache format version that first stored config field `name` (docs/design.md G): a
@@ -431,6 +452,7 @@ void for_each_config_field(Config& c, F&& f) {
 /// library that wrote the file).
 inline unsigned config_field_since(const char* name) {
   const std::string n(name);
+  if (n == "kvzip_n_sink") return 6U;
   if (n == "key_axis" || n == "value_axis" || n == "quant_block") return 5U;
   if (n == "head_budgets" || n == "head_budget_floor") return 4U;
   return n == "value_norm_power" ? 3U : n == "proxy_scoring" ? 2U : 1U;

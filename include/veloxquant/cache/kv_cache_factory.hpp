@@ -8,6 +8,7 @@
 #include "h2o_cache.hpp"
 #include "kv_cache.hpp"
 #include "kv_cache_config.hpp"
+#include "kvzip_cache.hpp"
 #include "pyramidkv_cache.hpp"
 #include "snapkv_cache.hpp"
 #include "squeeze_cache.hpp"
@@ -60,6 +61,8 @@ class KVCacheFactory {
         return f(Tag<StreamingLLMCache<T>>{});
       case detail::Method::snapkv:
         return f(Tag<SnapKVCache<T>>{});
+      case detail::Method::kvzip:
+        return f(Tag<KVzipCache<T>>{});
       case detail::Method::standard:
         break;
     }

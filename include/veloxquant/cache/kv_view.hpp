@@ -44,12 +44,13 @@ class KVView {
         stride_(stride < 0 ? rows : stride) {}
 
   /// Rows per head in this window, the same for every head. Throws std::logic_error when the
-  /// heads hold different numbers of rows (adaptive head budgets): ask rows(b, h).
+  /// heads hold different numbers of rows (adaptive head budgets, a KVzip compress): ask
+  /// rows(b, h).
   Eigen::Index rows() const {
     if (rows_ < 0) {
       throw std::logic_error(
-          "KVView::rows: the heads hold different numbers of rows (adaptive head budgets); use "
-          "rows(b, h)");
+          "KVView::rows: the heads hold different numbers of rows (adaptive head budgets or a "
+          "KVzip compress); use rows(b, h)");
     }
     return rows_;
   }

@@ -56,9 +56,10 @@ inline constexpr unsigned char kPromptCacheMagic[8] = {0x89, 'V', 'Q', 'K', 'V',
 /// The format version this library writes and the newest it reads.
 /// Version 2 added config field proxy_scoring, version 3 value_norm_power, version 4 head_budgets,
 /// head_budget_floor and the rows of each adaptive head, version 5 key_axis, value_axis and
-/// quant_block and the channel blocks of each head (config_field_since, docs/design.md G); older
-/// files still load, the fields they predate at their defaults.
-inline constexpr std::uint32_t kPromptCacheVersion = 5;
+/// quant_block and the channel blocks of each head, version 6 method kvzip, kvzip_n_sink and the
+/// state flag "observed" (config_field_since, docs/design.md G); older files still load, the
+/// fields they predate at their defaults.
+inline constexpr std::uint32_t kPromptCacheVersion = 6;
 
 /// Storage type codes of the header: 1 half, 2 bfloat16, 3 float.
 template <class T>

@@ -120,7 +120,8 @@ class PairOut final : public DenseOut<typename Pair::first_type::Scalar> {
 
 inline std::string ragged_message(const char* api) {
   return std::string(api) +
-         ": the heads hold different numbers of rows (adaptive head budgets, SPEC 14), which one "
+         ": the heads hold different numbers of rows (adaptive head budgets, SPEC 14, or a KVzip "
+         "compress, SPEC 18), which one "
          "dense tensor cannot return; use attend or update_and_view";
 }
 /// update_and_fetch(_into) and state() return one dense tensor: refused when the heads hold

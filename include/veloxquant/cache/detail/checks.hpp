@@ -399,11 +399,10 @@ inline void check_query_shapes(const InputRows& queries, const InputRows& keys, 
   if (queries.dim != keys.dim) fail("queries must have the keys' head dim D");
 }
 
-/// check_query_shapes, then every element finite and within +-kMaxQueryMagnitude once converted
-/// to float32 (the first that is not is named). Called after check_update, before the cache
-/// changes. queries: [B, Hq, S, Dk]; keys: [B, H, S, Dk]
-inline void check_queries(const InputRows& queries, const InputRows& keys, const char* api) {
-  check_query_shapes(queries, keys, api);
+/// Every element of `queries` finite and within +-kMaxQueryMagnitude once converted to float32;
+/// `fail(what)` throws naming the first that is not.
+template <class Fail>
+void check_query_values(const InputRows& queries, const Fail& fail) {
   if (queries.seq == 0) return;
   std::vector<float> buf;
   double value = 0.0;
@@ -412,12 +411,40 @@ inline void check_queries(const InputRows& queries, const InputRows& keys, const
       for (Index s = 0; s < queries.seq; ++s) {
         const Index d = first_out_of_range<float>(queries, b, h, s, kMaxQueryMagnitude, buf, value);
         if (d < 0) continue;
-        query_error(api, queries, keys,
-                    out_of_range_message(std::isfinite(value) ? "query" : "non-finite query", "hq",
-                                         b, h, s, d, value, "float32", kMaxQueryMagnitude));
+        fail(out_of_range_message(std::isfinite(value) ? "query" : "non-finite query", "hq", b, h,
+                                  s, d, value, "float32", kMaxQueryMagnitude));
       }
     }
   }
+}
+
+/// check_query_shapes, then every element finite and within +-kMaxQueryMagnitude once converted
+/// to float32 (the first that is not is named). Called after check_update, before the cache
+/// changes. queries: [B, Hq, S, Dk]; keys: [B, H, S, Dk]
+inline void check_queries(const InputRows& queries, const InputRows& keys, const char* api) {
+  check_query_shapes(queries, keys, api);
+  check_query_values(queries,
+                     [&](const std::string& what) { query_error(api, queries, keys, what); });
+}
+
+/// The queries of KVCache::observe against the rows of a layer of B sequences of H KV heads of
+/// dim Dk: [B, G·H, S, Dk] for an integer G >= 1 and any S >= 0, every element as check_queries
+/// wants it. Throws std::invalid_argument naming what is wrong, with the shapes.
+inline void check_observed_queries(const InputRows& queries, Index batch, Index heads, Index dim,
+                                   const char* api) {
+  const auto fail = [&](const std::string& what) {
+    std::ostringstream os;
+    os << api << ": " << what << " (queries " << shape_str(queries) << ", the cache's rows ["
+       << batch << ", " << heads << ", n, " << dim << "])";
+    throw std::invalid_argument(os.str());
+  };
+  if (queries.batch != batch) fail("queries must have the cache's batch size B");
+  if (queries.heads == 0 || queries.heads % heads != 0) {
+    fail("query heads Hq (" + std::to_string(queries.heads) +
+         ") must be a positive multiple of the KV heads H (" + std::to_string(heads) + ")");
+  }
+  if (queries.dim != dim) fail("queries must have the keys' head dim D");
+  check_query_values(queries, fail);
 }
 
 /// attend's output [B, Hq, S, Dv] (queries' B, Hq, S; values' Dv): the product of its non-zero

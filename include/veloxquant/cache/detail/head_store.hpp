@@ -70,6 +70,15 @@ class HeadStore {
     if (!has_checkpoint() && rows_.channel_axis()) rows_.channel().shrink();
   }
 
+  /// Releases every slot beyond the live rows (a compress that frees memory, SPEC 18; a live
+  /// checkpoint's slots stay, as reallocate keeps them). Call only after compact(). Strong
+  /// exception guarantee.
+  void shrink_to_fit() {
+    VELOXQUANT_ASSERT(n_phys_ == live(), "shrink before compaction");
+    if (cap_ > n_phys_) reallocate(n_phys_);
+    if (!has_checkpoint() && rows_.channel_axis()) rows_.channel().shrink();
+  }
+
   /// Room for the channel blocks `rows` more appended rows may seal (one per block of positions,
   /// and one more for a block a trim cut short). Strong exception guarantee.
   void reserve_blocks(Index rows) {

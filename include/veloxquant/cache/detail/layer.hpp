@@ -84,19 +84,20 @@ struct Layer {
   };
   Mark mark;
 
-  /// Rows each head holds (adaptive heads: the most any holds); 0 before the first call. A layer
-  /// loaded from a prompt cache with no rows holds no head objects until a call brings rows
-  /// (their number is B·H, which only the call's tensors make real; docs/design.md G).
+  /// Rows each head holds (heads of their own sizes: the most any holds); 0 before the first
+  /// call. A layer loaded from a prompt cache with no rows holds no head objects until a call
+  /// brings rows (their number is B·H, which only the call's tensors make real; docs/design.md G).
   Index live_rows() const {
     if (heads.empty()) return 0;
-    if (!state.rule.adaptive) return heads.front().live();
+    if (!state.rule.per_head_rows()) return heads.front().live();
     Index n = 0;
     for (const auto& h : heads) n = std::max(n, h.live());
     return n;
   }
-  /// Whether the heads hold different numbers of rows (only adaptive heads can).
+  /// Whether the heads hold different numbers of rows (adaptive heads and compressed KVzip ones
+  /// can).
   bool ragged() const {
-    if (!state.rule.adaptive) return false;
+    if (!state.rule.per_head_rows()) return false;
     for (const auto& h : heads) {
       if (h.live() != heads.front().live()) return true;
     }
@@ -148,6 +149,7 @@ struct Layer {
     state.offset = 0;
     state.tokens_seen = 0;
     state.rule.compressed = false;
+    state.rule.observed = false;
     copy.release_view();
   }
 

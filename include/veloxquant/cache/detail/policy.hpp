@@ -2,7 +2,8 @@
 // hands a head's new rows to its rule's driver. The rules and call plans are in rule.hpp; the
 // scored policies' driver in scored_call.hpp, the query-free scorers in proxy_call.hpp, SnapKV's
 // ranking in prompt_call.hpp, eviction choices in eviction.hpp and the call's rows in and out
-// (queries, attention output, block logits) in call_io.hpp.
+// (queries, attention output, block logits) in call_io.hpp. KVzip's observe and compress, set
+// operations rather than a call's, are in observed_call.hpp.
 #pragma once
 
 #include <Eigen/Core>
@@ -58,6 +59,14 @@ void absorb_head(HeadStore<T>& head, const Rule& rule, const CallPlan& plan, Ind
       if (att) attend_window(head, count, q, att, sc);
       return;
     }
+    case RuleKind::observed:
+      // KVzip (SPEC 18): every row stays, unscored until an observe call scores it.
+      for (Index i = 0; i < count; ++i) {
+        head.push_live(static_cast<Slot>(first + i));
+        head.score(first + i) = kUnobserved;
+      }
+      if (att) attend_window(head, count, q, att, sc);
+      return;
     case RuleKind::keep_all:
       break;
   }

@@ -22,7 +22,11 @@ enum class RuleKind : std::uint8_t {
   cumulative,      ///< H2O core (SqueezeAttention, H2O, PyramidKV): decayed attention mass
   last_attention,  ///< TOVA: the current token's attention
   prompt,          ///< SnapKV: a prompt chunk that would pass the budget is ranked and cut
+  observed,        ///< KVzip: every row stays; observe scores them, a set's compress cuts them
 };
+
+/// KVzip: the score of a row no observe call has scored yet (observed scores are >= 0).
+inline constexpr float kUnobserved = -1.0f;
 
 /// One policy's parameters and the little state it carries between calls.
 struct Rule {
@@ -42,7 +46,13 @@ struct Rule {
   double head_floor = 1.0;   ///< adaptive: the share of the budget every head keeps at least
   int window = 0;            ///< window: rows kept besides the sinks
   int obs_window = 0;        ///< prompt: query tokens that rank the prompt
-  bool compressed = false;   ///< prompt: a call has been ranked and cut (until reset)
+  bool compressed = false;   ///< prompt: a call has been ranked and cut; observed: a compress
+                             ///< has cut the heads (until reset)
+  bool observed = false;     ///< observed: an observe call has scored rows (until reset)
+
+  /// Whether the heads may hold different numbers of rows: adaptive heads (SPEC 14) and KVzip
+  /// after a compress (SPEC 18).
+  bool per_head_rows() const { return adaptive || kind == RuleKind::observed; }
 
   /// g for the budget in force, clamped to [0, budget - n_sink - 1] so one row stays evictable;
   /// 0 while the budget is unknown.
@@ -76,6 +86,7 @@ struct Rule {
         break;
       case RuleKind::keep_all:
       case RuleKind::prompt:
+      case RuleKind::observed:
         break;
     }
     return std::numeric_limits<Index>::max();
@@ -113,6 +124,7 @@ inline CallPlan plan_call(const Rule& r, Index S, Index groups, bool attend = fa
   switch (r.kind) {
     case RuleKind::keep_all:
     case RuleKind::window:
+    case RuleKind::observed:
       break;
     case RuleKind::prompt:
       // A prompt chunk (S > 1) after which a head would hold more than the budget (SPEC 13.3);

@@ -185,6 +185,18 @@ inline void softmax_mean(float* x, Index rows, Index ldx, Index n, float* w, flo
     ;
 #endif
 
+/// w[c] = max(w[c], the most any of `rows` rows of x ([rows, ldx]) gives column c < n in its
+/// softmax over [0, n)): KVzip's observed score. The rows are overwritten with their exp values
+/// and inv ([rows], scratch) with their normalisers, as softmax_mean leaves them.
+inline void softmax_max(float* x, Index rows, Index ldx, Index n, float* w, float* inv)
+#if VELOXQUANT_DETAIL_KERNELS_DEFINED
+{
+  VELOXQUANT_DETAIL_DISPATCH(softmax_max(x, rows, ldx, n, w, inv));
+}
+#else
+    ;
+#endif
+
 /// The attention output of softmax rows: out[r][0, dv) = inv[r] * sum_{c < n} e[r][c] *
 /// values[c][0, dv), r < rows. e: [rows, lde] exp values, inv: [rows] (as softmax_mean leaves
 /// them); values: [n, dv] stored rows of T; out: row r at out + r * ldo ([dv] float32).

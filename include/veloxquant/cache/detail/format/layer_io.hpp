@@ -35,7 +35,8 @@ void write_descriptor(const Layer<T>& L, StateWriter& w) {
   ByteWriter& out = w.out();
   out.u8(static_cast<std::uint8_t>((st.dims.known ? S::kDimsKnown : 0) |
                                    (st.rule.budget ? S::kHasBudget : 0) |
-                                   (st.rule.compressed ? S::kCompressed : 0)));
+                                   (st.rule.compressed ? S::kCompressed : 0) |
+                                   (st.rule.observed ? S::kObserved : 0)));
   out.i32(st.rule.budget.value_or(0));
   for (const Index v : {st.dims.batch, st.dims.heads, st.dims.key_dim, st.dims.value_dim,
                         Index{st.offset}, Index{st.tokens_seen}, L.live_rows()}) {
@@ -53,7 +54,7 @@ void write_heads(const Layer<T>& L, StateWriter& w, const Extra& extra) {
     const HeadStore<T>& h = L.heads[i];
     h.compacted_slots(src);
     w.begin_head();
-    if (rule.adaptive) w.out().i64(static_cast<std::int64_t>(h.live()));  // its own rows
+    if (rule.per_head_rows()) w.out().i64(static_cast<std::int64_t>(h.live()));  // its own rows
     w.positions(h, src);
     if (scored_rows(rule.kind)) w.scores(h, src);
     extra(w.out(), i);
@@ -187,11 +188,15 @@ void read_heads(const Layer<T>& L, StateReader& r, SavedCache<T>& s, Extra& extr
     std::int64_t held = 0;
     for (std::int64_t hh = 0; hh < s.heads; ++hh) {
       r.begin_head(b, hh);
-      // Adaptive heads hold their own number of rows (docs/design.md G, 4.9).
+      // Adaptive and KVzip heads hold their own number of rows (docs/design.md G, 4.9, 6.1); a
+      // KVzip cache's before its compress, every row.
       std::int64_t rows = s.rows;
-      if (rule.adaptive) {
+      if (rule.per_head_rows()) {
         rows = r.in().i64();
         check_saved_head_rows(s, rows);
+        if (rule.kind == RuleKind::observed && !s.compressed() && rows != s.rows) {
+          bad_state("a KVzip head that has not compressed holds every row");
+        }
       }
       const auto n = static_cast<std::uint64_t>(rows);
       r.in().array(pos, n);
@@ -205,6 +210,10 @@ void read_heads(const Layer<T>& L, StateReader& r, SavedCache<T>& s, Extra& extr
       // what the file has already paid for; restore computes the weights.
       if (rule.value_power > 0.0) head.enable_value_weights(rule.value_power);
       r.end_head();
+      if (rule.kind == RuleKind::observed && !s.observed() &&
+          std::any_of(score.begin(), score.end(), [](float x) { return x != kUnobserved; })) {
+        bad_state("a KVzip cache never observed holds an observed score");
+      }
       check_saved_head(s, rule, head, rows, pos, with_scores ? &score : nullptr);
       extra.check(s);
       r.keep_head();
@@ -237,6 +246,7 @@ void install(Layer<T>& L, SavedCache<T>& s) {
   st.rule = L.state.rule;
   st.rule.budget = s.has_budget() ? std::optional<int>(s.budget) : std::nullopt;
   st.rule.compressed = s.compressed();
+  st.rule.observed = s.observed();
   // No-throw from here on. A loaded state drops the checkpoint (the heads are new).
   L.mark.live = false;
   L.heads.swap(s.stores);

@@ -25,7 +25,7 @@ namespace veloxquant::cache::detail {
 /// descriptor"), then its heads as they are read, and the row buffer a quantized cache needs.
 template <class T>
 struct SavedCache {
-  enum : std::uint8_t { kDimsKnown = 1, kHasBudget = 2, kCompressed = 4 };
+  enum : std::uint8_t { kDimsKnown = 1, kHasBudget = 2, kCompressed = 4, kObserved = 8 };
   std::uint8_t flags = 0;
   std::int32_t budget = 0;
   std::int64_t batch = 0, heads = 0, key_dim = 0, value_dim = 0;
@@ -35,6 +35,7 @@ struct SavedCache {
   bool dims_known() const { return (flags & kDimsKnown) != 0; }
   bool has_budget() const { return (flags & kHasBudget) != 0; }
   bool compressed() const { return (flags & kCompressed) != 0; }
+  bool observed() const { return (flags & kObserved) != 0; }
 };
 
 /// Throws std::invalid_argument(why): a saved state no cache can be in.
@@ -44,7 +45,7 @@ struct SavedCache {
 template <class T>
 void check_saved_flags(const SavedCache<T>& s) {
   using S = SavedCache<T>;
-  if ((s.flags & ~(S::kDimsKnown | S::kHasBudget | S::kCompressed)) != 0) {
+  if ((s.flags & ~(S::kDimsKnown | S::kHasBudget | S::kCompressed | S::kObserved)) != 0) {
     bad_state("unknown state flags");
   }
   if (!s.has_budget() && s.budget != 0) bad_state("no budget but a budget value");
@@ -52,7 +53,8 @@ void check_saved_flags(const SavedCache<T>& s) {
 
 /// True for the policies whose rows carry scores (the others' are all 0 and not saved).
 inline bool scored_rows(RuleKind k) {
-  return k == RuleKind::cumulative || k == RuleKind::last_attention || k == RuleKind::prompt;
+  return k == RuleKind::cumulative || k == RuleKind::last_attention || k == RuleKind::prompt ||
+         k == RuleKind::observed;
 }
 /// Dims, counters and the row count of a cache that has seen a call; kf and vf: its row formats.
 template <class T>
@@ -103,8 +105,19 @@ void check_saved_rows(const SavedCache<T>& s, const Rule& rule) {
   if (s.dims_known() && s.rows == 0 && !keep_all) {
     bad_state("no rows after a call: only a trimmed standard cache can hold none");
   }
-  if (s.compressed() && (!prompt || !s.dims_known())) {
-    bad_state("compressed, but not a SnapKV cache that has seen a call");
+  const bool observed = rule.kind == RuleKind::observed;
+  if (s.compressed() && (!(prompt || observed) || !s.dims_known())) {
+    bad_state("compressed, but not a SnapKV or KVzip cache that has seen a call");
+  }
+  if (s.observed() && (!observed || !s.dims_known() || s.rows == 0)) {
+    bad_state("observed, but not a KVzip cache that holds rows");
+  }
+  if (s.compressed() && observed && !s.observed()) {
+    bad_state("a KVzip cache compressed without being observed");
+  }
+  if (observed && !s.compressed() && s.rows != s.offset) {
+    bad_state("a KVzip cache that has not compressed holds every row (" + std::to_string(s.rows) +
+              " at offset " + std::to_string(s.offset) + ")");
   }
   if (prompt && !s.compressed() && s.rows != s.offset) {
     bad_state("a SnapKV cache that has not compressed holds every row (" + std::to_string(s.rows) +
@@ -133,6 +146,15 @@ void check_saved_rows(const SavedCache<T>& s, const Rule& rule) {
 inline void check_saved_scores(const std::vector<float>& score, const Rule& rule) {
   const bool signed_scores =
       rule.kind == RuleKind::cumulative && rule.proxy != ProxyScoring::key_as_query;
+  if (rule.kind == RuleKind::observed) {
+    // KVzip: a softmax weight, or kUnobserved for a row no observe call has scored.
+    for (const float x : score) {
+      if (!(x == kUnobserved || (x >= 0.0f && x <= 1.0f))) {
+        bad_state("a KVzip score (" + std::to_string(x) + ") is neither a softmax weight nor -1");
+      }
+    }
+    return;
+  }
   for (const float x : score) {
     if ((x < 0.0f && !signed_scores) || !std::isfinite(x)) {
       bad_state("a score (" + std::to_string(x) + ") is negative or not finite");

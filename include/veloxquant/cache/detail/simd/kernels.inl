@@ -376,6 +376,27 @@ inline void softmax_mean(float* x, Index rows, Index ldx, Index n, float* w, flo
   }
 }
 
+/// w[c] = max(w[c], max over `rows` rows (row r at x + r * ldx) of softmax(row[0, n))[c]) for
+/// c < n: KVzip's observed score (docs/design.md 6.1). Each softmax is softmax_mean's: the rows
+/// are overwritten with their exp values and inv ([rows], scratch) with their normalisers. A row
+/// whose logits are all -inf contributes nothing.
+inline void softmax_max(float* x, Index rows, Index ldx, Index n, float* w, float* inv) {
+  softmax_mean(x, rows, ldx, n, nullptr, inv);
+  const Index body = n / kLanes * kLanes;
+  for (Index r = 0; r < rows; ++r) {
+    const float* row = x + r * ldx;
+    const V vi = vset(inv[r]);
+    for (Index i = 0; i < body; i += kLanes) {
+      vstore(w + i, vmax(vmul(vload(row + i), vi), vload(w + i)));
+    }
+    if (body < n) {
+      store_tail(w + body, n - body,
+                 vmax(vmul(load_tail(row + body, n - body, 0.0f), vi),
+                      load_tail(w + body, n - body, 0.0f)));
+    }
+  }
+}
+
 /// One stored value row's elements [k, k + count) as float32 (count < kLanes; the rest 0).
 template <class T>
 inline V load_row_tail(const T* row, Index count) {
