@@ -516,6 +516,95 @@ BENCHMARK_TEMPLATE(BM_QueryPrefill, Eigen::half)
 BENCHMARK_TEMPLATE(BM_CausalGQAScores, Eigen::half)
     ->ArgsProduct({{512, 2048, 8192}, {4}})->Unit(benchmark::kMillisecond);
 
+// ---- KVzip (SPEC 18, BENCHMARKS.md 18): observe and the whole procedure against the prefill ----
+// One Llama-3-8B attention layer: 8 KV heads, 32 query heads (G = 4), D = 128, rows of half.
+// range(0): the prompt's tokens S. Each iteration starts from a fresh kvzip cache (built, and
+// for observe and the procedure prefilled, with the timer paused).
+
+constexpr Index kKvzipGroups = 4;
+
+vc::KVCacheConfig kvzip_config() {
+  vc::KVCacheConfig cfg;
+  cfg.method = "kvzip";
+  return cfg;
+}
+
+// The comparison point: the prompt's prefill, one attend call of S tokens.
+void BM_KVzipPrefillAttend(benchmark::State& state) {
+  const Index S = state.range(0);
+  const auto kv = random_tokens<Eigen::half>(kKvHeads, S, 5);
+  const auto q = random_tokens<float>(kKvHeads * kKvzipGroups, S, 6);
+  std::vector<float> out(static_cast<std::size_t>(kKvHeads * kKvzipGroups * S * kHeadDim));
+  for (auto _ : state) {
+    state.PauseTiming();
+    vc::KVzipCache<Eigen::half> cache(kvzip_config());
+    state.ResumeTiming();
+    cache.attend(q, kv, kv, out.data());
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations() * S);
+}
+
+// observe with S queries (the re-read of the whole prompt) over the S rows of the prompt.
+void BM_KVzipObserve(benchmark::State& state) {
+  const Index S = state.range(0);
+  const auto kv = random_tokens<Eigen::half>(kKvHeads, S, 5);
+  const auto q = random_tokens<float>(kKvHeads * kKvzipGroups, S, 7);
+  for (auto _ : state) {
+    state.PauseTiming();
+    vc::KVzipCache<Eigen::half> cache(kvzip_config());
+    (void)cache.update_and_view(kv, kv);
+    state.ResumeTiming();
+    cache.observe(q);
+    benchmark::DoNotOptimize(cache.scores(0, 0).data());
+  }
+  state.SetItemsProcessed(state.iterations() * S);
+}
+
+// The library's part of the whole procedure at this layer (llama2c::kvzip_compress): fork the
+// prefilled set, checkpoint it, re-read the prompt in chunks of 64 tokens (an attend of each
+// chunk over the prompt and the chunk on the fork, its queries observed on the original, the fork
+// rolled back), then compress to a quarter. The engine's projections and feed-forward are not in
+// it (BENCHMARKS.md 18 composes them).
+void BM_KVzipProcedure(benchmark::State& state) {
+  const Index S = state.range(0);
+  constexpr Index kChunk = 64;
+  const auto kv = random_tokens<Eigen::half>(kKvHeads, S, 5);
+  const auto q = random_tokens<float>(kKvHeads * kKvzipGroups, S, 7);
+  std::vector<vc::Tensor4<Eigen::half>> chunk_kv;
+  std::vector<vc::Tensor4<float>> chunk_q;
+  for (Index at = 0; at < S; at += kChunk) {
+    const Index n = std::min(kChunk, S - at);
+    chunk_kv.push_back(random_tokens<Eigen::half>(kKvHeads, n, 100u + static_cast<unsigned>(at)));
+    chunk_q.push_back(
+        random_tokens<float>(kKvHeads * kKvzipGroups, n, 200u + static_cast<unsigned>(at)));
+  }
+  std::vector<float> out(static_cast<std::size_t>(kKvHeads * kKvzipGroups * kChunk * kHeadDim));
+  for (auto _ : state) {
+    state.PauseTiming();
+    std::vector<std::unique_ptr<vc::KVCache<Eigen::half>>> set;
+    set.push_back(std::make_unique<vc::KVzipCache<Eigen::half>>(kvzip_config()));
+    (void)set[0]->update_and_view(kv, kv);
+    state.ResumeTiming();
+    auto fork = vc::KVCacheBuilder::fork(set);
+    vc::KVCacheBuilder::checkpoint(fork);
+    for (std::size_t c = 0; c < chunk_kv.size(); ++c) {
+      fork[0]->attend(chunk_q[c], chunk_kv[c], chunk_kv[c], out.data());
+      set[0]->observe(chunk_q[c]);
+      vc::KVCacheBuilder::rollback(fork);
+      vc::KVCacheBuilder::checkpoint(fork);
+    }
+    fork.clear();
+    vc::KVCacheBuilder::compress(set, 0.25);
+    benchmark::DoNotOptimize(set[0]->kept_bytes());
+  }
+  state.SetItemsProcessed(state.iterations() * S);
+}
+
+BENCHMARK(BM_KVzipPrefillAttend)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_KVzipObserve)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_KVzipProcedure)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond);
+
 // ---- machine yardsticks for a roofline reading: float32 GEMM throughput and copy bandwidth ----
 
 // The prefill's block product: [64, 128] x [128, 576] float32 (a budget-512 head plus a block).

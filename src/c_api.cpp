@@ -960,6 +960,23 @@ vq_status vq_observe(vq_caches* s, int layer, const vq_tensor* q) {
       });
 }
 
+vq_status vq_observe_keys(vq_caches* s, int layer, const vq_tensor* q, const vq_tensor* k) {
+  return on_layer(
+      "vq_observe_keys", VQ_ESTATE, s, layer,
+      [&] {
+        check_tensor(q, "q");
+        check_tensor(k, "k");
+      },
+      [&](auto& set, auto&) {
+        auto& cache = *set.caches[static_cast<std::size_t>(layer)];
+        with_ref(*q, "q", [&](auto qr) {
+          with_ref(*k, "k", [&](auto kr) {
+            layer_call(set, layer, [&] { cache.observe(qr, kr); });
+          });
+        });
+      });
+}
+
 vq_status vq_compress(vq_caches* s, double keep) {
   return guarded("vq_compress", VQ_ESTATE, [&] {
     need(s, "caches");

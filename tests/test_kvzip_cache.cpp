@@ -112,6 +112,17 @@ PromptSet<T> prompt_set(const vc::KVCacheConfig& config, int layers, Index B, In
   return p;
 }
 
+/// Expects f to throw std::invalid_argument whose message holds `part`.
+template <class F>
+void expect_refused(F&& f, const std::string& part) {
+  try {
+    f();
+    ADD_FAILURE() << "no exception; wanted: " << part;
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // observe
 // ---------------------------------------------------------------------------------------------
@@ -168,6 +179,37 @@ TYPED_TEST(KVzipObserve, ScoresAreTheMostAnyObservedQueryGives) {
     }
     EXPECT_EQ(c.offset(), S);
     EXPECT_EQ(c.tokens_kept(), S);
+  }
+}
+
+/// With the re-read's own keys, each query's softmax also runs over them up to its own token
+/// (causal), and only the prompt's rows are scored: against the double reference over 70 query
+/// tokens (three blocks, the causal mask crossing each); keys of the wrong shape are refused.
+TEST(KVzipObserveOwnKeys, TheRereadsKeysJoinEachSoftmaxUpToItsToken) {
+  constexpr Index H = 2, G = 2, S = 40, R = 70, D = 16;
+  std::mt19937 rng(21u);
+  PromptSet<float> p = prompt_set<float>(kvzip_config(), 1, 1, H, S, D, rng);
+  vc::KVCache<float>& c = *p.caches[0];
+  const vc::Tensor4<double> q = random_doubles(rng, 1, H * G, R, D);
+  const vc::Tensor4<double> k = random_doubles(rng, 1, H, R, D);
+  const std::string before = snapshot(c);
+  expect_refused([&] { c.observe(q, random_doubles(rng, 1, H, R - 1, D)); }, "keys must be");
+  EXPECT_EQ(snapshot(c), before);
+  c.observe(q, k);
+  for (Index h = 0; h < H; ++h) {
+    const Rows prompt_keys = held_keys(c, 0, h);
+    std::vector<double> want(prompt_keys.size(), 0.0);
+    for (Index g = 0; g < G; ++g) {
+      for (Index s = 0; s < R; ++s) {
+        Rows keys = prompt_keys;
+        for (Index j = 0; j <= s; ++j) keys.push_back(row_of(k, 0, h, j));
+        const std::vector<double> w = softmax_of(row_of(q, 0, h * G + g, s), keys);
+        for (std::size_t j = 0; j < want.size(); ++j) want[j] = std::max(want[j], w[j]);
+      }
+    }
+    const std::vector<float> got = c.scores(0, h);
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t j = 0; j < got.size(); ++j) EXPECT_NEAR(got[j], want[j], 1e-5) << h << ' ' << j;
   }
 }
 
@@ -264,18 +306,20 @@ class KVzipCompress : public ::testing::Test {};
 TYPED_TEST_SUITE(KVzipCompress, StorageTypes);
 
 /// A compress keeps exactly the reference's rows over three layers of four heads (one threshold
-/// across them, floors that bind in heads whose rows are scored low), frees the memory of the rest,
-/// and leaves ragged heads.
+/// across them, and across the two sequences of a batch; floors that bind in heads whose rows are
+/// scored low), frees the memory of the rest, and leaves ragged heads.
 TYPED_TEST(KVzipCompress, KeepsTheSetsBestObservedRowsAndFreesTheRest) {
   using T = TypeParam;
   for (const double keep : {0.3, 0.08}) {
     for (const double floor : {0.2, 1.0}) {
       SCOPED_TRACE(::testing::Message() << "keep " << keep << " floor " << floor);
       std::mt19937 rng(11u);
-      PromptSet<T> p = prompt_set<T>(kvzip_config(2, floor), 3, 1, 4, 50, 16, rng);
+      const Index B = keep < 0.1 ? 2 : 1;
+      const double R = 3.0 * static_cast<double>(B) * 4 * 50;  // rows held
+      PromptSet<T> p = prompt_set<T>(kvzip_config(2, floor), 3, B, 4, 50, 16, rng);
       for (std::size_t l = 0; l < 3; ++l) {
         // Sharper queries in the later layers: their scores stand out across the set.
-        vc::Tensor4<double> q = random_doubles(rng, 1, 8, 30, 16);
+        vc::Tensor4<double> q = random_doubles(rng, B, 8, 30, 16);
         q = q * (1.0 + static_cast<double>(l));
         p.caches[l]->observe(q);
       }
@@ -291,7 +335,9 @@ TYPED_TEST(KVzipCompress, KeepsTheSetsBestObservedRowsAndFreesTheRest) {
       std::size_t rows = 0, kept_after = 0, heap_after = 0;
       bool ragged = false;
       for (const auto& c : p.caches) {
-        for (Index h = 0; h < 4; ++h) rows += static_cast<std::size_t>(c->head_rows(0, h));
+        for (Index b = 0; b < B; ++b) {
+          for (Index h = 0; h < 4; ++h) rows += static_cast<std::size_t>(c->head_rows(b, h));
+        }
         kept_after += c->kept_bytes();
         heap_after += c->heap_bytes();
         ragged = ragged || c->ragged_heads();
@@ -299,12 +345,13 @@ TYPED_TEST(KVzipCompress, KeepsTheSetsBestObservedRowsAndFreesTheRest) {
         EXPECT_EQ(c->full_seq_bytes() * 3, full);
       }
       if (floor < 1.0) {
-        EXPECT_EQ(rows, static_cast<std::size_t>(std::ceil(keep * 600.0)));
+        EXPECT_EQ(rows, static_cast<std::size_t>(std::ceil(keep * R)));
         EXPECT_TRUE(ragged);
       } else {
-        EXPECT_GE(rows, static_cast<std::size_t>(std::ceil(keep * 600.0)));  // floors win
+        EXPECT_GE(rows, static_cast<std::size_t>(std::ceil(keep * R)));  // floors win
       }
-      EXPECT_EQ(kept_after * 600, kept_bytes * rows);  // rows of T: bytes follow the rows
+      // Rows of T: the bytes follow the rows.
+      EXPECT_EQ(kept_after * static_cast<std::size_t>(R), kept_bytes * rows);
       EXPECT_LT(static_cast<double>(heap_after), 0.6 * static_cast<double>(heap));
     }
   }
@@ -372,17 +419,6 @@ TEST(KVzipCompressSet, KeepOneKeepsEverythingAndStandardLayersAreLeftAlone) {
 // ---------------------------------------------------------------------------------------------
 // Refusals
 // ---------------------------------------------------------------------------------------------
-
-/// Expects f to throw std::invalid_argument whose message holds `part`.
-template <class F>
-void expect_refused(F&& f, const std::string& part) {
-  try {
-    f();
-    ADD_FAILURE() << "no exception; wanted: " << part;
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
-  }
-}
 
 /// Every refusal of SPEC 18 throws std::invalid_argument naming what is wrong and changes nothing.
 TEST(KVzipRefusals, BadKeepUnobservedCachesOtherMethodsAndBadQueriesChangeNothing) {

@@ -13,7 +13,7 @@
 //                    [--scoring proxy,queries] [--widths 16/16,8/8,8/4,4/4] [--group G]
 //                    [--range FROM:TO] [--set FIELD=VALUE,...] [--heads uniform,adaptive:F,...]
 //                    [--storage float|half] [--csv FILE] [--svg FILE]
-//                    [--compress-once] [--kvzip-cue none|bos]
+//                    [--compress-once] [--kvzip-cue none|bos] [--kvzip-norm prompt|reread]
 //
 // --widths gives key/value bits per row (quantized storage, docs/design.md 2.9), --group the
 // quantization group (default 8: the model's head dim), --range the bytes of the text windows may
@@ -28,7 +28,9 @@
 // kept_bytes / full_bytes is the fraction of the full fp16 cache (docs/fidelity.md).
 // Method kvzip (SPEC 18) compresses the prompt once after its prefill to budget / P of its rows
 // (llama2c::kvzip_compress: a fork re-reads the prompt in chunks of 64 tokens, each after the
-// cue: none, or the BOS token with --kvzip-cue bos); method keydiff is H2O ranking by KeyDiff
+// cue: none, or the BOS token with --kvzip-cue bos; --kvzip-norm reread: each observed query's
+// softmax also covers the re-read's own keys, KVzip's normalisation, instead of the prompt's rows
+// alone); method keydiff is H2O ranking by KeyDiff
 // (proxy_scoring keydiff). --compress-once compares methods at the rows they hold at the end of
 // the window: the methods that evict while decoding (all but kvzip and snapkv, which cut the
 // prompt to the budget and then append) get budget + L - P rows.
@@ -77,6 +79,7 @@ struct Options {
   std::string storage = "float";  // the caches' row type: float or half
   bool compress_once = false;     // online methods get budget + L - P rows (see above)
   std::vector<int> kvzip_cue;     // tokens before each re-read chunk
+  bool kvzip_own_keys = false;    // observe with the re-read's keys (KVzip's normalisation)
 };
 
 std::vector<std::string> split(const std::string& s, char sep) {
@@ -181,6 +184,12 @@ Options parse(int argc, char** argv) {
       const std::string cue = value();
       if (cue != "none" && cue != "bos") throw std::invalid_argument("--kvzip-cue: none or bos");
       o.kvzip_cue = cue == "bos" ? std::vector<int>{1} : std::vector<int>{};
+    } else if (a == "--kvzip-norm") {
+      const std::string norm = value();
+      if (norm != "prompt" && norm != "reread") {
+        throw std::invalid_argument("--kvzip-norm: prompt or reread");
+      }
+      o.kvzip_own_keys = norm == "reread";
     } else if (a == "--csv") {
       o.csv = value();
     } else if (a == "--svg") {
@@ -358,14 +367,14 @@ std::vector<double> log_softmax(const Eigen::Ref<const Eigen::RowVectorXf>& logi
 template <class T>
 Eigen::MatrixXf run_window(ll::Engine<T>& engine, const std::vector<int>& w, int prompt,
                            double* decode_seconds, double kvzip_keep = 0.0,
-                           const std::vector<int>& cue = {}) {
+                           const std::vector<int>& cue = {}, bool own_keys = false) {
   engine.reset();
   const auto P = static_cast<std::size_t>(prompt);
   const Eigen::Index n_eval = static_cast<Eigen::Index>(w.size() - P);
   Eigen::MatrixXf out;
   const std::vector<int> head(w.begin(), w.begin() + static_cast<std::ptrdiff_t>(P));
   const Eigen::MatrixXf first = engine.forward(head);
-  if (kvzip_keep > 0.0) ll::kvzip_compress(engine, head, kvzip_keep, cue);
+  if (kvzip_keep > 0.0) ll::kvzip_compress(engine, head, kvzip_keep, cue, 64, own_keys);
   out.resize(n_eval, first.cols());
   out.row(0) = first.row(first.rows() - 1);
   const auto t0 = std::chrono::steady_clock::now();
@@ -603,7 +612,8 @@ int main(int argc, char** argv) {
           using T = decltype(tag);
           ll::Engine<T> engine(model, vc::KVCacheBuilder::for_model<T>(n_layers, cfg),
                                run.scoring == "queries");
-          Eigen::MatrixXf lg = run_window(engine, w, o.prompt, &secs, keep, o.kvzip_cue);
+          Eigen::MatrixXf lg =
+              run_window(engine, w, o.prompt, &secs, keep, o.kvzip_cue, o.kvzip_own_keys);
           kept = static_cast<double>(engine.kept_bytes());
           full_bytes = static_cast<double>(engine.full_seq_bytes());
           return lg;

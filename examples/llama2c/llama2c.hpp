@@ -435,7 +435,12 @@ class Engine {
   /// KVzip's observer (SPEC 18): while set, every layer's queries of this engine's forward passes
   /// are also given to observe() of `target`'s cache of that layer (null: none). The target's
   /// caches must outlive the forward passes that observe into them.
-  void observe_into(const Caches* target) { observe_into_ = target; }
+  /// With `own_keys`, the layer's keys go with the queries (KVCache::observe(q, k): each query's
+  /// softmax also runs over the re-read up to its token, KVzip's own normalisation).
+  void observe_into(const Caches* target, bool own_keys = false) {
+    observe_into_ = target;
+    observe_keys_ = own_keys;
+  }
   /// KVzip's compress of this engine's caches (KVCacheBuilder::compress).
   void compress(double keep) { cache::KVCacheBuilder::compress(caches_, keep); }
   const Caches& caches() const { return caches_; }
@@ -472,7 +477,14 @@ class Engine {
     const cache::TensorRef<float> qr(q.data(), 1, c.n_heads, S, hd, cache::Layout::token_major);
     const cache::TensorRef<float> kr(k.data(), 1, c.n_kv_heads, S, hd, cache::Layout::token_major);
     const cache::TensorRef<float> vr(v.data(), 1, c.n_kv_heads, S, hd, cache::Layout::token_major);
-    if (observe_into_ != nullptr) (*observe_into_)[static_cast<std::size_t>(l)]->observe(qr);
+    if (observe_into_ != nullptr) {
+      cache::KVCache<T>& target = *(*observe_into_)[static_cast<std::size_t>(l)];
+      if (observe_keys_) {
+        target.observe(qr, kr);
+      } else {
+        target.observe(qr);
+      }
+    }
     RowMatrix out(S, c.dim);  // the heads' outputs side by side: [S, n_heads · hd] = [1, S, n_heads, hd]
     if (path_ == AttentionPath::fused) {
       kv_cache.attend(qr, kr, vr, out.data(), cache::Layout::token_major);
@@ -517,6 +529,7 @@ class Engine {
   bool pass_queries_;
   AttentionPath path_;
   const Caches* observe_into_ = nullptr;
+  bool observe_keys_ = false;
 };
 
 /// KVzip's whole procedure (SPEC 18, docs/design.md 6.1) on an engine whose kvzip caches hold a
@@ -524,15 +537,17 @@ class Engine {
 /// `cue` tokens (each chunk from the prompt's own end: the fork rolls back after each), and every
 /// layer's queries of the chunk's tokens are observed on the engine's own caches; then the engine's
 /// caches keep `keep` of their rows and the fork is dropped. prompt: the tokens the caches hold.
+/// `own_keys`: each query's softmax also covers the re-read's keys up to its token (KVzip's own
+/// normalisation); else the prompt's rows alone (KVCache::observe, docs/design.md 6.1).
 template <class T>
 void kvzip_compress(Engine<T>& engine, const std::vector<int>& prompt, double keep,
-                    const std::vector<int>& cue = {}, int chunk = 64) {
+                    const std::vector<int>& cue = {}, int chunk = 64, bool own_keys = false) {
   Engine<T> reread = engine.fork();
   reread.checkpoint();
   for (std::size_t at = 0; at < prompt.size(); at += static_cast<std::size_t>(chunk)) {
     const std::size_t end = std::min(prompt.size(), at + static_cast<std::size_t>(chunk));
     if (!cue.empty()) (void)reread.forward(cue);
-    reread.observe_into(&engine.caches());
+    reread.observe_into(&engine.caches(), own_keys);
     (void)reread.forward(std::vector<int>(prompt.begin() + static_cast<std::ptrdiff_t>(at),
                                           prompt.begin() + static_cast<std::ptrdiff_t>(end)));
     reread.observe_into(nullptr);

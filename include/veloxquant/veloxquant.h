@@ -221,6 +221,10 @@ VQ_API vq_status vq_rollback(vq_caches* s);
  * its group gives it (KVCache::observe). Only "kvzip" layers take it; changes no row. Drops the
  * layer's vq_fetch window. */
 VQ_API vq_status vq_observe(vq_caches* s, int layer, const vq_tensor* q);
+/* vq_observe with the re-read's own keys k ([batch, kv_heads, seq, head_dim], RoPE applied): each
+ * query's softmax then also runs over them up to its own token, KVzip's own normalisation
+ * (KVCache::observe(q, k)); only the layer's rows are scored. */
+VQ_API vq_status vq_observe_keys(vq_caches* s, int layer, const vq_tensor* q, const vq_tensor* k);
 /* Keeps ceil(keep x the rows held) rows of the set's kvzip layers, the best-observed over all of
  * their heads with one threshold, every head its floor (KVCacheBuilder::compress); keep in (0, 1].
  * VQ_EINVAL, the set unchanged, for keep outside (0, 1], a layer of another method (standard

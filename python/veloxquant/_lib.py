@@ -107,6 +107,7 @@ _PROTOTYPES = {  # name: (restype, argtypes)
     "vq_checkpoint": (_st, [_p]),
     "vq_rollback": (_st, [_p]),
     "vq_observe": (_st, [_p, _i, _T]),
+    "vq_observe_keys": (_st, [_p, _i, _T, _T]),
     "vq_compress": (_st, [_p, ctypes.c_double]),
     "vq_metadata_set": (_st, [_p, _s, _s]),
     "vq_metadata_count": (_i, [_p]),

@@ -204,12 +204,18 @@ class KVCache:
                                  _lib.HEAD_MAJOR))
         return out
 
-    def observe(self, queries):
+    def observe(self, queries, keys=None):
         """KVzip (method "kvzip"): scores every kept row by the attention queries [B, G*H, S, D]
         (RoPE applied; a re-read of the prompt) give it, the most any query and query head of its
-        group gives it. Changes no row; CacheSet.compress then keeps the best-observed rows."""
+        group gives it. With keys [B, H, S, D] (the re-read's own), each query's softmax also runs
+        over them up to its token, KVzip's own normalisation. Changes no row; CacheSet.compress
+        then keeps the best-observed rows."""
         q, qt = _tensor("queries", queries)
-        check(lib().vq_observe(self._set._handle, self.layer, qt))
+        if keys is None:
+            check(lib().vq_observe(self._set._handle, self.layer, qt))
+            return
+        k, kt = _tensor("keys", keys)
+        check(lib().vq_observe_keys(self._set._handle, self.layer, qt, kt))
 
     @property
     def offset(self):

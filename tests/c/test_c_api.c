@@ -2504,7 +2504,12 @@ static void test_kvzip(void) {
     CHECK_FAIL(vq_compress(h2o, 0.5), VQ_EINVAL, "compress keeps the rows of kvzip caches");
     CHECK_UNCHANGED(before, s);
   }
-  CHECK_OK(vq_observe(s, 1, &q));
+  {
+    const vq_tensor k = tensor_of(r.k, VQ_F32, 1, 2, 6, 8, VQ_HEAD_MAJOR);
+    const vq_tensor short_k = tensor_of(r.k, VQ_F32, 1, 2, 5, 8, VQ_HEAD_MAJOR);
+    CHECK_FAIL(vq_observe_keys(s, 1, &q, &short_k), VQ_EINVAL, "keys must be");
+    CHECK_OK(vq_observe_keys(s, 1, &q, &k));
+  }
   CHECK_OK(vq_compress(s, 0.25));
   for (l = 0; l < 2; ++l) rows += vq_head_rows(s, l, 0, 0) + vq_head_rows(s, l, 0, 1);
   CHECK(rows == 20); /* ceil(0.25 x 80) */

@@ -375,7 +375,7 @@ class CacheSetTest(unittest.TestCase):
             caches.compress(0.25)
         with self.assertRaisesRegex(vq.InvalidArgumentError, "must be in"):
             caches.compress(1.5)
-        caches[1].observe(rng.standard_normal((1, 4, 10, 8)))
+        caches[1].observe(rng.standard_normal((1, 4, 10, 8)), rng.standard_normal((1, 2, 10, 8)))
         before = caches.kept_bytes
         vq.KVCacheBuilder.compress(caches, 0.25)
         rows = sum(c.head_rows(0, h) for c in caches for h in range(2))

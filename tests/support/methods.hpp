@@ -45,7 +45,8 @@ inline constexpr std::array<MethodEntry, cache::detail::kMethodTable.size()> kMe
     {Method::tova, "tova_", &cache::KVCacheConfig::tova_n_sink, false, true},
     {Method::streaming_llm, "stream_", &cache::KVCacheConfig::stream_n_sink, false, false},
     {Method::snapkv, "snap_", &cache::KVCacheConfig::snap_n_sink, false, true},
-    {Method::kvzip, "kvzip_", &cache::KVCacheConfig::kvzip_n_sink, false, true},
+    // Its calls keep every row unscored (-1); its scores come from observe (test_kvzip_cache).
+    {Method::kvzip, "kvzip_", &cache::KVCacheConfig::kvzip_n_sink, false, false},
     {Method::standard, "", nullptr, false, false},
 }};
 
@@ -157,11 +158,11 @@ inline constexpr Kind Kind::kPyramidAdaptive{Method::pyramidkv, Wiring::alone, 0
 
 /// What most sweeps run, read from the table: the standard cache first (the reference of the
 /// others), then every other method in the table's order (squeeze followed by its coordinated and
-/// deferring subjects), then the query-free scorers' subjects. KVzip is left out: its calls keep
-/// every row as the standard cache's do (with scores of -1 until observed), and what it adds, the
-/// set's observe and compress, is tests/test_kvzip_cache.cpp's.
-constexpr std::array<Kind, kMethodEntries.size() + 3> uniform_kinds() {
-  std::array<Kind, kMethodEntries.size() + 3> out{};
+/// deferring subjects), then the query-free scorers' subjects. KVzip, whose row came later, comes
+/// last: the tests seed their draws with a subject's index (kind_index), so a subject added in the
+/// middle would change every later one's draws.
+constexpr std::array<Kind, kMethodEntries.size() + 4> uniform_kinds() {
+  std::array<Kind, kMethodEntries.size() + 4> out{};
   std::size_t n = 0;
   out[n++] = Method::standard;
   for (const MethodEntry& e : kMethodEntries) {
@@ -174,18 +175,23 @@ constexpr std::array<Kind, kMethodEntries.size() + 3> uniform_kinds() {
   }
   out[n++] = Kind::kSqueezeDeferKeyDiff;
   out[n++] = Kind::kH2OKNorm;
+  out[n++] = Method::kvzip;
   return out;
 }
-inline constexpr std::array<Kind, kMethodEntries.size() + 3> kKinds = uniform_kinds();
+inline constexpr std::array<Kind, kMethodEntries.size() + 4> kKinds = uniform_kinds();
 /// The subjects with adaptive head budgets (SPEC 14).
 inline constexpr Kind kAdaptiveKinds[] = {Kind::kH2OAdaptive, Kind::kSqueezeAdaptive,
                                           Kind::kSqueezeDeferAdaptive, Kind::kPyramidAdaptive};
-/// What the contract suite sweeps: kKinds, then kAdaptiveKinds.
+/// What the contract suite sweeps: kKinds, then kAdaptiveKinds, KVzip last (the subjects keep
+/// the indices, and so the draws, they had before it came).
 constexpr std::array<Kind, kKinds.size() + std::size(kAdaptiveKinds)> contract_kinds() {
   std::array<Kind, kKinds.size() + std::size(kAdaptiveKinds)> out{};
-  for (std::size_t i = 0; i < kKinds.size(); ++i) out[i] = kKinds[i];
-  for (std::size_t i = 0; i < std::size(kAdaptiveKinds); ++i)
-    out[kKinds.size() + i] = kAdaptiveKinds[i];
+  std::size_t n = 0;
+  for (const Kind& k : kKinds) {
+    if (k.method != Method::kvzip) out[n++] = k;
+  }
+  for (const Kind& k : kAdaptiveKinds) out[n++] = k;
+  out[n++] = Method::kvzip;
   return out;
 }
 inline constexpr auto kContractKinds = contract_kinds();

@@ -196,6 +196,24 @@ class KVCache {
   void observe(const QX& queries) {
     observe_rows(rows_of(queries, "queries", "observe"));
   }
+  /// observe with the re-read's own keys as well (KVzip's own normalisation, docs/design.md 6.1):
+  /// each query's softmax then also runs over the keys of the re-read up to its own token, as the
+  /// re-read's attention does, though only the retained rows are scored. Throws as observe, and
+  /// for keys that are not [B, H, S, Dk] (the queries' B and S) or hold a value that is not
+  /// finite or beyond +-2^48 in float32. queries: [B, G·H, S, Dk]; keys: [B, H, S, Dk], RoPE
+  /// applied to both
+  template <class Q, class K>
+  void observe(TensorRef<Q> queries, TensorRef<K> keys) {
+    const detail::InputRows q = rows_of(queries, "queries", "observe");
+    observe_rows(q, rows_of(keys, "keys", "observe"));
+  }
+  /// observe with the re-read's keys for Tensor4s and TensorMaps (see above).
+  template <class QX, class KX, class = detail::input_element_t<QX>,
+            class = detail::input_element_t<KX>>
+  void observe(const QX& queries, const KX& keys) {
+    const detail::InputRows q = rows_of(queries, "queries", "observe");
+    observe_rows(q, rows_of(keys, "keys", "observe"));
+  }
 
   /// Position the next token will take (tokens per sequence absorbed since the last reset).
   std::int64_t offset() const { return layer_.state.offset; }
@@ -477,6 +495,7 @@ class KVCache {
   // observe's body (detail/observed_call.hpp), behind the call gate. (Defined after the class,
   // not inline, as run.)
   void observe_rows(const detail::InputRows& queries);
+  void observe_rows(const detail::InputRows& queries, const detail::InputRows& keys);
   // attend's entry, in the same order.
   template <class Q, class K, class V>
   void attend_call(const Q& queries, const K& keys, const V& values, float* out, Layout layout) {
@@ -597,7 +616,13 @@ void KVCache<T>::compress_set(const std::vector<KVCache*>& set, double keep) {
 template <class T>
 void KVCache<T>::observe_rows(const detail::InputRows& queries) {
   const detail::CallGate::Entry entry = gate_.enter("observe");
-  detail::observe_layer(layer_, queries, config_.method.c_str());
+  detail::observe_layer(layer_, queries, nullptr, config_.method.c_str());
+}
+
+template <class T>
+void KVCache<T>::observe_rows(const detail::InputRows& queries, const detail::InputRows& keys) {
+  const detail::CallGate::Entry entry = gate_.enter("observe");
+  detail::observe_layer(layer_, queries, &keys, config_.method.c_str());
 }
 
 }  // namespace veloxquant::cache

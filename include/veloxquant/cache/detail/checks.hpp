@@ -447,6 +447,37 @@ inline void check_observed_queries(const InputRows& queries, Index batch, Index 
   check_query_values(queries, fail);
 }
 
+/// The re-read's own keys given to KVCache::observe beside its queries: [B, H, S, Dk], the
+/// queries' B and S and the cache's H and Dk, every element finite and within
+/// +-kMaxKeyMagnitude in float32. Throws std::invalid_argument naming what is wrong.
+inline void check_observed_keys(const InputRows& keys, const InputRows& queries, Index heads,
+                                Index dim, const char* api) {
+  const auto fail = [&](const std::string& what) {
+    std::ostringstream os;
+    os << api << ": " << what << " (keys " << shape_str(keys) << ", queries "
+       << shape_str(queries) << ", the cache's rows [" << queries.batch << ", " << heads
+       << ", n, " << dim << "])";
+    throw std::invalid_argument(os.str());
+  };
+  if (keys.batch != queries.batch || keys.heads != heads || keys.seq != queries.seq ||
+      keys.dim != dim) {
+    fail("keys must be [B, H, S, Dk]: the queries' B and S, the cache's H and Dk");
+  }
+  if (keys.seq == 0) return;
+  std::vector<float> buf;
+  double value = 0.0;
+  for (Index b = 0; b < keys.batch; ++b) {
+    for (Index h = 0; h < keys.heads; ++h) {
+      for (Index s = 0; s < keys.seq; ++s) {
+        const Index d = first_out_of_range<float>(keys, b, h, s, kMaxKeyMagnitude, buf, value);
+        if (d < 0) continue;
+        fail(out_of_range_message(std::isfinite(value) ? "key" : "non-finite key", "h", b, h, s,
+                                  d, value, "float32", kMaxKeyMagnitude));
+      }
+    }
+  }
+}
+
 /// attend's output [B, Hq, S, Dv] (queries' B, Hq, S; values' Dv): the product of its non-zero
 /// dims must fit an Index, so every stride computed from them does (an empty output, one dim 0,
 /// still has strides); checked before they are computed. Everything else about the shapes is

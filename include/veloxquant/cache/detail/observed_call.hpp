@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <limits>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -30,30 +31,71 @@ namespace veloxquant::cache::detail {
 
 // ---- observe ----------------------------------------------------------------------------------
 
-/// The scratch of observing S query tokens of G query heads each over `columns` rows of dim d:
-/// blocks of about kBlockRows logit rows; a prompt's worth of queries packs the key columns once.
-inline ScratchSize observe_scratch(Index S, Index G, Index columns, Index d) {
-  return ScratchSize{std::min(block_tokens(S, G), S) * G, columns, padded_dim(d), false, S > 1};
+/// The scratch of observing S query tokens of G query heads each over `columns` rows of dim d
+/// (`own`: with the S tokens' own keys): blocks of about kBlockRows logit rows; a prompt's worth
+/// of queries packs the key columns once.
+inline ScratchSize observe_scratch(Index S, Index G, Index columns, Index d, bool own) {
+  ScratchSize z{std::min(block_tokens(S, G), S) * G, columns + (own ? S : 0), padded_dim(d), false,
+                S > 1};
+  z.own = own ? S : 0;
+  return z;
 }
 
-/// Scores the rows of one compacted head (slots [0, live())) by the S observed tokens of `q`: each
-/// query row's softmax over all of them (no mask: observed queries come after the rows they
-/// score), the most any row gives a slot raising its score (KVzip's score: docs/design.md 6.1).
+/// The re-read's own keys of head (b, h): [S] rows of an input, KVzip's observe with them.
+struct OwnKeys {
+  const InputRows* rows = nullptr;
+  Index b = 0, h = 0;
+  explicit operator bool() const { return rows != nullptr; }
+};
+
+/// Scores the rows of one compacted head (slots [0, live())) by the S observed tokens of `q`
+/// (KVzip's score: docs/design.md 6.1): each query row's softmax runs over every row of the head
+/// (no mask: observed queries come after the rows they score) and, with `own`, over the re-read's
+/// own keys up to its token too (causal, as the re-read attends: those columns are not scored);
+/// the most any query row gives a slot raises its score.
 template <class T>
-void observe_head(HeadStore<T>& head, const HeadQueries& q, Index S, Scratch& sc) {
+void observe_head(HeadStore<T>& head, const HeadQueries& q, const OwnKeys& own, Index S,
+                  Scratch& sc) {
   const Index n = head.live();
   if (n == 0 || S == 0) return;
   const Index G = q.groups;
+  const Index d = head.key_dim(), dp = padded_dim(d);
   const Index block = block_tokens(S, G);
-  const Index ld = Scratch::ld(n);
+  const Index extra = own ? S : 0;
+  const Index ld = Scratch::ld(n + extra);
   float* w = sc.weights.data();
-  std::fill(w, w + n, 0.0f);
+  std::fill(w, w + n + extra, 0.0f);
+  // The re-read's keys as float32 rows (zero-padded to dp), then each block's logits on them.
+  float* own_keys = sc.own.data();
+  float* own_logits = own_keys + extra * dp;
+  const Index own_ld = Scratch::ld(extra);
+  for (Index j = 0; j < extra; ++j) {
+    std::fill(own_keys + j * dp, own_keys + (j + 1) * dp, 0.0f);
+    read_float_row(*own.rows, own.b, own.h, j, own_keys + j * dp);
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const float neg_inf = -std::numeric_limits<float>::infinity();
   PackedColumns packed{S > 1, 0};
   for (Index s0 = 0; s0 < S; s0 += block) {
     const Index nb = std::min(block, S - s0);
+    const Index rows = nb * G;
+    float* lg = sc.logits.data();
     load_queries(head, q, s0, nb, sc.queries.data());
-    block_logits(head, nb * G, nullptr, n, ld, packed, sc);
-    softmax_max(sc.logits.data(), nb * G, ld, n, w, sc.inv.data());
+    block_logits(head, rows, nullptr, n, ld, packed, sc);
+    Index cols = n;
+    if (own) {
+      // Token s0 + t sees the re-read's keys 0 .. s0 + t.
+      cols = n + s0 + nb;
+      logits(sc.queries.data(), rows, dp, own_keys, dp, nullptr, s0 + nb, d, scale, own_logits,
+             own_ld, sc.keys.data());
+      for (Index r = 0; r < rows; ++r) {
+        const Index sees = s0 + r / G + 1;
+        float* dst = lg + r * ld + n;
+        std::copy(own_logits + r * own_ld, own_logits + r * own_ld + sees, dst);
+        std::fill(dst + sees, dst + s0 + nb, neg_inf);
+      }
+    }
+    softmax_max(lg, rows, ld, cols, w, sc.inv.data());
   }
   for (Index i = 0; i < n; ++i) head.score(i) = std::max(head.score(i), w[i]);
 }
@@ -62,7 +104,7 @@ void observe_head(HeadStore<T>& head, const HeadQueries& q, Index S, Scratch& sc
 /// scores every head's rows; `method` names the cache's in errors. If the engine's parallel-for
 /// fails, the layer is cleared and the failure rethrown (as a call's, docs/robustness.md).
 template <class T>
-void observe_layer(Layer<T>& L, const InputRows& q, const char* method) {
+void observe_layer(Layer<T>& L, const InputRows& q, const InputRows* own, const char* method) {
   const char* api = "observe";
   if (L.state.rule.kind != RuleKind::observed) {
     throw std::invalid_argument(std::string(api) + ": a '" + method +
@@ -76,10 +118,11 @@ void observe_layer(Layer<T>& L, const InputRows& q, const char* method) {
                                 "brought the rows it scores)");
   }
   check_observed_queries(q, d.batch, d.heads, d.key_dim, api);
+  if (own) check_observed_keys(*own, q, d.heads, d.key_dim, api);
   if (q.seq == 0) return;
   const Index G = q.heads / d.heads;
   const Index n_heads = d.batch * d.heads;
-  const ScratchSize size = observe_scratch(q.seq, G, L.live_rows(), d.key_dim);
+  const ScratchSize size = observe_scratch(q.seq, G, L.live_rows(), d.key_dim, own != nullptr);
   const int tasks = tasks_for(L, n_heads, size);
   const auto workers = static_cast<std::size_t>(tasks);
   if (L.scratch.size() < workers) L.scratch.resize(workers);
@@ -91,8 +134,9 @@ void observe_layer(Layer<T>& L, const InputRows& q, const char* method) {
   // No-throw from here on, unless the engine's parallel-for misbehaves.
   for (auto& h : L.heads) h.compact();
   const auto one = [&](Index i, Scratch& sc) {
-    observe_head(L.heads[static_cast<std::size_t>(i)], HeadQueries{&q, i / d.heads, i % d.heads, G},
-                 q.seq, sc);
+    const Index b = i / d.heads, h = i % d.heads;
+    observe_head(L.heads[static_cast<std::size_t>(i)], HeadQueries{&q, b, h, G},
+                 OwnKeys{own, b, h}, q.seq, sc);
   };
   std::exception_ptr thrown;
   if (!for_each_head(L, n_heads, pool, one, thrown)) {

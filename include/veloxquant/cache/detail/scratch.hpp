@@ -52,6 +52,7 @@ struct ScratchSize {
   bool gather = false;  // the call gathers its live rows into dense columns
   bool packed = false;  // the call's keys are packed as columns for the prefill logits
   Index pooled = 0;     // adaptive heads: rows one sequence's heads may give up (heads x columns)
+  Index own = 0;        // KVzip's observe with the re-read's keys: its tokens S (0: none)
 };
 
 /// Scratch of one worker.
@@ -68,6 +69,7 @@ struct Scratch {
   Buffer<float> inv;           // [rows] each logit row's softmax normaliser (attend)
   Buffer<float> packed;        // [dim, packed ld(columns)] key columns (prefill logits)
   Buffer<PoolPick> pool;       // [pooled] candidates of a pooled eviction (adaptive heads)
+  Buffer<float> own;           // [own, dim] then [rows, ld(own)]: a re-read's keys and logits
 
   /// Row stride of `logits` for `columns` columns: a multiple of 16 floats.
   static Index ld(Index columns) { return (columns + 15) / 16 * 16; }
@@ -90,12 +92,16 @@ struct Scratch {
     // packed_size(columns, dim) of simd_kernels.hpp
     packed.fit(z.packed ? dim * static_cast<std::size_t>((z.columns + 31) / 32 * 32) : 0);
     pool.fit(static_cast<std::size_t>(z.pooled));
+    own.fit(z.own > 0 ? static_cast<std::size_t>(z.own) * dim +
+                            rows * static_cast<std::size_t>(ld(z.own))
+                      : 0);
   }
 
   std::size_t heap_bytes() const {
     return queries.heap_bytes() + keys.heap_bytes() + logits.heap_bytes() + weights.heap_bytes() +
            slot.heap_bytes() + score.heap_bytes() + pos.heap_bytes() + alive.heap_bytes() +
-           picks.heap_bytes() + inv.heap_bytes() + packed.heap_bytes() + pool.heap_bytes();
+           picks.heap_bytes() + inv.heap_bytes() + packed.heap_bytes() + pool.heap_bytes() +
+           own.heap_bytes();
   }
 };
 
