@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """docs/fidelity_kvzip.png from the CSVs of scripts/fidelity_kvzip.sh: mean KL against the share
-of the prompt's rows kept, one line per method (dev windows), KVzip with the repeat cue dashed,
-and the held-out windows' KVzip, SnapKV and KeyDiff as open markers. Also prints the table of
+of the prompt's rows kept, one line per method (dev windows), KVzip with the repeat cue and
+KVzip normalising over the prompt's rows alone dashed, and the held-out windows' KVzip, SnapKV
+and KeyDiff as open markers. Also prints the table of
 docs/fidelity.md.
 
     python3 scripts/kvzip_plot.py [DIR]   (default docs/fidelity_kvzip)
@@ -30,17 +31,20 @@ def means(path):
 
 def main():
     d = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "docs", "fidelity_kvzip")
-    dev, cue, held = (means(os.path.join(d, n)) for n in ("dev.csv", "cue.csv", "heldout.csv"))
+    dev, cue, held, prompt_norm = (means(os.path.join(d, n)) for n in (
+        "dev.csv", "dev_cue.csv", "heldout.csv", "dev_prompt.csv"))
     names = [(("kvzip", "-"), "KVzip"), (("snapkv", "queries"), "SnapKV (queries)"),
              (("keydiff", "proxy"), "KeyDiff"), (("squeeze", "queries"), "SqueezeAttention (queries)"),
              (("streaming_llm", "-"), "recency")]
     budgets = sorted({b for series in dev.values() for b in series}, reverse=True)
-    print("| rows of the prompt | " + " | ".join(n for _, n in names) + " | KVzip, cue |")
-    print("|---:|" + "---:|" * (len(names) + 1))
+    print("| rows of the prompt | " + " | ".join(n for _, n in names) +
+          " | KVzip, prompt's rows only | KVzip, BOS cue |")
+    print("|---:|" + "---:|" * (len(names) + 2))
     for b in budgets:
         cells = [f"{dev[k][b]:.5f}" if k in dev and b in dev[k] else "-" for k, _ in names]
-        c = cue.get(("kvzip", "-"), {}).get(b)
-        cells.append(f"{c:.5f}" if c is not None else "-")
+        for extra in (prompt_norm, cue):
+            c = extra.get(("kvzip", "-"), {}).get(b)
+            cells.append(f"{c:.5f}" if c is not None else "-")
         print(f"| {100 * b / PROMPT:g}% ({b}) | " + " | ".join(cells) + " |")
     if held:
         print("\nheld-out windows:")
@@ -66,10 +70,12 @@ def main():
             hp = sorted(held[k].items())
             ax.plot([100 * b / PROMPT for b, _ in hp], [y for _, y in hp], marker="o",
                     markerfacecolor="none", linestyle=":", color=color, label=n + ", held-out")
-    if ("kvzip", "-") in cue:
-        pts = sorted(cue[("kvzip", "-")].items())
-        ax.plot([100 * b / PROMPT for b, _ in pts], [y for _, y in pts], marker="s",
-                linestyle="--", color="tab:red", alpha=0.6, label="KVzip, BOS cue")
+    for extra, label, style in ((prompt_norm, "KVzip, softmax over the prompt's rows only", "--"),
+                                (cue, "KVzip, BOS cue", "-.")):
+        if ("kvzip", "-") in extra:
+            pts = sorted(extra[("kvzip", "-")].items())
+            ax.plot([100 * b / PROMPT for b, _ in pts], [y for _, y in pts], marker="s",
+                    linestyle=style, color="tab:red", alpha=0.5, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("rows of the 384-token prompt kept by the compress-once methods, %\n"

@@ -28,9 +28,9 @@
 // kept_bytes / full_bytes is the fraction of the full fp16 cache (docs/fidelity.md).
 // Method kvzip (SPEC 18) compresses the prompt once after its prefill to budget / P of its rows
 // (llama2c::kvzip_compress: a fork re-reads the prompt in chunks of 64 tokens, each after the
-// cue: none, or the BOS token with --kvzip-cue bos; --kvzip-norm reread: each observed query's
-// softmax also covers the re-read's own keys, KVzip's normalisation, instead of the prompt's rows
-// alone); method keydiff is H2O ranking by KeyDiff
+// cue: none, or the BOS token with --kvzip-cue bos; --kvzip-norm reread, the default: each
+// observed query's softmax also covers the re-read's own keys, KVzip's normalisation; prompt: the
+// prompt's rows alone); method keydiff is H2O ranking by KeyDiff
 // (proxy_scoring keydiff). --compress-once compares methods at the rows they hold at the end of
 // the window: the methods that evict while decoding (all but kvzip and snapkv, which cut the
 // prompt to the budget and then append) get budget + L - P rows.
@@ -79,7 +79,7 @@ struct Options {
   std::string storage = "float";  // the caches' row type: float or half
   bool compress_once = false;     // online methods get budget + L - P rows (see above)
   std::vector<int> kvzip_cue;     // tokens before each re-read chunk
-  bool kvzip_own_keys = false;    // observe with the re-read's keys (KVzip's normalisation)
+  bool kvzip_own_keys = true;     // observe with the re-read's keys (KVzip's normalisation)
 };
 
 std::vector<std::string> split(const std::string& s, char sep) {
@@ -575,14 +575,17 @@ int main(int argc, char** argv) {
           for (int b : o.budgets) {
             for (const auto& sc : o.scorings) {
               // StreamingLLM does not score rows; KeyDiff and KVzip score without the call's
-              // queries (KVzip's come from its re-read).
-              if ((m == "streaming_llm" || m == "keydiff" || m == "kvzip") && sc == "queries") {
+              // queries (KVzip's come from its re-read): each runs once, whatever --scoring says.
+              if ((m == "streaming_llm" || m == "keydiff" || m == "kvzip") &&
+                  sc != o.scorings.front()) {
                 continue;
               }
               const std::string series =
                   series_name(m, config_for(m, b, wd, o.group, o.set, heads));
-              const bool own = m == "streaming_llm" || m == "kvzip";
-              runs.push_back(Run{m, own ? "-" : sc, b, wd, heads, series, {}});
+              const std::string scoring = m == "streaming_llm" || m == "kvzip" ? "-"
+                                          : m == "keydiff"                     ? "proxy"
+                                                                               : sc;
+              runs.push_back(Run{m, scoring, b, wd, heads, series, {}});
             }
           }
         }

@@ -537,11 +537,12 @@ class Engine {
 /// `cue` tokens (each chunk from the prompt's own end: the fork rolls back after each), and every
 /// layer's queries of the chunk's tokens are observed on the engine's own caches; then the engine's
 /// caches keep `keep` of their rows and the fork is dropped. prompt: the tokens the caches hold.
-/// `own_keys`: each query's softmax also covers the re-read's keys up to its token (KVzip's own
-/// normalisation); else the prompt's rows alone (KVCache::observe, docs/design.md 6.1).
+/// `own_keys` (the default, measured better: docs/fidelity.md): each query's softmax also covers
+/// the re-read's keys up to its token (KVzip's own normalisation); else the prompt's rows alone
+/// (KVCache::observe, docs/design.md 6.1).
 template <class T>
 void kvzip_compress(Engine<T>& engine, const std::vector<int>& prompt, double keep,
-                    const std::vector<int>& cue = {}, int chunk = 64, bool own_keys = false) {
+                    const std::vector<int>& cue = {}, int chunk = 64, bool own_keys = true) {
   Engine<T> reread = engine.fork();
   reread.checkpoint();
   for (std::size_t at = 0; at < prompt.size(); at += static_cast<std::size_t>(chunk)) {
