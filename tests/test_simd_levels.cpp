@@ -1,10 +1,12 @@
 // Every policy at every SIMD path this CPU runs (docs/design.md 7.2), through the public API: the
 // same call sequence keeps the same rows at every path, with scores within float32 rounding of
 // each other; the scalar path is bitwise equal to the AVX2 and NEON paths. (The oracle tests run at
-// the best path; this ties the other paths to it.)
+// the best path; this ties the other paths to it.) KVzip's observe and compress (SPEC 18), which
+// no call sequence reaches, are held to the same rule.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
@@ -102,6 +104,73 @@ TYPED_TEST(SimdLevelsTest, EveryPathKeepsTheSameRowsAsTheBestPath) {
               << ctx << ": scalar and " << vc::simd_level_name(runs[i].first)
               << " differ after call " << c;
         }
+      }
+    }
+  }
+  vc::set_simd_level(saved);
+}
+
+/// KVzip at the active path: scores after observe (without and with the re-read's keys) and the
+/// positions a compress keeps, every head of two layers, as bytes.
+template <class T>
+std::vector<std::string> kvzip_run() {
+  std::mt19937 rng(77u);
+  vc::KVCacheConfig c;
+  c.method = "kvzip";
+  auto set = vc::KVCacheBuilder::for_model<T>(2, c);
+  constexpr Index B = 2, H = 2, G = 3, S = 70, D = 20;  // D: vector tails on every path
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  const auto draw = [&](Index b, Index h, Index s, Index d) {
+    vc::Tensor4<float> t(b, h, s, d);
+    for (Index i = 0; i < t.size(); ++i) t.data()[i] = u(rng);
+    return t;
+  };
+  std::vector<std::string> out;
+  const auto record = [&](const auto& cache, bool scores) {
+    for (Index b = 0; b < B; ++b) {
+      for (Index h = 0; h < H; ++h) {
+        std::string bytes;
+        const std::vector<std::int64_t> p = cache.positions(b, h);
+        bytes.append(reinterpret_cast<const char*>(p.data()), p.size() * sizeof(std::int64_t));
+        if (scores) {
+          const std::vector<float> sc = cache.scores(b, h);
+          bytes.append(reinterpret_cast<const char*>(sc.data()), sc.size() * sizeof(float));
+        }
+        out.push_back(bytes);
+      }
+    }
+  };
+  for (auto& cache : set) {
+    (void)cache->update_and_view(draw(B, H, S, D), draw(B, H, S, D));
+    cache->observe(draw(B, G * H, 50, D));
+    record(*cache, true);
+    cache->observe(draw(B, G * H, 33, D), draw(B, H, 33, D));
+    record(*cache, true);
+  }
+  vc::KVCacheBuilder::compress(set, 0.3);
+  for (auto& cache : set) record(*cache, false);
+  return out;
+}
+
+/// KVzip's observe and compress keep the same rows at every path, their scores within float32
+/// rounding of the best path's (checked through the kept positions, which the scores decide), and
+/// the paths with the scalar bits give them bit for bit.
+TYPED_TEST(SimdLevelsTest, KVzipObserveAndCompressAgreeAcrossPaths) {
+  using T = TypeParam;
+  const vc::SimdLevel saved = vc::simd_level();
+  vc::set_simd_level(vc::SimdLevel::scalar);
+  const std::vector<std::string> scalar = kvzip_run<T>();
+  for (const vc::SimdLevel l : kAllLevels) {
+    if (!vc::simd_level_supported(l) || l == vc::SimdLevel::scalar) continue;
+    vc::set_simd_level(l);
+    const std::vector<std::string> other = kvzip_run<T>();
+    ASSERT_EQ(other.size(), scalar.size());
+    if (same_bits_as_scalar(l)) {
+      EXPECT_TRUE(other == scalar) << vc::simd_level_name(l) << " differs from scalar";
+    } else {
+      // The positions the compress kept: the last record of each of the 2 x B x H heads.
+      for (std::size_t i = other.size() - 8; i < other.size(); ++i) {
+        EXPECT_TRUE(other[i] == scalar[i]) << vc::simd_level_name(l) << ": other rows kept";
       }
     }
   }

@@ -67,6 +67,39 @@ void run(const char* method, bool queries, Digest& digest, const char* proxy = "
   }
 }
 
+/// KVzip (SPEC 18): a prompt, observe without and with the re-read's keys, a compress, then
+/// views of decode steps (its heads are ragged): the views' rows, scores and positions.
+template <class T>
+void run_kvzip(Digest& digest) {
+  vc::KVCacheConfig c;
+  c.method = "kvzip";
+  auto caches = vc::KVCacheBuilder::for_model<T>(2, c);
+  std::mt19937 rng(11);
+  const Index H = 2, Dk = 64, Dv = 32;
+  for (auto& cache : caches) {
+    (void)cache->update_and_view(random_tensor<T>(rng, 1, H, 70, Dk),
+                                 random_tensor<T>(rng, 1, H, 70, Dv));
+    cache->observe(random_tensor<float>(rng, 1, 2 * H, 45, Dk));
+    cache->observe(random_tensor<float>(rng, 1, 2 * H, 20, Dk),
+                   random_tensor<float>(rng, 1, H, 20, Dk));
+  }
+  vc::KVCacheBuilder::compress(caches, 0.3);
+  for (int step = 0; step < 3; ++step) {
+    for (auto& cache : caches) {
+      const vc::KVView<T> view = cache->update_and_view(random_tensor<T>(rng, 1, H, 1, Dk),
+                                                        random_tensor<T>(rng, 1, H, 1, Dv));
+      for (Index h = 0; h < H; ++h) {
+        const auto keys = view.keys(0, h);
+        digest.add(keys.data(), sizeof(T) * static_cast<std::size_t>(keys.size()));
+        const std::vector<float> sc = cache->scores(0, h);
+        const std::vector<std::int64_t> pos = cache->positions(0, h);
+        digest.add(sc.data(), sizeof(float) * sc.size());
+        digest.add(pos.data(), sizeof(std::int64_t) * pos.size());
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -88,6 +121,9 @@ int main() {
       run<Eigen::half>("squeeze", false, d, proxy);
       run<float>("h2o", false, d, proxy);
     }
+    // KVzip's observe (softmax_max) and compress.
+    run_kvzip<Eigen::half>(d);
+    run_kvzip<float>(d);
     std::printf("%s %016llx\n", vc::simd_level_name(l), static_cast<unsigned long long>(d.h));
     if (l == vc::SimdLevel::scalar) scalar = d.h;
     const bool scalar_bits = l == vc::SimdLevel::avx2 || l == vc::SimdLevel::neon;
