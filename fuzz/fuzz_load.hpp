@@ -81,6 +81,24 @@ std::string continue_from(std::vector<std::unique_ptr<vc::KVCache<T>>>& caches) 
             const vc::Tensor4<float> out = c.attend(q, k, v);
             if (out.dimension(1) != 2 * H || out.dimension(2) != S)
               return "attend: wrong output shape";
+          } else if (c.ragged_heads()) {
+            // Heads of their own sizes (adaptive budgets, a KVzip compress) refuse a dense
+            // fetch: a view, head by head, shows the rows each held plus the call's.
+            std::vector<std::int64_t> held;
+            for (Eigen::Index b = 0; b < B; ++b) {
+              for (Eigen::Index h = 0; h < H; ++h) held.push_back(c.head_rows(b, h));
+            }
+            const vc::KVView<T> view = (i + static_cast<std::size_t>(S)) % 2
+                                           ? c.update_and_view(k, v, q)
+                                           : c.update_and_view(k, v);
+            for (Eigen::Index b = 0; b < B; ++b) {
+              for (Eigen::Index h = 0; h < H; ++h) {
+                if (view.rows(b, h) != held[static_cast<std::size_t>(b * H + h)] + S) {
+                  return "cache " + std::to_string(i) + ": a view of head (" + std::to_string(b) +
+                         ", " + std::to_string(h) + ") shows other rows than it held plus S";
+                }
+              }
+            }
           } else {
             const vc::KVPair<T> r = (i + static_cast<std::size_t>(S)) % 2
                                         ? c.update_and_fetch(k, v, q)
@@ -308,6 +326,15 @@ inline std::map<std::string, std::string> make_seeds() {
     vc::KVCacheConfig kvzip = seed_config();
     kvzip.method = "kvzip";
     model(float{}, "seed-kvzip-float", kvzip, {9, 1, 1}, true);
+    // Observed (with the re-read's keys in one layer), compressed to ragged heads, then a step.
+    std::vector<std::unique_ptr<vc::KVCache<Eigen::half>>> set =
+        vc::KVCacheBuilder::for_model<Eigen::half>(2, kvzip);
+    feed(set, rng, 12, false);
+    set[0]->observe(fill(rng, 1, 4, 5, 8));
+    set[1]->observe(fill(rng, 1, 4, 5, 8), fill(rng, 1, 2, 5, 8));
+    vc::KVCacheBuilder::compress(set, 0.4);
+    feed(set, rng, 1, true);
+    out["seed-kvzip-compressed-half"] = seed_of(set, {{"kvzip", "0.4"}});
   }
   return out;
 }

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -26,6 +27,7 @@
 #include <vector>
 #include <veloxquant/cache.hpp>
 
+#include "support/prompt_cache_format.hpp"
 #include "support/storage_types.hpp"
 #include "support/test_support.hpp"
 
@@ -151,11 +153,14 @@ TYPED_TEST(KVzipObserve, ScoresAreTheMostAnyObservedQueryGives) {
     std::mt19937 rng(7u + static_cast<unsigned>(variant));
     PromptSet<T> p = prompt_set<T>(config, 1, B, H, S, D, rng);
     vc::KVCache<T>& c = *p.caches[0];
-    // 50 query tokens: blocks of 64 / G = 21 tokens, the last one short; then 9 more.
+    // 50 query tokens: blocks of 64 / G = 21 tokens, the last one short; then 9 more; then one
+    // (a single token reads the stored rows unpacked).
     const vc::Tensor4<double> q1 = random_doubles(rng, B, H * G, 50, D);
     const vc::Tensor4<float> q2 = converted<float>(random_doubles(rng, B, H * G, 9, D));
+    const vc::Tensor4<double> q3 = random_doubles(rng, B, H * G, 1, D);
     c.observe(q1);
     c.observe(vc::TensorRef<float>(q2));
+    c.observe(q3);
     // Quantized rows: the reference reads them through state(), rounded to T (bfloat16 keeps 8
     // bits of mantissa) while the kernels read them in float32.
     const double tol = variant == 0 ? 1e-5 : std::is_same_v<T, Eigen::bfloat16> ? 3e-3 : 2e-4;
@@ -164,8 +169,10 @@ TYPED_TEST(KVzipObserve, ScoresAreTheMostAnyObservedQueryGives) {
         const Rows keys = held_keys(c, b, h);
         std::vector<double> want(keys.size(), 0.0);
         for (const Index hq : {h * G, h * G + 1, h * G + 2}) {
-          for (Index s = 0; s < 59; ++s) {
-            const std::vector<double> q = s < 50 ? row_of(q1, b, hq, s) : row_of(q2, b, hq, s - 50);
+          for (Index s = 0; s < 60; ++s) {
+            const std::vector<double> q = s < 50   ? row_of(q1, b, hq, s)
+                                          : s < 59 ? row_of(q2, b, hq, s - 50)
+                                                   : row_of(q3, b, hq, 0);
             const std::vector<double> w = softmax_of(q, keys);
             for (std::size_t j = 0; j < w.size(); ++j) want[j] = std::max(want[j], w[j]);
           }
@@ -218,10 +225,18 @@ TEST(KVzipObserveParallel, ParallelHeadsGiveTheSerialScores) {
   std::mt19937 rng(3u);
   PromptSet<float> serial = prompt_set<float>(kvzip_config(), 1, 2, 4, 300, 32, rng);
   Caches<float> parallel = vc::KVCacheBuilder::fork(serial.caches);
-  enable_parallel_heads(*parallel[0], 3);
+  const vc::ParallelFor pool = thread_parallel_for(3);
+  int runs = 0;
+  parallel[0]->set_parallel_for(
+      [&](int tasks, const std::function<void(int)>& task) {
+        ++runs;
+        pool(tasks, task);
+      },
+      3);
   const vc::Tensor4<double> q = random_doubles(rng, 2, 8, 200, 32);
   serial.caches[0]->observe(q);
   parallel[0]->observe(q);
+  EXPECT_GT(runs, 0) << "the heads did not go to the parallel-for";
   EXPECT_EQ(snapshot(*serial.caches[0]), snapshot(*parallel[0]));
 }
 
@@ -438,6 +453,10 @@ TEST(KVzipRefusals, BadKeepUnobservedCachesOtherMethodsAndBadQueriesChangeNothin
   vc::Tensor4<float> nan_q = converted<float>(random_doubles(rng, 1, 4, 3, 8));
   nan_q(0, 3, 2, 5) = std::numeric_limits<float>::quiet_NaN();
   expect_refused([&] { c.observe(nan_q); }, "non-finite query");
+  vc::Tensor4<float> big_k = converted<float>(random_doubles(rng, 1, 2, 3, 8));
+  big_k(0, 1, 2, 3) = 0x1p60f;
+  expect_refused([&] { c.observe(converted<float>(random_doubles(rng, 1, 4, 3, 8)), big_k); },
+                 "key");
   EXPECT_EQ(snapshot(p.caches), before);
 
   // A cache of another method in the set, observe on it, observe before any row.
@@ -505,6 +524,13 @@ TYPED_TEST(KVzipCompress, ForkRollbackAndPromptCachesCarryIt) {
     }
     std::mt19937 rng(13u);
     PromptSet<T> p = prompt_set<T>(config, 2, 1, 2, 40, 16, rng);
+    // A checkpoint before observe: the rollback takes the scores and the flag back.
+    const std::vector<std::string> unobserved = snapshot(p.caches);
+    vc::KVCacheBuilder::checkpoint(p.caches);
+    for (auto& c : p.caches) c->observe(random_doubles(rng, 1, 4, 10, 16));
+    vc::KVCacheBuilder::rollback(p.caches);
+    EXPECT_EQ(snapshot(p.caches), unobserved);
+    EXPECT_THROW(vc::KVCacheBuilder::compress(p.caches, 0.5), std::invalid_argument);
     for (auto& c : p.caches) c->observe(random_doubles(rng, 1, 4, 10, 16));
     const std::vector<std::string> observed = snapshot(p.caches);
 
@@ -537,6 +563,60 @@ TYPED_TEST(KVzipCompress, ForkRollbackAndPromptCachesCarryIt) {
     EXPECT_TRUE(same_outputs<T>(from_loaded, decode(p.caches, 4, 2u)));
     EXPECT_TRUE(same_outputs<T>(from_loaded, decode(fork, 4, 2u)));
   }
+}
+
+/// The loader refuses kvzip states no cache can reach (docs/design.md G, 6.1), naming the rule:
+/// files saved from a compressed set (and from one never observed), one field patched by the
+/// independent format walker and the checksums sealed again.
+TEST(KVzipPromptCache, TheLoaderRefusesStatesNoKVzipCacheReaches) {
+  namespace fmt = veloxquant::test::format;
+  std::mt19937 rng(31u);
+  PromptSet<float> p = prompt_set<float>(kvzip_config(1), 1, 1, 2, 12, 8, rng);
+  const auto save = [&] {
+    std::ostringstream out;
+    vc::save_prompt_cache(out, p.caches, {});
+    return out.str();
+  };
+  const std::string fresh = save();  // not observed
+  p.caches[0]->observe(random_doubles(rng, 1, 4, 4, 8));
+  vc::KVCacheBuilder::compress(p.caches, 0.5);
+  const std::string compressed = save();
+  const auto refused = [](const std::string& bytes, const std::string& part) {
+    std::istringstream in(bytes);
+    try {
+      (void)vc::load_prompt_cache<float>(in);
+      ADD_FAILURE() << "loaded; wanted: " << part;
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  const auto patched = [](std::string bytes, const std::string& field, auto value) {
+    const fmt::FileMap map = fmt::walk<float>(bytes);
+    fmt::patch(bytes, map.at(field), value);
+    fmt::reseal(bytes, map);
+    return bytes;
+  };
+  // Flags: compressed without being observed; not compressed, though its heads were cut.
+  refused(patched(compressed, "cache0.flags", std::uint8_t{1 | 4}),
+          "compressed without being observed");
+  refused(patched(compressed, "cache0.flags", std::uint8_t{1 | 8}),
+          "has not compressed holds every row");
+  // A score that is no softmax weight; an observed score in a cache never observed (the first
+  // score of a head, patched).
+  const auto first_score = [](std::string bytes, const std::string& head, float x) {
+    const fmt::FileMap map = fmt::walk<float>(bytes);
+    fmt::patch(bytes, fmt::Field{map.at("cache0." + head + ".scores").offset, 4}, x);
+    fmt::reseal(bytes, map);
+    return bytes;
+  };
+  refused(first_score(compressed, "head0", 2.0f), "neither a softmax weight nor -1");
+  refused(first_score(fresh, "head1", 0.5f), "never observed holds an observed score");
+  // Heads of an uncompressed cache hold every row.
+  refused(patched(fresh, "cache0.head1.rows", std::int64_t{11}), "holds every row");
+  // A version-5 file (kvzip_n_sink taken out, as a writer of version 5 would) cannot name the
+  // method.
+  refused(fmt::as_version<float>(compressed, 5, vc::detail::config_field_since),
+          "method 'kvzip' is not in format version 5");
 }
 
 }  // namespace

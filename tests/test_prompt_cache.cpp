@@ -756,47 +756,9 @@ TEST(PromptCacheLoad, NewerVersionsAndOtherStorageTypesAreNamed) {
             std::string::npos);
 }
 
-/// `bytes` (this library's format) as format `version` holds the same set: every cache's config
-/// fields newer than `version` taken out (config_field_since), the version set and the checksums
-/// sealed again, by the independent reader of the format.
 template <class T>
 std::string as_version(const std::string& bytes, std::uint32_t version) {
-  std::string out = bytes;
-  const fmt::FileMap map = fmt::walk<T>(out);
-  std::uint32_t caches = 0;
-  std::memcpy(&caches, out.data() + map.at("header.caches").offset, 4);
-  fmt::FileMap moved;  // the sections where they lie once the fields are out
-  moved.sections = map.sections;
-  // The fields that came after version 1, the last in a config first: earlier offsets stay valid.
-  const char* newer[] = {"kvzip_n_sink",      "quant_block",  "value_axis",       "key_axis",
-                         "head_budget_floor", "head_budgets", "value_norm_power", "proxy_scoring"};
-  for (std::uint32_t i = caches; i-- > 0;) {  // the last cache first, for the same reason
-    const std::string p = "cache" + std::to_string(i);
-    std::uint32_t removed = 0;
-    for (const char* name : newer) {
-      if (vc::detail::config_field_since(name) <= version) continue;
-      const fmt::Field type = map.at(p + ".config." + name + ".type");
-      const fmt::Field value = map.at(p + ".config." + name);
-      const std::size_t begin = type.offset - 1 - std::strlen(name);
-      const std::size_t len = value.offset + value.size - begin;
-      out.erase(begin, len);
-      ++removed;
-      for (fmt::Field& sec : moved.sections) {
-        if (sec.offset > begin) {
-          sec.offset -= len;
-        } else if (sec.offset + sec.size > begin) {
-          sec.size -= len;
-        }
-      }
-    }
-    std::uint32_t fields = 0;
-    std::memcpy(&fields, out.data() + map.at(p + ".config_fields").offset, 4);
-    fmt::patch(out, map.at(p + ".config_fields"), fields - removed);
-  }
-  fmt::patch(out, map.at("header.version"), version);
-  fmt::reseal(out, moved);
-  (void)fmt::walk<T>(out);  // the independent reader finds every checksum right
-  return out;
+  return fmt::as_version<T>(bytes, version, vc::detail::config_field_since);
 }
 
 /// A version-1 file (written before proxy_scoring existed) loads with the key-as-query proxy, the

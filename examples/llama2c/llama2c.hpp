@@ -533,10 +533,12 @@ class Engine {
 };
 
 /// KVzip's whole procedure (SPEC 18, docs/design.md 6.1) on an engine whose kvzip caches hold a
-/// prompt: a fork of them re-reads the prompt teacher-forced, `chunk` tokens at a time after the
-/// `cue` tokens (each chunk from the prompt's own end: the fork rolls back after each), and every
-/// layer's queries of the chunk's tokens are observed on the engine's own caches; then the engine's
-/// caches keep `keep` of their rows and the fork is dropped. prompt: the tokens the caches hold.
+/// prompt: a fork of them re-reads the prompt teacher-forced, `chunk` tokens at a time, each
+/// chunk after the `cue` tokens in the same call (each from the prompt's own end: the fork rolls
+/// back after each), and every layer's queries of that call are observed on the engine's own
+/// caches (the cue's among them, so that with `own_keys` the cue's rows are in every softmax as
+/// the re-read has them); then the engine's caches keep `keep` of their rows and the fork is
+/// dropped. prompt: the tokens the caches hold.
 /// `own_keys` (the default, measured better: docs/fidelity.md): each query's softmax also covers
 /// the re-read's keys up to its token (KVzip's own normalisation); else the prompt's rows alone
 /// (KVCache::observe, docs/design.md 6.1).
@@ -547,10 +549,11 @@ void kvzip_compress(Engine<T>& engine, const std::vector<int>& prompt, double ke
   reread.checkpoint();
   for (std::size_t at = 0; at < prompt.size(); at += static_cast<std::size_t>(chunk)) {
     const std::size_t end = std::min(prompt.size(), at + static_cast<std::size_t>(chunk));
-    if (!cue.empty()) (void)reread.forward(cue);
+    std::vector<int> tokens = cue;
+    tokens.insert(tokens.end(), prompt.begin() + static_cast<std::ptrdiff_t>(at),
+                  prompt.begin() + static_cast<std::ptrdiff_t>(end));
     reread.observe_into(&engine.caches(), own_keys);
-    (void)reread.forward(std::vector<int>(prompt.begin() + static_cast<std::ptrdiff_t>(at),
-                                          prompt.begin() + static_cast<std::ptrdiff_t>(end)));
+    (void)reread.forward(tokens);
     reread.observe_into(nullptr);
     reread.rollback();
     if (end < prompt.size()) reread.checkpoint();

@@ -142,7 +142,7 @@ class KVCacheBuilder {
   }
 
   /// KVzip's compress (SPEC 18, docs/design.md 6.1): the set's kvzip caches keep ceil(keep x R)
-  /// of the R rows they hold, keep in (0, 1]: every head's sinks (kvzip_n_sink) and the rows no
+  /// of the R rows they hold (std::ceil of the double product), keep in (0, 1]: every head's sinks (kvzip_n_sink) and the rows no
   /// observe call has scored, each head's best-observed rows up to its floor (head_budget_floor
   /// of ceil(keep x its rows)), then the best-observed rows of the whole set, one threshold across
   /// layers and heads (ties keep the earlier position). Heads then hold their own numbers of rows

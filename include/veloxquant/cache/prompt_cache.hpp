@@ -344,6 +344,11 @@ class PromptCacheIO {
     r.begin_section();
     const KVCacheConfig config = read_config(r, version);
     const std::string label = name + " (" + printable(config.method) + ")";
+    // A method is in the versions from its own on (KVzip: version 6), as config fields are.
+    if (version < 6 && config.method == detail::method_spec(detail::Method::kvzip).name) {
+      r.set_where(label);
+      r.fail("method 'kvzip' is not in format version " + std::to_string(version));
+    }
     std::unique_ptr<KVCache<T>> cache;
     try {
       cache = KVCacheFactory::create<T>(config);

@@ -399,23 +399,30 @@ inline void check_query_shapes(const InputRows& queries, const InputRows& keys, 
   if (queries.dim != keys.dim) fail("queries must have the keys' head dim D");
 }
 
-/// Every element of `queries` finite and within +-kMaxQueryMagnitude once converted to float32;
-/// `fail(what)` throws naming the first that is not.
+/// Every element of `rows` finite and within +-limit once converted to float32; `fail(what)`
+/// throws naming the first that is not (a `name`, "query" or "key", of head `head` "hq" or "h").
 template <class Fail>
-void check_query_values(const InputRows& queries, const Fail& fail) {
-  if (queries.seq == 0) return;
+void check_float_values(const InputRows& rows, float limit, const char* name, const char* head,
+                        const Fail& fail) {
+  if (rows.seq == 0) return;
   std::vector<float> buf;
   double value = 0.0;
-  for (Index b = 0; b < queries.batch; ++b) {
-    for (Index h = 0; h < queries.heads; ++h) {
-      for (Index s = 0; s < queries.seq; ++s) {
-        const Index d = first_out_of_range<float>(queries, b, h, s, kMaxQueryMagnitude, buf, value);
+  const std::string non_finite = std::string("non-finite ") + name;
+  for (Index b = 0; b < rows.batch; ++b) {
+    for (Index h = 0; h < rows.heads; ++h) {
+      for (Index s = 0; s < rows.seq; ++s) {
+        const Index d = first_out_of_range<float>(rows, b, h, s, limit, buf, value);
         if (d < 0) continue;
-        fail(out_of_range_message(std::isfinite(value) ? "query" : "non-finite query", "hq", b, h,
-                                  s, d, value, "float32", kMaxQueryMagnitude));
+        fail(out_of_range_message(std::isfinite(value) ? name : non_finite.c_str(), head, b, h, s,
+                                  d, value, "float32", limit));
       }
     }
   }
+}
+/// Queries: every element finite and within +-kMaxQueryMagnitude in float32.
+template <class Fail>
+void check_query_values(const InputRows& queries, const Fail& fail) {
+  check_float_values(queries, kMaxQueryMagnitude, "query", "hq", fail);
 }
 
 /// check_query_shapes, then every element finite and within +-kMaxQueryMagnitude once converted
@@ -463,19 +470,7 @@ inline void check_observed_keys(const InputRows& keys, const InputRows& queries,
       keys.dim != dim) {
     fail("keys must be [B, H, S, Dk]: the queries' B and S, the cache's H and Dk");
   }
-  if (keys.seq == 0) return;
-  std::vector<float> buf;
-  double value = 0.0;
-  for (Index b = 0; b < keys.batch; ++b) {
-    for (Index h = 0; h < keys.heads; ++h) {
-      for (Index s = 0; s < keys.seq; ++s) {
-        const Index d = first_out_of_range<float>(keys, b, h, s, kMaxKeyMagnitude, buf, value);
-        if (d < 0) continue;
-        fail(out_of_range_message(std::isfinite(value) ? "key" : "non-finite key", "h", b, h, s,
-                                  d, value, "float32", kMaxKeyMagnitude));
-      }
-    }
-  }
+  check_float_values(keys, kMaxKeyMagnitude, "key", "h", fail);
 }
 
 /// attend's output [B, Hq, S, Dv] (queries' B, Hq, S; values' Dv): the product of its non-zero
