@@ -65,14 +65,17 @@ void observe_head(HeadStore<T>& head, const HeadQueries& q, const OwnKeys& own, 
   const Index ld = Scratch::ld(n + extra);
   float* w = sc.weights.data();
   std::fill(w, w + n + extra, 0.0f);
-  // The re-read's keys as float32 rows (zero-padded to dp), then each block's logits on them.
+  // The re-read's keys as float32 rows (zero-padded to dp), packed once as the prefill packs its
+  // columns; then each block's logits on them.
   float* own_keys = sc.own.data();
-  float* own_logits = own_keys + extra * dp;
+  float* own_packed = own_keys + extra * dp;
+  float* own_logits = own_packed + (extra > 0 ? packed_size(extra, d) : 0);
   const Index own_ld = Scratch::ld(extra);
   for (Index j = 0; j < extra; ++j) {
     std::fill(own_keys + j * dp, own_keys + (j + 1) * dp, 0.0f);
     read_float_row(*own.rows, own.b, own.h, j, own_keys + j * dp);
   }
+  if (own) pack_keys(own_keys, dp, 0, extra, d, own_packed, sc.keys.data());
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const float neg_inf = -std::numeric_limits<float>::infinity();
   PackedColumns packed{S > 1, 0};
@@ -86,8 +89,8 @@ void observe_head(HeadStore<T>& head, const HeadQueries& q, const OwnKeys& own, 
     if (own) {
       // Token s0 + t sees the re-read's keys 0 .. s0 + t.
       cols = n + s0 + nb;
-      logits(sc.queries.data(), rows, dp, own_keys, dp, nullptr, s0 + nb, d, scale, own_logits,
-             own_ld, sc.keys.data());
+      logits_packed(sc.queries.data(), rows, dp, own_packed, s0 + nb, d, scale, own_logits,
+                    own_ld, sc.keys.data());
       for (Index r = 0; r < rows; ++r) {
         const Index sees = s0 + r / G + 1;
         float* dst = lg + r * ld + n;

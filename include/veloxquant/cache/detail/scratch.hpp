@@ -69,7 +69,8 @@ struct Scratch {
   Buffer<float> inv;           // [rows] each logit row's softmax normaliser (attend)
   Buffer<float> packed;        // [dim, packed ld(columns)] key columns (prefill logits)
   Buffer<PoolPick> pool;       // [pooled] candidates of a pooled eviction (adaptive heads)
-  Buffer<float> own;           // [own, dim] then [rows, ld(own)]: a re-read's keys and logits
+  Buffer<float> own;           // [own, dim], packed [dim, 32-rounded own], [rows, ld(own)]: a
+                               // re-read's keys, packed, and their logits
 
   /// Row stride of `logits` for `columns` columns: a multiple of 16 floats.
   static Index ld(Index columns) { return (columns + 15) / 16 * 16; }
@@ -92,7 +93,9 @@ struct Scratch {
     // packed_size(columns, dim) of simd_kernels.hpp
     packed.fit(z.packed ? dim * static_cast<std::size_t>((z.columns + 31) / 32 * 32) : 0);
     pool.fit(static_cast<std::size_t>(z.pooled));
-    own.fit(z.own > 0 ? static_cast<std::size_t>(z.own) * dim +
+    // (packed: packed_size(own, dim) of simd_kernels.hpp)
+    const std::size_t own_tokens = static_cast<std::size_t>(z.own);
+    own.fit(z.own > 0 ? own_tokens * dim + (own_tokens + 31) / 32 * 32 * dim +
                             rows * static_cast<std::size_t>(ld(z.own))
                       : 0);
   }
