@@ -461,6 +461,19 @@ void attend_typed(Set<T>& set, int layer, const vq_tensor& q, const vq_tensor& k
   });
 }
 
+// KVCache::observe of layer `layer` with queries q and, unless null, the re-read's keys k.
+template <class T>
+void observe_typed(Set<T>& set, int layer, const vq_tensor& q, const vq_tensor* k) {
+  vc::KVCache<T>& cache = *set.caches[static_cast<std::size_t>(layer)];
+  with_ref(q, "q", [&](auto qr) {
+    if (k == nullptr) {
+      layer_call(set, layer, [&] { cache.observe(qr); });
+      return;
+    }
+    with_ref(*k, "k", [&](auto kr) { layer_call(set, layer, [&] { cache.observe(qr, kr); }); });
+  });
+}
+
 template <class T>
 std::int64_t update_typed(Set<T>& set, int layer, const vq_tensor& k, const vq_tensor& v,
                           const vq_tensor* q) {
@@ -954,10 +967,7 @@ vq_status vq_rollback(vq_caches* s) {
 vq_status vq_observe(vq_caches* s, int layer, const vq_tensor* q) {
   return on_layer(
       "vq_observe", VQ_ESTATE, s, layer, [&] { check_tensor(q, "q"); },
-      [&](auto& set, auto&) {
-        auto& cache = *set.caches[static_cast<std::size_t>(layer)];
-        with_ref(*q, "q", [&](auto qr) { layer_call(set, layer, [&] { cache.observe(qr); }); });
-      });
+      [&](auto& set, auto&) { observe_typed(set, layer, *q, nullptr); });
 }
 
 vq_status vq_observe_keys(vq_caches* s, int layer, const vq_tensor* q, const vq_tensor* k) {
@@ -967,14 +977,7 @@ vq_status vq_observe_keys(vq_caches* s, int layer, const vq_tensor* q, const vq_
         check_tensor(q, "q");
         check_tensor(k, "k");
       },
-      [&](auto& set, auto&) {
-        auto& cache = *set.caches[static_cast<std::size_t>(layer)];
-        with_ref(*q, "q", [&](auto qr) {
-          with_ref(*k, "k", [&](auto kr) {
-            layer_call(set, layer, [&] { cache.observe(qr, kr); });
-          });
-        });
-      });
+      [&](auto& set, auto&) { observe_typed(set, layer, *q, k); });
 }
 
 vq_status vq_compress(vq_caches* s, double keep) {

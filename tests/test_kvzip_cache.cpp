@@ -27,6 +27,7 @@
 #include <vector>
 #include <veloxquant/cache.hpp>
 
+#include "reference/oracle.hpp"
 #include "support/prompt_cache_format.hpp"
 #include "support/storage_types.hpp"
 #include "support/test_support.hpp"
@@ -34,6 +35,7 @@
 namespace {
 
 namespace vc = veloxquant::cache;
+namespace ref = veloxquant::reference;  // the double-precision attention weights (oracle.hpp)
 using namespace veloxquant::test;  // NOLINT(google-build-using-namespace)
 using Index = Eigen::Index;
 template <class T>
@@ -45,22 +47,6 @@ vc::KVCacheConfig kvzip_config(int n_sink = 2, double floor = 0.2) {
   c.kvzip_n_sink = n_sink;
   c.head_budget_floor = floor;
   return c;
-}
-
-/// The attention weights a query row q gives rows `keys` (softmax of q.k / sqrt(D)), in double.
-std::vector<double> softmax_of(const std::vector<double>& q, const Rows& keys) {
-  std::vector<double> w(keys.size());
-  double most = -std::numeric_limits<double>::infinity();
-  for (std::size_t j = 0; j < keys.size(); ++j) {
-    double dot = 0.0;
-    for (std::size_t d = 0; d < q.size(); ++d) dot += q[d] * keys[j][d];
-    w[j] = dot / std::sqrt(static_cast<double>(q.size()));
-    most = std::max(most, w[j]);
-  }
-  double sum = 0.0;
-  for (double& x : w) sum += (x = std::exp(x - most));
-  for (double& x : w) x /= sum;
-  return w;
 }
 
 /// Head (b, h)'s retained keys as the cache holds them (quantized rows dequantized), ascending
@@ -173,7 +159,7 @@ TYPED_TEST(KVzipObserve, ScoresAreTheMostAnyObservedQueryGives) {
             const std::vector<double> q = s < 50   ? row_of(q1, b, hq, s)
                                           : s < 59 ? row_of(q2, b, hq, s - 50)
                                                    : row_of(q3, b, hq, 0);
-            const std::vector<double> w = softmax_of(q, keys);
+            const std::vector<double> w = ref::proxy_softmax(keys, q);
             for (std::size_t j = 0; j < w.size(); ++j) want[j] = std::max(want[j], w[j]);
           }
         }
@@ -210,7 +196,7 @@ TEST(KVzipObserveOwnKeys, TheRereadsKeysJoinEachSoftmaxUpToItsToken) {
       for (Index s = 0; s < R; ++s) {
         Rows keys = prompt_keys;
         for (Index j = 0; j <= s; ++j) keys.push_back(row_of(k, 0, h, j));
-        const std::vector<double> w = softmax_of(row_of(q, 0, h * G + g, s), keys);
+        const std::vector<double> w = ref::proxy_softmax(keys, row_of(q, 0, h * G + g, s));
         for (std::size_t j = 0; j < want.size(); ++j) want[j] = std::max(want[j], w[j]);
       }
     }
@@ -396,7 +382,7 @@ TEST(KVzipCompressAttend, AttendUsesTheKeptRowsAndNewRowsWaitUnobserved) {
       values.push_back(x < S ? row_of(p.values[0], 0, h, x) : row_of(v, 0, h, 0));
     }
     for (Index g = 0; g < G; ++g) {
-      const std::vector<double> w = softmax_of(row_of(q, 0, h * G + g, 0), keys);
+      const std::vector<double> w = ref::proxy_softmax(keys, row_of(q, 0, h * G + g, 0));
       for (Index d = 0; d < D; ++d) {
         double want = 0.0;
         for (std::size_t j = 0; j < w.size(); ++j)

@@ -546,18 +546,17 @@ template <class T>
 void kvzip_compress(Engine<T>& engine, const std::vector<int>& prompt, double keep,
                     const std::vector<int>& cue = {}, int chunk = 64, bool own_keys = true) {
   Engine<T> reread = engine.fork();
-  reread.checkpoint();
+  reread.observe_into(&engine.caches(), own_keys);
   for (std::size_t at = 0; at < prompt.size(); at += static_cast<std::size_t>(chunk)) {
     const std::size_t end = std::min(prompt.size(), at + static_cast<std::size_t>(chunk));
     std::vector<int> tokens = cue;
     tokens.insert(tokens.end(), prompt.begin() + static_cast<std::ptrdiff_t>(at),
                   prompt.begin() + static_cast<std::ptrdiff_t>(end));
-    reread.observe_into(&engine.caches(), own_keys);
+    reread.checkpoint();
     (void)reread.forward(tokens);
-    reread.observe_into(nullptr);
     reread.rollback();
-    if (end < prompt.size()) reread.checkpoint();
   }
+  reread.observe_into(nullptr);
   engine.compress(keep);
 }
 

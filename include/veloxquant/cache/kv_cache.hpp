@@ -189,12 +189,12 @@ class KVCache {
   /// queries: [B, Hq = G·H, S, Dk], RoPE applied at their positions
   template <class Q>
   void observe(TensorRef<Q> queries) {
-    observe_rows(rows_of(queries, "queries", "observe"));
+    observe_rows(rows_of(queries, "queries", "observe"), nullptr);
   }
   /// observe for Tensor4s and TensorMaps (see above).
   template <class QX, class = detail::input_element_t<QX>>
   void observe(const QX& queries) {
-    observe_rows(rows_of(queries, "queries", "observe"));
+    observe_rows(rows_of(queries, "queries", "observe"), nullptr);
   }
   /// observe with the re-read's own keys as well (KVzip's own normalisation, docs/design.md 6.1):
   /// each query's softmax then also runs over the keys of the re-read up to its own token, as the
@@ -205,14 +205,16 @@ class KVCache {
   template <class Q, class K>
   void observe(TensorRef<Q> queries, TensorRef<K> keys) {
     const detail::InputRows q = rows_of(queries, "queries", "observe");
-    observe_rows(q, rows_of(keys, "keys", "observe"));
+    const detail::InputRows k = rows_of(keys, "keys", "observe");
+    observe_rows(q, &k);
   }
   /// observe with the re-read's keys for Tensor4s and TensorMaps (see above).
   template <class QX, class KX, class = detail::input_element_t<QX>,
             class = detail::input_element_t<KX>>
   void observe(const QX& queries, const KX& keys) {
     const detail::InputRows q = rows_of(queries, "queries", "observe");
-    observe_rows(q, rows_of(keys, "keys", "observe"));
+    const detail::InputRows k = rows_of(keys, "keys", "observe");
+    observe_rows(q, &k);
   }
 
   /// Position the next token will take (tokens per sequence absorbed since the last reset).
@@ -492,10 +494,9 @@ class KVCache {
     const detail::InputRows q = rows_of(queries, "queries", api);
     return run(detail::Call{k, v, &q, api, nullptr}, out);
   }
-  // observe's body (detail/observed_call.hpp), behind the call gate. (Defined after the class,
-  // not inline, as run.)
-  void observe_rows(const detail::InputRows& queries);
-  void observe_rows(const detail::InputRows& queries, const detail::InputRows& keys);
+  // observe's body (detail/observed_call.hpp), behind the call gate; `keys`: the re-read's own,
+  // or null. (Defined after the class, not inline, as run.)
+  void observe_rows(const detail::InputRows& queries, const detail::InputRows* keys);
   // attend's entry, in the same order.
   template <class Q, class K, class V>
   void attend_call(const Q& queries, const K& keys, const V& values, float* out, Layout layout) {
@@ -614,15 +615,9 @@ void KVCache<T>::compress_set(const std::vector<KVCache*>& set, double keep) {
 }
 
 template <class T>
-void KVCache<T>::observe_rows(const detail::InputRows& queries) {
+void KVCache<T>::observe_rows(const detail::InputRows& queries, const detail::InputRows* keys) {
   const detail::CallGate::Entry entry = gate_.enter("observe");
-  detail::observe_layer(layer_, queries, nullptr, config_.method.c_str());
-}
-
-template <class T>
-void KVCache<T>::observe_rows(const detail::InputRows& queries, const detail::InputRows& keys) {
-  const detail::CallGate::Entry entry = gate_.enter("observe");
-  detail::observe_layer(layer_, queries, &keys, config_.method.c_str());
+  detail::observe_layer(layer_, queries, keys, config_.method.c_str());
 }
 
 }  // namespace veloxquant::cache

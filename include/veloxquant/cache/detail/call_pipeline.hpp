@@ -333,6 +333,16 @@ bool for_each_head(Layer<T>& L, Index n_heads, PoolCall& pool, const One& one,
   return !thrown && !pool.ledger->misused();
 }
 
+/// After for_each_head failed and the cache was reset: rethrows what the engine's parallel-for
+/// threw, else throws std::logic_error naming how it ran `api`'s tasks wrongly.
+[[noreturn]] inline void rethrow_pool_failure(const char* api, const PoolCall& pool,
+                                              const std::exception_ptr& thrown) {
+  if (thrown) std::rethrow_exception(thrown);
+  throw std::logic_error(std::string(api) + ": the parallel-for given to set_parallel_for ran " +
+                         std::to_string(pool.tasks) + " tasks wrongly (" + pool.ledger->misuse() +
+                         "); the cache was reset");
+}
+
 /// Step 5: per head, the window starts (with its order when `copy`: fetch), a pending re-budget
 /// applies, the call's rows are stored and the policy absorbs them. Heads are independent: with a
 /// parallel-for, each task takes a contiguous range of heads and its own scratch.
@@ -375,10 +385,7 @@ void absorb_heads(Layer<T>& L, const Call& c, Index groups, const CallPlan& plan
   // Some heads took the call and others did not: no state the cache can go on from. Reset
   // before the message is built (building it may throw bad_alloc).
   hooks.abandon_call();
-  if (thrown) std::rethrow_exception(thrown);
-  throw std::logic_error(std::string(c.api) + ": the parallel-for given to set_parallel_for ran " +
-                         std::to_string(pool.tasks) + " tasks wrongly (" + pool.ledger->misuse() +
-                         "); the cache was reset");
+  rethrow_pool_failure(c.api, pool, thrown);
 }
 
 // ---- the pipeline -----------------------------------------------------------------------------

@@ -65,16 +65,13 @@ void observe_head(HeadStore<T>& head, const HeadQueries& q, const OwnKeys& own, 
   const Index ld = Scratch::ld(n + extra);
   float* w = sc.weights.data();
   std::fill(w, w + n + extra, 0.0f);
-  // The re-read's keys as float32 rows (zero-padded to dp), packed once as the prefill packs its
-  // columns; then each block's logits on them.
+  // The re-read's keys as float32 rows (read_float_row zero-pads them to dp), packed once as the
+  // prefill packs its columns; then each block's logits on them.
   float* own_keys = sc.own.data();
   float* own_packed = own_keys + extra * dp;
   float* own_logits = own_packed + (extra > 0 ? packed_size(extra, d) : 0);
   const Index own_ld = Scratch::ld(extra);
-  for (Index j = 0; j < extra; ++j) {
-    std::fill(own_keys + j * dp, own_keys + (j + 1) * dp, 0.0f);
-    read_float_row(*own.rows, own.b, own.h, j, own_keys + j * dp);
-  }
+  for (Index j = 0; j < extra; ++j) read_float_row(*own.rows, own.b, own.h, j, own_keys + j * dp);
   if (own) pack_keys(own_keys, dp, 0, extra, d, own_packed, sc.keys.data());
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -144,10 +141,7 @@ void observe_layer(Layer<T>& L, const InputRows& q, const InputRows* own, const 
   std::exception_ptr thrown;
   if (!for_each_head(L, n_heads, pool, one, thrown)) {
     L.clear();
-    if (thrown) std::rethrow_exception(thrown);
-    throw std::logic_error(std::string(api) + ": the parallel-for given to set_parallel_for ran " +
-                           std::to_string(pool.tasks) + " tasks wrongly (" + pool.ledger->misuse() +
-                           "); the cache was reset");
+    rethrow_pool_failure(api, pool, thrown);
   }
   L.state.rule.observed = true;
 }
