@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 #include <veloxquant/cache.hpp>
+#include <veloxquant/cache/memory_pool.hpp>
 
 #include "support/storage_types.hpp"
 #include "support/test_support.hpp"
@@ -656,6 +657,66 @@ TEST(ConcurrencyPoolTest, APoolThatRacesItsOwnTasksIsCaughtWithoutARace) {
     EXPECT_TRUE(veloxquant::test::bitwise_equal(cache.update_and_fetch(k, v).first,
                                                 fresh.update_and_fetch(k, v).first));
   }
+}
+
+/// Sequences on threads of their own under one memory pool (SPEC 19, docs/design.md 10.5): each
+/// thread builds its set in the pool, prefills, decodes (with a checkpoint and a rollback), forks
+/// and drops the fork, while the others' calls end and the pool takes their rows. Under
+/// ThreadSanitizer: no race; afterwards the pool holds at most its cap and exactly what the caches
+/// keep, and every head its floor.
+TEST(ConcurrencyMemoryPoolTest, SetsOnThreadsShareOnePool) {
+  using T = Eigen::half;
+  using Caches = std::vector<std::unique_ptr<vc::KVCache<T>>>;
+  vc::KVCacheConfig config;
+  config.method = "h2o";
+  config.h2o_budget = 64;
+  constexpr int kThreads = 4, kLayers = 2, kHeads = 2, kD = 16;
+  const std::size_t row = 2 * kD * sizeof(T);
+  vc::MemoryPool pool(kThreads * kLayers * kHeads * 36 * row);
+  std::vector<Caches> sets(kThreads);
+  std::atomic<int> failures{0};
+  const auto lane = [&](int id) {
+    try {
+      std::mt19937 rng(500u + static_cast<unsigned>(id));
+      Caches set = vc::KVCacheBuilder::for_model<T>(kLayers, config, pool);
+      const auto call = [&](Index S) {
+        for (auto& c : set) {
+          const auto k = veloxquant::test::random_tensor<T>(rng, 1, kHeads, S, kD);
+          const auto v = veloxquant::test::random_tensor<T>(rng, 1, kHeads, S, kD);
+          (void)c->update_and_view(k, v);
+        }
+      };
+      call(30 + 10 * id);
+      for (int t = 0; t < 40; ++t) {
+        if (t == 20) vc::KVCacheBuilder::checkpoint(set);
+        call(1);
+        if (t == 22) vc::KVCacheBuilder::rollback(set);
+        if (t == 30) {
+          // A fork joins the pool and leaves it when dropped. (Its accessors are not read: another
+          // thread's call may trim it meanwhile, docs/design.md D.)
+          const Caches fork = vc::KVCacheBuilder::fork(set);
+        }
+      }
+      sets[static_cast<std::size_t>(id)] = std::move(set);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "lane " << id << ": " << e.what();
+      ++failures;
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i) threads.emplace_back(lane, i);
+  for (auto& th : threads) th.join();
+  ASSERT_EQ(failures.load(), 0);
+  std::size_t kept = 0;
+  for (const Caches& s : sets) {
+    for (const auto& c : s) {
+      kept += c->kept_bytes();
+      for (Index h = 0; h < kHeads; ++h) EXPECT_GE(c->head_rows(0, h), 20);
+    }
+  }
+  EXPECT_EQ(pool.sequences(), static_cast<std::size_t>(kThreads));
+  EXPECT_EQ(pool.used_bytes(), kept);
+  EXPECT_LE(pool.used_bytes(), pool.max_bytes());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ TEST(FuzzRegressions, SeedCorpusReplaysCleanAndReachesEveryPolicy) {
 // from every policy, storage type and width (fuzz/fuzz_load.hpp), and the files of the same sets
 // in the older versions (v1-seed-*, written before proxy_scoring; v2-seed-*, before
 // value_norm_power; v3-seed-*, before head_budgets; v4-seed-*, before key_axis, value_axis and
-// quant_block; v5-seed-*, before kvzip_n_sink). Each one loads (with its checksums verified),
+// quant_block; v5-seed-*, before kvzip_n_sink; v6-seed-*, before pool_floor_rows). Each one loads (with its checksums verified),
 // saves back to its own bytes and goes on with valid calls; an older file loads the fields it
 // predates at their defaults; and this build still writes exactly the current files' bytes, so the
 // format cannot drift without a new version (docs/design.md G).
@@ -110,7 +110,8 @@ TEST(FuzzRegressions, LoadCorpusLoadsGoesOnAndIsWhatThisBuildWrites) {
   const std::vector<fs::path> files = inputs_in(dir);
   ASSERT_GE(files.size(), 10u) << "the loader's corpus at " << dir.string() << " looks incomplete";
   const std::map<std::string, std::string> seeds = veloxquant::fuzz::make_seeds();
-  std::size_t compared = 0, version1 = 0, version2 = 0, version3 = 0, version4 = 0, version5 = 0;
+  std::size_t compared = 0, version1 = 0, version2 = 0, version3 = 0, version4 = 0, version5 = 0,
+              version6 = 0;
   for (const fs::path& p : files) {
     const std::vector<std::uint8_t> data = read_bytes(p);
     ASSERT_FALSE(data.empty()) << p.string();
@@ -118,8 +119,8 @@ TEST(FuzzRegressions, LoadCorpusLoadsGoesOnAndIsWhatThisBuildWrites) {
     const std::string name = p.stem().string();
     const bool v1 = name.rfind("v1-seed-", 0) == 0, v2 = name.rfind("v2-seed-", 0) == 0;
     const bool v3 = name.rfind("v3-seed-", 0) == 0, v4 = name.rfind("v4-seed-", 0) == 0;
-    const bool v5 = name.rfind("v5-seed-", 0) == 0;
-    if (v1 || v2 || v3 || v4 || v5) {
+    const bool v5 = name.rfind("v5-seed-", 0) == 0, v6 = name.rfind("v6-seed-", 0) == 0;
+    if (v1 || v2 || v3 || v4 || v5 || v6) {
       // Version 1 (before proxy_scoring) loads with the key-as-query proxy, versions 1 and 2
       // (before value_norm_power) rank by score alone, versions 1 to 3 (before head_budgets)
       // with uniform heads (and, above, save in the current version and go on).
@@ -143,17 +144,18 @@ TEST(FuzzRegressions, LoadCorpusLoadsGoesOnAndIsWhatThisBuildWrites) {
         if (v1 || v2) {
           EXPECT_EQ(c.value_norm_power, 0.0) << name;
         }
-        if (!v4 && !v5) {
+        if (!v4 && !v5 && !v6) {
           EXPECT_EQ(c.head_budgets, "uniform") << name;
         }
-        if (!v5) {
+        if (!v5 && !v6) {
           EXPECT_EQ(c.key_axis, "token") << name;
           EXPECT_EQ(c.value_axis, "token") << name;
           EXPECT_EQ(c.quant_block, 32) << name;
         }
-        EXPECT_EQ(c.kvzip_n_sink, 4) << name;  // every older version predates it
+        if (!v6) EXPECT_EQ(c.kvzip_n_sink, 4) << name;  // versions 1 to 5 predate it
+        EXPECT_EQ(c.pool_floor_rows, 16) << name;       // every older version predates it
       }
-      ++(v1 ? version1 : v2 ? version2 : v3 ? version3 : v4 ? version4 : version5);
+      ++(v1 ? version1 : v2 ? version2 : v3 ? version3 : v4 ? version4 : v5 ? version5 : version6);
       continue;
     }
     if (name.rfind("seed-", 0) != 0) continue;
@@ -170,6 +172,7 @@ TEST(FuzzRegressions, LoadCorpusLoadsGoesOnAndIsWhatThisBuildWrites) {
   EXPECT_GE(version3, 17u) << "the version-3 files of fuzz/corpus_load (v3-seed-*) are missing";
   EXPECT_GE(version4, 19u) << "the version-4 files of fuzz/corpus_load (v4-seed-*) are missing";
   EXPECT_GE(version5, 20u) << "the version-5 files of fuzz/corpus_load (v5-seed-*) are missing";
+  EXPECT_GE(version6, 22u) << "the version-6 files of fuzz/corpus_load (v6-seed-*) are missing";
 }
 
 TEST(FuzzRegressions, LoadHarnessRefusesGarbageAndShortInputs) {

@@ -582,9 +582,8 @@ TEST(KVzipPromptCache, TheLoaderRefusesStatesNoKVzipCacheReaches) {
     fmt::reseal(bytes, map);
     return bytes;
   };
-  // Flags: compressed without being observed; not compressed, though its heads were cut.
-  refused(patched(compressed, "cache0.flags", std::uint8_t{1 | 4}),
-          "compressed without being observed");
+  // Flags: not compressed, though its heads were cut. (Compressed without being observed is a
+  // state a memory pool's cut reaches, SPEC 19: test_memory_pool.cpp saves and loads one.)
   refused(patched(compressed, "cache0.flags", std::uint8_t{1 | 8}),
           "has not compressed holds every row");
   // A score that is no softmax weight; an observed score in a cache never observed (the first

@@ -8,6 +8,7 @@
 #include "cache/kv_cache_factory.hpp"
 #include "cache/kv_view.hpp"
 #include "cache/kvzip_cache.hpp"
+#include "cache/memory_pool.hpp"
 #include "cache/parallel.hpp"
 #include "cache/prompt_cache.hpp"
 #include "cache/pyramidkv_cache.hpp"

@@ -255,8 +255,9 @@ std::string as_version(const std::string& bytes, std::uint32_t version, Since si
   FileMap moved;  // the sections where they lie once the fields are out
   moved.sections = map.sections;
   // The fields that came after version 1, the last in a config first: earlier offsets stay valid.
-  const char* newer[] = {"kvzip_n_sink",      "quant_block",  "value_axis",       "key_axis",
-                         "head_budget_floor", "head_budgets", "value_norm_power", "proxy_scoring"};
+  const char* newer[] = {"pool_floor_rows",   "kvzip_n_sink", "quant_block",
+                         "value_axis",        "key_axis",     "head_budget_floor",
+                         "head_budgets",      "value_norm_power", "proxy_scoring"};
   for (std::uint32_t i = caches; i-- > 0;) {  // the last cache first, for the same reason
     const std::string p = "cache" + std::to_string(i);
     std::uint32_t removed = 0;

@@ -29,6 +29,7 @@
 #include "detail/input.hpp"
 #include "detail/layer.hpp"
 #include "detail/observed_call.hpp"
+#include "detail/pool_core.hpp"
 #include "detail/format/layer_io.hpp"
 #include "detail/format/state_io.hpp"
 #include "kv_cache_config.hpp"
@@ -59,7 +60,8 @@ class KVCache {
     config.validate();
     layer_.storage = storage_of(config);
   }
-  virtual ~KVCache() = default;
+  /// Leaves its memory pool, if any (its bytes and floor return to the pool).
+  virtual ~KVCache() { leave_pool(); }
   // A cache is polymorphic and owns per-call state: it is neither copied nor moved (hold it by
   // std::unique_ptr, as the factory and the builder do).
   KVCache(const KVCache&) = delete;
@@ -265,8 +267,10 @@ class KVCache {
   }
 
   /// Forgets everything; the next call starts a new sequence at position 0 (B, H, D may change).
-  virtual void reset() {
-    layer_.clear();  // and its checkpoint
+  /// In a memory pool the cache stays attached; its floor is claimed again at its next call.
+  void reset() {
+    const PoolTurn turn(*this, "reset");
+    do_reset();
   }
 
   /// The rows per head the cache evicts down to; -1 for the standard cache (docs/design.md 2.6).
@@ -368,6 +372,98 @@ class KVCache {
   /// of KVCacheBuilder checkpoint, roll back and reset each distinct one once.
   virtual SqueezeCoordinator* shared_coordinator() const { return nullptr; }
 
+  // ---- a memory pool (SPEC 19, docs/design.md 10.5): MemoryPool and KVCacheBuilder's --------
+  // ---- pooled overloads attach a set through these; an engine uses those. -------------------
+
+  /// A call's or a set operation's turn in the cache's pool (nothing outside one): from its
+  /// start the pool takes no rows of the cache; at its end the pool counts the cache's bytes and,
+  /// above its cap, takes rows (detail::PoolCore::begin, end).
+  class PoolTurn {
+   public:
+    /// Begins a turn that claims no floor. Throws std::bad_alloc (the pool's scratch grows).
+    PoolTurn(const KVCache& c, const char* api) : PoolTurn(c, 0, 0, 0, 0, api) {}
+    /// Begins a turn: `claim` floor bytes (the cache's first call), a head may hold `extra` more
+    /// rows than now when it ends, of `heads` heads and head dim `dim` at the most. Throws
+    /// std::length_error when the claim does not fit beside the pool's other floors, and
+    /// std::bad_alloc.
+    PoolTurn(const KVCache& c, std::size_t claim, Index extra, Index heads, Index dim,
+             const char* api)
+        : c_(&c), core_(c.seat_.core), unwinding_(std::uncaught_exceptions()) {
+      if (!core_) return;
+      const detail::Layer<T>& L = c.layer_;
+      detail::PoolNeed need;
+      Index cap = 0;
+      for (const auto& h : L.heads) cap = std::max(cap, h.capacity());
+      need.rows = std::max(cap, L.max_physical() + extra);
+      need.heads = std::max<Index>(static_cast<Index>(L.heads.size()), heads);
+      need.dim = detail::padded_dim(
+          std::max({L.state.dims.key_dim, L.state.dims.value_dim, dim}));
+      core_->begin(&c.seat_, claim, need, api);
+    }
+    PoolTurn(PoolTurn&& o) noexcept
+        : c_(o.c_), core_(std::move(o.core_)), unwinding_(o.unwinding_) {
+      o.core_.reset();
+    }
+    PoolTurn(const PoolTurn&) = delete;
+    PoolTurn& operator=(const PoolTurn&) = delete;
+    PoolTurn& operator=(PoolTurn&&) = delete;
+    ~PoolTurn() {
+      if (!core_) return;
+      // A cache whose shape is unknown (reset, or its first call failed) claims the lower bound
+      // it attached with; a turn that failed (an exception unwinds it) gives no row up itself.
+      core_->end(&c_->seat_, !c_->layer_.state.dims.known,
+                 std::uncaught_exceptions() > unwinding_);
+    }
+
+   private:
+    const KVCache* c_;
+    std::shared_ptr<detail::PoolCore> core_;  // held: a release during the turn leaves it valid
+    int unwinding_;
+  };
+
+  /// Whether the cache is attached to a memory pool.
+  bool in_pool() const { return seat_.core != nullptr; }
+  /// The pool the cache is attached to (null outside one).
+  const std::shared_ptr<detail::PoolCore>& pool_core() const { return seat_.core; }
+  /// What attaching the cache to a pool claims: the floor bytes of its heads if its shape is
+  /// known (else a lower bound, a head of dim 1: its first call claims the rest), and what a trim
+  /// of it needs. Throws std::invalid_argument for a standard cache (it gives no row up).
+  detail::PoolCore::Join pool_join(const char* api) const {
+    if (rule().kind == detail::RuleKind::keep_all) {
+      throw std::invalid_argument(std::string(api) +
+                                  ": a standard cache cannot join a memory pool (it never evicts, "
+                                  "so the pool could not take its rows); use an evicting method");
+    }
+    const detail::LayerDims& d = layer_.state.dims;
+    detail::PoolCore::Join j{&seat_, 0, 0, detail::PoolNeed{}};
+    j.provisional = static_cast<std::size_t>(pool_floor()) * 2 * sizeof(T);
+    j.floor_bytes = d.known ? floor_bytes(d.batch * d.heads, d.key_dim, d.value_dim)
+                            : j.provisional;
+    Index cap = 0;
+    for (const auto& h : layer_.heads) cap = std::max(cap, h.capacity());
+    j.need = detail::PoolNeed{cap, static_cast<Index>(layer_.heads.size()),
+                              detail::padded_dim(std::max(d.key_dim, d.value_dim))};
+    return j;
+  }
+  /// Takes its seat in `core`, which has attached it (detail::PoolCore::attach).
+  void seat_in_pool(std::shared_ptr<detail::PoolCore> core) noexcept {
+    seat_.core = std::move(core);
+    layer_.state.rule.pooled = true;
+  }
+  /// Leaves its pool, if any: its bytes and floor return to the pool.
+  void leave_pool() noexcept {
+    if (!seat_.core) return;
+    seat_.core->detach(&seat_);
+    seat_.core.reset();
+    layer_.state.rule.pooled = false;
+  }
+  /// The rows every head keeps at least in a pool: pool_floor_rows plus the policy's sinks, and
+  /// at least 1 (a head after a call holds a row).
+  Index pool_floor() const {
+    return std::max<Index>(
+        1, static_cast<Index>(config_.pool_floor_rows) + std::max(0, rule().n_sink));
+  }
+
   // ---- the set's operations (docs/design.md 10): KVCacheBuilder's fork, checkpoint and ------
   // ---- rollback run these on every cache of a set; an engine calls the builder's. ------------
 
@@ -412,7 +508,9 @@ class KVCache {
   /// Returns the cache to its live checkpoint and consumes it; without one it does nothing.
   /// Never throws (the heads kept the room, docs/design.md 10.2).
   void roll_back() noexcept {
-    if (layer_.mark.live) do_roll_back();
+    if (!layer_.mark.live) return;
+    do_roll_back();
+    layer_.state.rule.pooled = seat_.core != nullptr;  // as it is now, not at the checkpoint
   }
   /// Forgets the live checkpoint, if any.
   void drop_checkpoint() noexcept { layer_.drop_checkpoint(); }
@@ -426,6 +524,10 @@ class KVCache {
     layer_.fork_from(src.layer_);
   }
   virtual void do_take_checkpoint(std::uint64_t token) { layer_.checkpoint(token); }
+  /// reset()'s own part: a class that adds state resets it after the base's.
+  virtual void do_reset() {
+    layer_.clear();  // and its checkpoint
+  }
   virtual void do_roll_back() noexcept { layer_.roll_back(); }
 
   /// A policy's cache: `rule` says what the calls do with rows (docs/design.md 7.1).
@@ -527,7 +629,7 @@ class KVCache {
     explicit Hooks(KVCache& c) : c_(c) {}
     void inspect_call(const detail::InputRows& keys) override { c_.inspect_call(keys); }
     void start_call() override { c_.start_call(); }
-    void abandon_call() override { c_.reset(); }
+    void abandon_call() override { c_.do_reset(); }
 
    private:
     KVCache& c_;
@@ -553,9 +655,55 @@ class KVCache {
                               c.value_axis == "channel", c.quant_block};
   }
 
+  // Bytes `heads` heads of these dims hold at most at their pool floor.
+  std::size_t floor_bytes(Index heads, Index dk, Index dv) const {
+    const std::size_t head = detail::RowBuffer<T>::max_held_bytes(
+        layer_.storage.key_format(dk), layer_.storage.value_format(dv), pool_floor());
+    return static_cast<std::size_t>(heads) * head;
+  }
+  // What the pool reads of the cache (under its lock, with no call running on the cache).
+  detail::PoolRows pool_rows() const noexcept {
+    detail::PoolRows r;
+    r.bytes = layer_.kept_bytes();
+    if (layer_.heads.empty()) return r;
+    r.heads = static_cast<Index>(layer_.heads.size());
+    for (const auto& h : layer_.heads) {
+      r.max_rows = std::max(r.max_rows, h.live());
+      r.total_rows += h.live();
+    }
+    r.floor = pool_floor();
+    r.row_bytes = layer_.heads.front().slot_bytes();
+    return r;
+  }
+  // The pool's trim of the cache (detail::pool_trim_layer). (Defined after the class, not
+  // inline, as run.)
+  void pool_trim(Index rows, detail::Scratch& sc) noexcept;
+  void pool_candidates(std::uint32_t seat, std::vector<detail::PoolRow>& out) const noexcept;
+  void pool_drop(const detail::PoolRow* rows, std::size_t n, detail::Scratch& sc) noexcept;
+  // The cache's seat in a memory pool: what the pool asks of it.
+  class Seat final : public detail::PoolClient {
+   public:
+    explicit Seat(KVCache& c) : c_(c) {}
+    detail::PoolRows pool_rows() const noexcept override { return c_.pool_rows(); }
+    void pool_trim(Index rows, detail::Scratch& sc) noexcept override { c_.pool_trim(rows, sc); }
+    void pool_candidates(std::uint32_t seat,
+                         std::vector<detail::PoolRow>& out) const noexcept override {
+      c_.pool_candidates(seat, out);
+    }
+    void pool_drop(const detail::PoolRow* rows, std::size_t n,
+                   detail::Scratch& sc) noexcept override {
+      c_.pool_drop(rows, n, sc);
+    }
+    std::shared_ptr<detail::PoolCore> core;  // null outside a pool
+
+   private:
+    KVCache& c_;
+  };
+
   KVCacheConfig config_;
   detail::Layer<T> layer_;
   mutable detail::CallGate gate_;  // refuses a call that starts while another runs
+  mutable Seat seat_{*this};
 };
 
 template <class T>
@@ -570,6 +718,16 @@ KVPair<T> KVCache<T>::state() const {
 template <class T>
 KVView<T> KVCache<T>::run(const detail::Call& call, KVPair<T>* out) {
   const detail::CallGate::Entry entry = gate_.enter(call.api);
+  // In a pool, a cache's first call claims its heads' floors (its shape is known from now on):
+  // the call is validated first, so a refused call names its input, not the pool.
+  std::size_t claim = 0;
+  const Index S = call.keys.seq;
+  if (seat_.core && !layer_.state.dims.known && S > 0) {
+    detail::validate_call(layer_, call.keys, call.values, call.queries, call.api);
+    claim = floor_bytes(call.keys.batch * call.keys.heads, call.keys.dim, call.values.dim);
+  }
+  const PoolTurn turn(*this, claim, S, call.keys.batch * call.keys.heads,
+                      std::max(call.keys.dim, call.values.dim), call.api);
   Hooks hooks(*this);
   std::optional<detail::PairOut<KVPair<T>>> sink;
   if (out) sink.emplace(*out);
@@ -615,8 +773,24 @@ void KVCache<T>::compress_set(const std::vector<KVCache*>& set, double keep) {
 }
 
 template <class T>
+void KVCache<T>::pool_trim(Index rows, detail::Scratch& sc) noexcept {
+  detail::pool_trim_layer(layer_, rows, pool_floor(), sc);
+}
+template <class T>
+void KVCache<T>::pool_candidates(std::uint32_t seat,
+                                 std::vector<detail::PoolRow>& out) const noexcept {
+  detail::pool_candidates_layer(layer_, pool_floor(), seat, out);
+}
+template <class T>
+void KVCache<T>::pool_drop(const detail::PoolRow* rows, std::size_t n,
+                           detail::Scratch& sc) noexcept {
+  detail::pool_drop_layer(layer_, rows, n, sc);
+}
+
+template <class T>
 void KVCache<T>::observe_rows(const detail::InputRows& queries, const detail::InputRows* keys) {
   const detail::CallGate::Entry entry = gate_.enter("observe");
+  const PoolTurn turn(*this, "observe");
   detail::observe_layer(layer_, queries, keys, config_.method.c_str());
 }
 

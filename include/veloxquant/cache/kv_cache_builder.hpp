@@ -16,6 +16,7 @@
 #include "kv_cache.hpp"
 #include "kv_cache_config.hpp"
 #include "kv_cache_factory.hpp"
+#include "memory_pool.hpp"
 #include "pyramidkv_cache.hpp"
 #include "squeeze_cache.hpp"
 #include "squeeze_coordinator.hpp"
@@ -50,6 +51,42 @@ class KVCacheBuilder {
                     false);
   }
 
+  /// for_model, the set attached to `pool` (SPEC 19, docs/design.md 10.5): its layers' heads
+  /// claim their floors at their first call (their shape is known from then on), and the pool
+  /// takes rows from them, and gives them rows, with its other sets. Throws as for_model, and
+  /// std::invalid_argument for the standard method (it never evicts: the pool could not take its
+  /// rows), std::length_error when even one head of dim 1 per layer does not fit beside the
+  /// floors the pool's sets claim; then nothing is attached.
+  template <class T = Eigen::half>
+  static std::vector<std::unique_ptr<KVCache<T>>> for_model(
+      const std::vector<std::optional<int>>& layer_head_dims, const KVCacheConfig& config,
+      MemoryPool& pool) {
+    check_poolable(config, "KVCacheBuilder::for_model");
+    std::vector<std::unique_ptr<KVCache<T>>> caches = for_model<T>(layer_head_dims, config);
+    pool.attach(caches, "KVCacheBuilder::for_model");
+    return caches;
+  }
+  template <class T = Eigen::half>
+  static std::vector<std::unique_ptr<KVCache<T>>> for_model(int n_layers,
+                                                            const KVCacheConfig& config,
+                                                            MemoryPool& pool) {
+    check_poolable(config, "KVCacheBuilder::for_model");
+    std::vector<std::unique_ptr<KVCache<T>>> caches = for_model<T>(n_layers, config);
+    pool.attach(caches, "KVCacheBuilder::for_model");
+    return caches;
+  }
+
+  /// fork, the copy attached to `pool` (a fork without a pool joins its source's pool, if any).
+  /// Throws as fork, and std::length_error when the copy's floors do not fit beside the pool's
+  /// (then the copy is dropped and nothing is attached).
+  template <class T>
+  static std::vector<std::unique_ptr<KVCache<T>>> fork(
+      const std::vector<std::unique_ptr<KVCache<T>>>& caches, MemoryPool& pool) {
+    std::vector<std::unique_ptr<KVCache<T>>> out = copy_set(caches);
+    pool.attach(out, "KVCacheBuilder::fork");
+    return out;
+  }
+
   /// An independent copy of a model's set (docs/design.md 10.1, SPEC 13.1): the same classes,
   /// configs, retained rows (quantized rows stay quantized, compacted, at a capacity of exactly
   /// the rows retained), positions, scores, budgets, offset and counters; the copy's squeeze
@@ -62,10 +99,28 @@ class KVCacheBuilder {
   template <class T>
   static std::vector<std::unique_ptr<KVCache<T>>> fork(
       const std::vector<std::unique_ptr<KVCache<T>>>& caches) {
+    std::vector<std::unique_ptr<KVCache<T>>> out = copy_set(caches);
+    // The children of an attached set share its pool (SPEC 19).
+    for (const auto& c : caches) {
+      if (c->in_pool()) {
+        MemoryPool::attach_to(c->pool_core(), out, "KVCacheBuilder::fork");
+        break;
+      }
+    }
+    return out;
+  }
+
+ private:
+  /// fork's copy, attached to no pool.
+  template <class T>
+  static std::vector<std::unique_ptr<KVCache<T>>> copy_set(
+      const std::vector<std::unique_ptr<KVCache<T>>>& caches) {
     check_entries(caches, "KVCacheBuilder::fork");
     // Every source is held from before its coordinator is copied to the end, so that the copy
-    // is of one moment of the set.
+    // is of one moment of the set; the pool takes no rows of it meanwhile.
     const std::vector<detail::CallGate::Entry> entries = hold(caches, "KVCacheBuilder::fork");
+    const std::vector<typename KVCache<T>::PoolTurn> turns =
+        pool_turns(caches, "KVCacheBuilder::fork");
     detail::StateLinks links;
     for (const auto& c : caches) c->link_state(links);
     links.copy_saved([](const SqueezeCoordinator& co) {
@@ -87,6 +142,8 @@ class KVCacheBuilder {
     return out;
   }
 
+ public:
+
   /// Marks the set's current state (docs/design.md 10.2, SPEC 13.2): every cache and every
   /// distinct coordinator of the set keep a checkpoint under one token, replacing the set's live
   /// one. The rows themselves are saved only when a later call is about to overwrite one. Throws
@@ -97,6 +154,8 @@ class KVCacheBuilder {
   static void checkpoint(std::vector<std::unique_ptr<KVCache<T>>>& caches) {
     check_entries(caches, "KVCacheBuilder::checkpoint");
     const std::vector<detail::CallGate::Entry> entries = hold(caches, "KVCacheBuilder::checkpoint");
+    const std::vector<typename KVCache<T>::PoolTurn> turns =
+        pool_turns(caches, "KVCacheBuilder::checkpoint");
     const std::vector<SqueezeCoordinator*> coordinators = coordinators_of(caches);
     const std::uint64_t token = next_token();
     try {
@@ -120,6 +179,8 @@ class KVCacheBuilder {
   static void rollback(std::vector<std::unique_ptr<KVCache<T>>>& caches) {
     check_entries(caches, "KVCacheBuilder::rollback");
     const std::vector<detail::CallGate::Entry> entries = hold(caches, "KVCacheBuilder::rollback");
+    const std::vector<typename KVCache<T>::PoolTurn> turns =
+        pool_turns(caches, "KVCacheBuilder::rollback");
     const std::vector<SqueezeCoordinator*> coordinators = coordinators_of(caches);
     std::optional<std::uint64_t> token;
     const auto same = [&](std::optional<std::uint64_t> t, const std::string& what) {
@@ -157,6 +218,8 @@ class KVCacheBuilder {
   static void compress(std::vector<std::unique_ptr<KVCache<T>>>& caches, double keep) {
     check_entries(caches, "KVCacheBuilder::compress");
     const std::vector<detail::CallGate::Entry> entries = hold(caches, "KVCacheBuilder::compress");
+    const std::vector<typename KVCache<T>::PoolTurn> turns =
+        pool_turns(caches, "KVCacheBuilder::compress");
     std::vector<KVCache<T>*> set;
     set.reserve(caches.size());
     for (const auto& c : caches) {
@@ -202,6 +265,28 @@ class KVCacheBuilder {
     return entries;
   }
   // One token per checkpoint call: a rollback takes only a checkpoint all of its set share.
+  // Every distinct cache's turn in its pool, for a set operation (after hold: no call runs).
+  template <class T>
+  static std::vector<typename KVCache<T>::PoolTurn> pool_turns(
+      const std::vector<std::unique_ptr<KVCache<T>>>& caches, const char* api) {
+    std::vector<typename KVCache<T>::PoolTurn> turns;
+    turns.reserve(caches.size());
+    std::vector<const KVCache<T>*> seen;
+    for (const auto& c : caches) {
+      if (std::find(seen.begin(), seen.end(), c.get()) != seen.end()) continue;
+      seen.push_back(c.get());
+      if (c->in_pool()) turns.emplace_back(*c, api);
+    }
+    return turns;
+  }
+  static void check_poolable(const KVCacheConfig& config, const char* api) {
+    if (detail::method_of(config).id == detail::Method::standard) {
+      throw std::invalid_argument(std::string(api) +
+                                  ": method 'standard' cannot join a memory pool (it never "
+                                  "evicts, so the pool could not take its rows); use an evicting "
+                                  "method");
+    }
+  }
   static std::uint64_t next_token() {
     static std::atomic<std::uint64_t> counter{0};
     return ++counter;

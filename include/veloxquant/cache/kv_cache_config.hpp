@@ -174,6 +174,11 @@ struct KVCacheConfig {
   /// recent rows count toward it), in (0, 1]; 1 keeps every head at the budget.
   double head_budget_floor = 0.2;
 
+  /// Under a memory pool (SPEC 19, docs/design.md 10.5): the rows every head keeps at least
+  /// besides its policy's sinks, whatever the pool's other sequences need (a head holding fewer
+  /// keeps what it holds). >= 0. Caches outside a pool ignore it.
+  int pool_floor_rows = 16;
+
   /// Sets the rows-per-head budget of every method (docs/design.md 2.1): squeeze_budget,
   /// h2o_budget, pyramid_budget, tova_budget, snap_budget, and stream_window_size = rows -
   /// stream_n_sink. Checks nothing: validate() (or the cache that is built) does.
@@ -398,6 +403,7 @@ inline void KVCacheConfig::validate() const {
   if (!(head_budget_floor > 0.0 && head_budget_floor <= 1.0)) {
     config_error("head_budget_floor", head_budget_floor, "must be in (0, 1]");
   }
+  check_non_negative("pool_floor_rows", pool_floor_rows);
   m.validate(*this);
 }
 
@@ -445,6 +451,7 @@ void for_each_config_field(Config& c, F&& f) {
   f("value_axis", c.value_axis);                // since prompt-cache format version 5
   f("quant_block", c.quant_block);              // since prompt-cache format version 5
   f("kvzip_n_sink", c.kvzip_n_sink);            // since prompt-cache format version 6
+  f("pool_floor_rows", c.pool_floor_rows);      // since prompt-cache format version 7
 }
 
 /// The prompt-cache format version that first stored config field `name` (docs/design.md G): a
@@ -452,6 +459,7 @@ void for_each_config_field(Config& c, F&& f) {
 /// library that wrote the file).
 inline unsigned config_field_since(const char* name) {
   const std::string n(name);
+  if (n == "pool_floor_rows") return 7U;
   if (n == "kvzip_n_sink") return 6U;
   if (n == "key_axis" || n == "value_axis" || n == "quant_block") return 5U;
   if (n == "head_budgets" || n == "head_budget_floor") return 4U;

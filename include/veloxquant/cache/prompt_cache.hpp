@@ -35,6 +35,7 @@
 #include "kv_cache.hpp"
 #include "kv_cache_config.hpp"
 #include "kv_cache_factory.hpp"
+#include "memory_pool.hpp"
 #include "squeeze_cache.hpp"
 #include "squeeze_coordinator.hpp"
 
@@ -57,9 +58,9 @@ inline constexpr unsigned char kPromptCacheMagic[8] = {0x89, 'V', 'Q', 'K', 'V',
 /// Version 2 added config field proxy_scoring, version 3 value_norm_power, version 4 head_budgets,
 /// head_budget_floor and the rows of each adaptive head, version 5 key_axis, value_axis and
 /// quant_block and the channel blocks of each head, version 6 method kvzip, kvzip_n_sink and the
-/// state flag "observed" (config_field_since, docs/design.md G); older files still load, the
-/// fields they predate at their defaults.
-inline constexpr std::uint32_t kPromptCacheVersion = 6;
+/// state flag "observed", version 7 pool_floor_rows (config_field_since, docs/design.md G); older
+/// files still load, the fields they predate at their defaults.
+inline constexpr std::uint32_t kPromptCacheVersion = 7;
 
 /// Storage type codes of the header: 1 half, 2 bfloat16, 3 float.
 template <class T>
@@ -127,6 +128,12 @@ class PromptCacheIO {
     if (caches.size() > kMaxCount || metadata.size() > kMaxCount) {
       throw std::invalid_argument(std::string(api) +
                                   ": more than 2^32 - 1 caches or metadata entries");
+    }
+    // A set in a memory pool: the pool takes no rows of it while it is written (SPEC 19).
+    std::vector<typename KVCache<T>::PoolTurn> turns;
+    turns.reserve(caches.size());
+    for (const auto& c : caches) {
+      if (c->in_pool()) turns.emplace_back(*c, api);
     }
     // A dry run first: it writes nothing and refuses (std::invalid_argument) a set the loader
     // would refuse for memory (docs/design.md G); then the file.
@@ -482,6 +489,22 @@ PromptCache<T> load_prompt_cache(const std::string& path) {
   if (!in) throw std::runtime_error("load_prompt_cache: cannot open '" + path + "'");
   PromptCache<T> out = detail::PromptCacheIO<T>::load(in, "'" + path + "'");
   detail::PromptCacheIO<T>::expect_end(in, "'" + path + "'");
+  return out;
+}
+
+/// load_prompt_cache, the loaded set attached to `pool` (SPEC 19). Throws as the plain form, and
+/// std::length_error when the set's floors do not fit beside those of the pool's sets (then
+/// nothing is attached, and the loaded caches are dropped).
+template <class T>
+PromptCache<T> load_prompt_cache(std::istream& in, MemoryPool& pool) {
+  PromptCache<T> out = load_prompt_cache<T>(in);
+  pool.attach(out.caches, "load_prompt_cache");
+  return out;
+}
+template <class T>
+PromptCache<T> load_prompt_cache(const std::string& path, MemoryPool& pool) {
+  PromptCache<T> out = load_prompt_cache<T>(path);
+  pool.attach(out.caches, "load_prompt_cache");
   return out;
 }
 

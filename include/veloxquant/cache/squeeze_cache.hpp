@@ -139,8 +139,10 @@ class SqueezeAttentionCache : public KVCache<T> {
   }
   SqueezeCoordinator* shared_coordinator() const override { return coordinator_.get(); }
 
-  void reset() override {
-    KVCache<T>::reset();
+ protected:
+  /// reset(): the base's, then the layer's calibration, report and adoption, and its budget.
+  void do_reset() override {
+    KVCache<T>::do_reset();
     own_ = Calibration{};
     pending_ = Pending{};
     if (coordinated() && this->config().squeeze_defer) {
@@ -149,8 +151,6 @@ class SqueezeAttentionCache : public KVCache<T> {
       this->set_budget(fallback_budget());
     }
   }
-
- protected:
   /// Fork: the base state, then the layer's own (its calibration, report and adoption, and its
   /// layer id) with the copy of its coordinator that `links` holds.
   void do_fork_from(const KVCache<T>& src, detail::StateLinks& links) override {

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -31,6 +32,7 @@
 #include "layer.hpp"
 #include "layer_storage.hpp"
 #include "policy.hpp"
+#include "pool_core.hpp"
 #include "task_ledger.hpp"
 
 namespace veloxquant::cache::detail {
@@ -266,7 +268,13 @@ inline PoolCall pool_call(int tasks) {
 template <class T>
 void pool_rebudget(Layer<T>& L, bool with_queries) {
   const Rule& rule = L.state.rule;
-  Scratch& sc = L.scratch.front();
+  pool_rebudget(L, rule, rule.floor_rows(), with_queries, L.scratch.front());
+}
+/// pool_rebudget by `rule` (its budget, sinks and protected rows) with heads kept at
+/// `floor_rows` at least, on scratch `sc`.
+template <class T>
+void pool_rebudget(Layer<T>& L, const Rule& rule, Index floor_rows, bool with_queries,
+                   Scratch& sc) {
   const bool keydiff = rule.proxy == ProxyScoring::keydiff && !with_queries;
   const bool weighted = rule.value_power > 0.0 && with_queries;
   const Index H = L.state.dims.heads;
@@ -286,8 +294,8 @@ void pool_rebudget(Layer<T>& L, bool with_queries) {
       head.mark_dead(slot);
       if (sum_valid) head.keydiff_sum().valid = true;
     };
-    pooled_rebudget(seq, H, *rule.budget, rule.floor_rows(), rule.n_sink, rule.protected_recent(),
-                    sc, rank, mark_dead);
+    pooled_rebudget(seq, H, *rule.budget, floor_rows, rule.n_sink, rule.protected_recent(), sc,
+                    rank, mark_dead);
   }
 }
 
@@ -303,6 +311,201 @@ void rebudget_head(const Rule& rule, HeadStore<T>& head, bool with_queries, Scra
     rank = value_rank_head(head, sc);
   }
   rebudget(head, *rule.budget, rule.n_sink, rule.protected_recent(), sc, rank);
+}
+
+/// A memory pool's trim (SPEC 19, docs/design.md 10.5), outside any call: every head of `L`
+/// brought within max(rows, floor) rows exactly as a re-budget to that many rows brings it
+/// (4.5; adaptive heads: their sequence's pooled re-budget, 4.9, each head keeping `floor` at
+/// least), with the protected rows of that budget. KVzip ranks its rows not yet observed above
+/// every observed one (they are the newest; among them the earliest goes first) and protects no
+/// recent rows of its own. `sc`: the pool's scratch, sized for the heads' slots and dims.
+template <class T>
+void pool_trimmed(Layer<T>& L) noexcept;
+template <class T>
+void pool_trim_layer(Layer<T>& L, Index rows, Index floor, Scratch& sc) noexcept {
+  if (L.heads.empty()) return;
+  const Index limit = std::max(rows, floor);
+  Rule r = L.state.rule;
+  r.budget = static_cast<int>(std::min<Index>(limit, std::numeric_limits<int>::max()));
+  // KeyDiff's ranking needs its running sum, which a loaded head has not allocated until its
+  // first call: until then such heads rank by their scores (1/|k|, the ranking's weights).
+  bool keydiff = r.proxy == ProxyScoring::keydiff;
+  for (const auto& head : L.heads) {
+    keydiff = keydiff && head.keydiff_sum_ready();
+  }
+  const bool with_queries = !keydiff;
+  // Only the H2O core protects its newest rows (4.2); SnapKV keeps its own default share.
+  if (r.kind == RuleKind::window || r.kind == RuleKind::last_attention ||
+      r.kind == RuleKind::observed) {
+    r.recent_by_ratio = false;
+    r.grace = 0;
+  }
+  if (r.adaptive) {
+    pool_rebudget(L, r, std::min(limit, std::max(r.floor_rows(), floor)), with_queries, sc);
+  } else {
+    for (auto& head : L.heads) {
+      if (head.live() <= limit) continue;
+      if (r.kind != RuleKind::observed) {
+        rebudget_head(r, head, with_queries, sc);
+        continue;
+      }
+      float* rank = sc.logits.data();
+      const float* score = head.scores_data_const();
+      for (Index s = 0; s < head.physical(); ++s) {
+        rank[s] = score[s] < 0.0f ? std::numeric_limits<float>::max() : score[s];
+      }
+      rebudget(head, *r.budget, r.n_sink, 0, sc, rank);
+    }
+  }
+  pool_trimmed(L);
+}
+
+// The scores rule of a memory pool (docs/design.md 10.5). A head's candidates: its rows that are
+// not sinks nor (H2O core) protected newest rows, at most (live - floor) of them; a row's rank is
+// its score over the mean score of its head's candidates (StreamingLLM: all 1, so the earliest
+// go; KVzip: rows not yet observed last). Heads that must hold equal rows (every policy but
+// adaptive heads and KVzip) give rows up together: the layer's k-th candidate is "each head's
+// k-th lowest", ranked by the mean of those ranks.
+
+/// g: the protected newest rows of a head of `live` rows under the scores rule.
+inline Index pool_protected(const Rule& r, Index live) {
+  if (r.kind != RuleKind::cumulative) return 0;
+  Rule at = r;
+  at.budget = static_cast<int>(std::min<Index>(live, std::numeric_limits<int>::max()));
+  return at.protected_recent();
+}
+
+/// Appends `head`'s candidates (see above) to `out`, sorted by rank when `sorted`, else its
+/// lowest-ranked `quota` in any order. Returns how many.
+template <class T>
+Index pool_head_candidates(const HeadStore<T>& head, const Rule& r, Index floor,
+                           std::uint32_t seat, std::int32_t index, bool sorted,
+                           std::vector<PoolRow>& out) noexcept {
+  const Index live = head.live();
+  if (live <= floor) return 0;
+  const Index sinks = head.leading_sinks(r.n_sink);
+  const Index hi = std::max(sinks, live - pool_protected(r, live));
+  const Index quota = std::min(hi - sinks, live - floor);
+  if (quota <= 0) return 0;
+  const Slot* ord = head.order().data();
+  double sum = 0.0;
+  for (Index k = sinks; k < hi; ++k) sum += std::max(0.0f, head.score(ord[k]));
+  const double mean = sum / static_cast<double>(hi - sinks);
+  const std::size_t start = out.size();
+  for (Index k = sinks; k < hi; ++k) {
+    const Slot s = ord[k];
+    const float sc = head.score(s);
+    float rank = 1.0f;
+    if (r.kind == RuleKind::observed && sc < 0.0f) {
+      rank = std::numeric_limits<float>::max();
+    } else if (r.kind != RuleKind::window && mean > 0.0) {
+      rank = static_cast<float>(static_cast<double>(sc) / mean);
+    }
+    out.push_back(PoolRow{rank, seat, index, s, head.position(s)});
+  }
+  const auto first = out.begin() + static_cast<std::ptrdiff_t>(start);
+  const auto by_rank = [](const PoolRow& a, const PoolRow& b) {
+    return a.rank != b.rank ? a.rank < b.rank : a.pos < b.pos;
+  };
+  if (quota < hi - sinks) std::nth_element(first, first + quota, out.end(), by_rank);
+  out.resize(start + static_cast<std::size_t>(quota));
+  if (sorted) std::sort(first, out.end(), by_rank);
+  return quota;
+}
+
+/// Appends the candidates of layer `L` (seat `seat`) to `out`, which has room for all its rows.
+template <class T>
+void pool_candidates_layer(const Layer<T>& L, Index floor, std::uint32_t seat,
+                           std::vector<PoolRow>& out) noexcept {
+  const Rule& r = L.state.rule;
+  if (r.per_head_rows()) {
+    for (std::size_t i = 0; i < L.heads.size(); ++i) {
+      (void)pool_head_candidates(L.heads[i], r, floor, seat, static_cast<std::int32_t>(i), false,
+                                 out);
+    }
+    return;
+  }
+  // Equal heads: each head's sorted candidates one after the other, then the layer's rows.
+  const std::size_t start = out.size();
+  Index quota = std::numeric_limits<Index>::max();
+  const std::size_t heads = L.heads.size();
+  for (std::size_t i = 0; i < heads; ++i) {
+    quota = std::min(quota, pool_head_candidates(L.heads[i], r, floor, seat,
+                                                 static_cast<std::int32_t>(i), true, out));
+  }
+  if (heads == 0 || quota <= 0 || quota == std::numeric_limits<Index>::max()) {
+    out.resize(start);
+    return;
+  }
+  // Head i's sorted list follows head i - 1's, as long as that head's quota; row k of the layer
+  // overwrites out[start + k], which head 0's list no longer needs.
+  std::size_t at = start;
+  for (Index k = 0; k < quota; ++k) {
+    double sum = 0.0;
+    std::size_t base = start;
+    for (std::size_t i = 0; i < heads; ++i) {
+      const HeadStore<T>& head = L.heads[i];
+      const Index live = head.live();
+      const Index sinks = head.leading_sinks(r.n_sink);
+      const Index hi = std::max(sinks, live - pool_protected(r, live));
+      const Index q = std::min(hi - sinks, live - floor);
+      sum += static_cast<double>(out[base + static_cast<std::size_t>(k)].rank);
+      base += static_cast<std::size_t>(q);
+    }
+    const PoolRow first_head = out[start + static_cast<std::size_t>(k)];
+    out[at++] = PoolRow{static_cast<float>(sum / static_cast<double>(heads)), seat, -1,
+                        static_cast<std::int32_t>(k), first_head.pos};
+  }
+  out.resize(at);
+}
+
+/// After a memory pool took rows of `L` outside a call: channel blocks left without a live row
+/// go (their tables count in kept_bytes()), and a SnapKV or KVzip layer is marked compressed: its
+/// rows were cut, as its own compress cuts them (the prompt-cache format's checks, G).
+template <class T>
+void pool_trimmed(Layer<T>& L) noexcept {
+  Index rows = 0;
+  for (auto& h : L.heads) {
+    h.prune_blocks();
+    rows += h.live();
+  }
+  const RuleKind k = L.state.rule.kind;
+  const Index all = L.state.offset * static_cast<Index>(L.heads.size());
+  if ((k == RuleKind::prompt || k == RuleKind::observed) && rows < all) {
+    L.state.rule.compressed = true;
+  }
+}
+
+/// The scores rule's eviction of `n` rows of `L` (ascending by head, then slot; head -1: one row
+/// of every head, each its lowest-ranked candidate), on the pool's scratch `sc`.
+template <class T>
+void pool_drop_layer(Layer<T>& L, const PoolRow* rows, std::size_t n, Scratch& sc) noexcept {
+  const Rule& r = L.state.rule;
+  if (n > 0 && rows[0].head < 0) {
+    for (auto& head : L.heads) {
+      const Index live = head.live();
+      const float* rank = nullptr;
+      if (r.kind == RuleKind::observed) {
+        float* buf = sc.logits.data();
+        const float* score = head.scores_data_const();
+        for (Index s = 0; s < head.physical(); ++s) {
+          buf[s] = score[s] < 0.0f ? std::numeric_limits<float>::max() : score[s];
+        }
+        rank = buf;
+      }
+      rebudget(head, static_cast<int>(live - static_cast<Index>(n)), r.n_sink,
+               static_cast<int>(pool_protected(r, live)), sc, rank);
+    }
+    pool_trimmed(L);
+    return;
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    L.heads[static_cast<std::size_t>(rows[i].head)].mark_dead(rows[i].slot);
+    if (i + 1 == n || rows[i + 1].head != rows[i].head) {
+      L.heads[static_cast<std::size_t>(rows[i].head)].drop_dead();
+    }
+  }
+  pool_trimmed(L);
 }
 
 /// Runs `one(i, scratch)` for every head i, on the engine's parallel-for when the call has tasks:

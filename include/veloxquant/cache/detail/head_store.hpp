@@ -318,6 +318,12 @@ class HeadStore {
     key_sum_.valid = false;
   }
   /// Marks slot `s` dead (drop_dead() then removes it from `order`).
+  /// Drops the channel blocks none of whose live rows remain, without moving a row (a memory
+  /// pool's trim outside a call: the tables of the rows it took go at once). Never allocates.
+  void prune_blocks() noexcept {
+    if (!rows_.channel_axis()) return;
+    rows_.channel().prune(live(), [this](Index i) { return pos_[at(order_[at(i)])]; });
+  }
   void mark_dead(Slot s) noexcept {
     VELOXQUANT_ASSERT(alive_[at(s)] == kAlive, "mark_dead of a dead slot");
     alive_[at(s)] = kDead;
@@ -345,6 +351,10 @@ class HeadStore {
   /// KeyDiff's running sum over the live rows (proxy_scores.hpp): stale after every change of the
   /// live set made here; the KeyDiff scorer keeps it (proxy_call.hpp).
   KeyDiffSum& keydiff_sum() { return key_sum_; }
+  /// Whether KeyDiff's running sum is allocated (a head's first call with KeyDiff allocates it).
+  bool keydiff_sum_ready() const {
+    return static_cast<Index>(key_sum_.sum.size()) >= key_dim() && key_dim() > 0;
+  }
 
   /// The value-weighted ranking (docs/design.md 4.8, KVCacheConfig::value_norm_power): from now
   /// on every slot holds |v|^power of its stored value row, computed once when the row is stored

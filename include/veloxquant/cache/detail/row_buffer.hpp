@@ -58,6 +58,20 @@ class RowBuffer {
   std::size_t held_bytes(Index live) const {
     return static_cast<std::size_t>(live) * slot_bytes() + (ch_ ? ch_->held_bytes() : 0);
   }
+  /// The most bytes `rows` live rows of these formats can hold (held_bytes): their slots, a
+  /// sealed table per row (each in a block of its own) and a full pending block, for each tensor
+  /// quantized along channels. A memory pool's floors are claimed at this bound (SPEC 19).
+  static std::size_t max_held_bytes(const RowFormat& kf, const RowFormat& vf, Index rows) {
+    const auto n = static_cast<std::size_t>(rows);
+    std::size_t bytes = n * static_cast<std::size_t>(stride_of(kf) + stride_of(vf)) * sizeof(T);
+    for (const RowFormat* f : {&kf, &vf}) {
+      if (!f->channel_axis()) continue;
+      const auto dim = static_cast<std::size_t>(f->dim);
+      bytes += n * 2 * dim * sizeof(std::uint16_t) +
+               static_cast<std::size_t>(f->block) * dim * sizeof(T);
+    }
+    return bytes;
+  }
   /// True when keys or values are quantized along channels (they then have blocks: channel()).
   bool channel_axis() const { return ch_ != nullptr; }
   const ChannelBlocks<T>& channel() const { return *ch_; }

@@ -49,6 +49,9 @@ struct Rule {
   bool compressed = false;   ///< prompt: a call has been ranked and cut; observed: a compress
                              ///< has cut the heads (until reset)
   bool observed = false;     ///< observed: an observe call has scored rows (until reset)
+  /// The cache is in a memory pool (SPEC 19): TOVA then scores every token, not only those after
+  /// which it evicts, so that the pool's trims rank rows by its attention.
+  bool pooled = false;
 
   /// Whether the heads may hold different numbers of rows: adaptive heads (SPEC 14) and KVzip
   /// after a compress (SPEC 18).

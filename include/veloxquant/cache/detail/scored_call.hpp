@@ -160,12 +160,13 @@ class ScoredCall {
     if (!plan_.gather) head_.push_live(slot_of(t));
     ++live_;
     const bool evict = rule_.budget && live_ > *rule_.budget;
-    if (!evict && !att_) return;
+    if (!evict && !att_ && !rule_.pooled) return;
     float* w = sc_.weights.data();
     softmax_mean(rows_of(t), G_, ld_, ct + 1, w, sc_.inv.data());
     if (att_) attend(t, ct + 1);
-    if (!evict) return;
+    if (!evict && !rule_.pooled) return;
     std::copy(w, w + ct + 1, cols_.score);
+    if (!evict) return;
     evict_worst(t, ct, rule_.n_sink, kAll, 0);
   }
 
