@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -43,6 +44,11 @@ static_assert(std::is_same_v<std::underlying_type_t<vq_status>, int> &&
 
 struct vq_config {
   vc::KVCacheConfig config;
+};
+
+struct vq_pool {
+  explicit vq_pool(std::size_t max_bytes) : pool(max_bytes) {}
+  vc::MemoryPool pool;
 };
 
 // A set of one storage type T lives in Set<T>; the handle knows which (storage).
@@ -130,6 +136,8 @@ vq_status guarded(const char* api, vq_status logic, F&& f) noexcept {
     return set_error(VQ_EINVAL, api, e.what());
   } catch (const std::bad_alloc&) {
     return set_error(VQ_ENOMEM, api, "out of memory");
+  } catch (const vc::detail::FloorsDoNotFit& e) {
+    return set_error(VQ_ENOROOM, api, e.what());
   } catch (const std::length_error& e) {
     return set_error(VQ_ENOMEM, api, e.what());
   } catch (const std::logic_error& e) {
@@ -527,7 +535,7 @@ void copy_rows(const vc::KVView<T>& view, Rows rows_of, Eigen::Index dim, float*
   }
 }
 
-std::unique_ptr<vq_caches> load_set(const char* path) {
+std::unique_ptr<vq_caches> load_set(const char* path, vq_pool* pool = nullptr) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     fail(VQ_EIO, std::string("cannot open '") + path + "': " + std::strerror(errno));
@@ -551,6 +559,7 @@ std::unique_ptr<vq_caches> load_set(const char* path) {
       if (in.bad()) fail(VQ_EIO, std::string("cannot read '") + path + "'");
       fail(VQ_EFORMAT, e.what());
     }
+    if (pool != nullptr) pool->pool.attach(pc.caches, "vq_load_pooled");
     auto set = std::make_unique<Set<T>>(std::move(pc.caches), storage_of<T>());
     set->metadata = std::move(pc.metadata);
     return set;
@@ -621,6 +630,8 @@ const char* vq_status_name(vq_status s) {
       return "VQ_ESTATE";
     case VQ_ECALLBACK:
       return "VQ_ECALLBACK";
+    case VQ_ENOROOM:
+      return "VQ_ENOROOM";
   }
   return "unknown";
 }
@@ -720,6 +731,18 @@ vq_status vq_caches_new(const vq_config* c, int n_layers, vq_storage storage, vq
   return new_set("vq_caches_new", c, n_layers, storage, out, [&](auto tag) {
     using T = decltype(tag);
     return vc::KVCacheBuilder::for_model<T>(n_layers, c->config);
+  });
+}
+
+vq_status vq_caches_new_pooled(const vq_config* c, int n_layers, vq_storage storage,
+                               vq_pool* pool, vq_caches** out) {
+  if (pool == nullptr) {
+    if (out != nullptr) *out = nullptr;
+    return set_error(VQ_EINVAL, "vq_caches_new_pooled", "pool is NULL");
+  }
+  return new_set("vq_caches_new_pooled", c, n_layers, storage, out, [&](auto tag) {
+    using T = decltype(tag);
+    return vc::KVCacheBuilder::for_model<T>(n_layers, c->config, pool->pool);
   });
 }
 
@@ -947,6 +970,22 @@ vq_status vq_fork(const vq_caches* s, vq_caches** out) {
   });
 }
 
+vq_status vq_fork_pooled(const vq_caches* s, vq_pool* pool, vq_caches** out) {
+  if (out != nullptr) *out = nullptr;
+  return guarded("vq_fork_pooled", VQ_ESTATE, [&] {
+    need(s, "caches");
+    need(pool, "pool");
+    need(out, "out");
+    *out = visit(*s, [&](auto& set) -> vq_caches* {
+      using T = typename std::decay_t<decltype(set)>::type;
+      auto copy =
+          std::make_unique<Set<T>>(vc::KVCacheBuilder::fork(set.caches, pool->pool), set.storage);
+      copy->metadata = set.metadata;
+      return copy.release();
+    });
+  });
+}
+
 vq_status vq_checkpoint(vq_caches* s) {
   return guarded("vq_checkpoint", VQ_ESTATE, [&] {
     need(s, "caches");
@@ -1061,6 +1100,42 @@ vq_status vq_save(const vq_caches* s, const char* path) {
       } catch (const std::runtime_error& e) {
         fail(VQ_EIO, e.what());
       }
+    });
+  });
+}
+
+vq_status vq_load_pooled(const char* path, vq_pool* pool, vq_caches** out) {
+  if (out != nullptr) *out = nullptr;
+  return guarded("vq_load_pooled", VQ_EFORMAT, [&] {
+    need(path, "path");
+    need(pool, "pool");
+    need(out, "out");
+    *out = load_set(path, pool).release();
+  });
+}
+
+vq_status vq_pool_new(size_t max_bytes, vq_pool** out) {
+  if (out != nullptr) *out = nullptr;
+  return guarded("vq_pool_new", VQ_EINVAL, [&] {
+    need(out, "out");
+    *out = new vq_pool(max_bytes);
+  });
+}
+
+void vq_pool_free(vq_pool* p) { delete p; }
+
+size_t vq_pool_max_bytes(const vq_pool* p) { return p ? p->pool.max_bytes() : 0; }
+size_t vq_pool_used_bytes(const vq_pool* p) { return p ? p->pool.used_bytes() : 0; }
+size_t vq_pool_floor_bytes(const vq_pool* p) { return p ? p->pool.floor_bytes() : 0; }
+int vq_pool_sequences(const vq_pool* p) {
+  return p ? static_cast<int>(std::min<std::size_t>(p->pool.sequences(), INT_MAX)) : -1;
+}
+
+vq_status vq_pool_release(vq_caches* s) {
+  return guarded("vq_pool_release", VQ_EINVAL, [&] {
+    need(s, "caches");
+    visit(*s, [&](auto& set) {
+      for (auto& c : set.caches) c->leave_pool();
     });
   });
 }

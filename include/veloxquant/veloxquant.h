@@ -34,7 +34,7 @@ extern "C" {
  * (a program built against another major must not load this library); the minor when functions
  * are added. vq_abi_version() returns the library's VQ_ABI_VERSION. */
 #define VQ_ABI_VERSION_MAJOR 1
-#define VQ_ABI_VERSION_MINOR 3
+#define VQ_ABI_VERSION_MINOR 4
 #define VQ_ABI_VERSION (VQ_ABI_VERSION_MAJOR * 1000 + VQ_ABI_VERSION_MINOR)
 
 #if defined(_WIN32) && defined(VQ_BUILDING_SHARED)
@@ -49,6 +49,7 @@ extern "C" {
 
 typedef struct vq_config vq_config; /* a KVCacheConfig */
 typedef struct vq_caches vq_caches; /* one model's cache set, one cache per layer */
+typedef struct vq_pool vq_pool;     /* one byte cap over many sets (MemoryPool) */
 
 /* The enums are passed as ints: a C caller may pass any int where one is declared. C++ is told
  * their underlying type is int (VQ_INT_BASE: the size and passing of a C enum of these values),
@@ -67,7 +68,8 @@ typedef enum VQ_INT_BASE {
   VQ_EIO,      /* a file could not be opened, read, written or renamed */
   VQ_EFORMAT,  /* a file that is empty, truncated, corrupt or not a prompt cache */
   VQ_ESTATE,   /* the set's state refuses the call (a rollback without a checkpoint) */
-  VQ_ECALLBACK /* the engine's parallel-for failed (vq_set_parallel_for): the layer was reset */
+  VQ_ECALLBACK, /* the engine's parallel-for failed (vq_set_parallel_for): the layer was reset */
+  VQ_ENOROOM    /* a memory pool's floors do not fit: queue the request; nothing changed (1.4) */
 } vq_status;
 
 /* How rows are stored; how a buffer is ordered; an input buffer's element type. */
@@ -231,6 +233,32 @@ VQ_API vq_status vq_observe_keys(vq_caches* s, int layer, const vq_tensor* q, co
  * layers are left alone) or a kvzip layer not observed since its reset. Heads then hold their own
  * numbers of rows (vq_fetch refuses: use vq_attend); drops every vq_fetch window. */
 VQ_API vq_status vq_compress(vq_caches* s, double keep);
+
+/* ---- one memory cap over many sequences (MemoryPool, SPEC 19, docs/design.md 10.5) ----------- */
+
+/* A pool of max_bytes bytes (fair shares). Thread-safe: calls on different sets attached to it may
+ * run on different threads. */
+VQ_API vq_status vq_pool_new(size_t max_bytes, vq_pool** out);
+/* Frees the handle; sets still attached stay capped (the pool's state lives while they do). */
+VQ_API void vq_pool_free(vq_pool* p);                    /* NULL is fine */
+VQ_API size_t vq_pool_max_bytes(const vq_pool* p);       /* 0 for NULL */
+VQ_API size_t vq_pool_used_bytes(const vq_pool* p);      /* the attached sets' kept bytes; 0 */
+VQ_API size_t vq_pool_floor_bytes(const vq_pool* p);     /* what their floors claim; 0 */
+VQ_API int vq_pool_sequences(const vq_pool* p);          /* attached sets; -1 for NULL */
+/* vq_caches_new with the set attached to pool: after every call on it, the pool holds at most
+ * its cap, taking rows from its sets (every head keeps pool_floor_rows plus its sinks). A layer's
+ * first call claims its heads' floors: VQ_ENOROOM, nothing changed, when they do not fit (queue
+ * the request). VQ_EINVAL for method "standard" (it never evicts). */
+VQ_API vq_status vq_caches_new_pooled(const vq_config* c, int n_layers, vq_storage storage,
+                                      vq_pool* pool, vq_caches** out);
+/* vq_fork with the copy attached to pool (vq_fork of an attached set joins its pool by itself);
+ * VQ_ENOROOM, nothing made, when its floors do not fit. */
+VQ_API vq_status vq_fork_pooled(const vq_caches* s, vq_pool* pool, vq_caches** out);
+/* vq_load with the loaded set attached to pool; VQ_ENOROOM when its floors do not fit. */
+VQ_API vq_status vq_load_pooled(const char* path, vq_pool* pool, vq_caches** out);
+/* Detaches s from its pool, if any: its bytes and floors return to the pool; s works on,
+ * limited by its policy alone. */
+VQ_API vq_status vq_pool_release(vq_caches* s);
 
 /* ---- threads --------------------------------------------------------------------------------- */
 

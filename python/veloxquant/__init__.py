@@ -18,13 +18,14 @@ A failing call raises a VeloxQuantError carrying vq_last_error(): InvalidArgumen
 StateError or CallbackError (RuntimeError).
 """
 from ._lib import (CacheIOError, CallbackError, FormatError, InvalidArgumentError,
-                   OutOfMemoryError, StateError, VeloxQuantError)
-from .cache import (CacheSet, KVCache, KVCacheBuilder, KVCacheConfig, load_prompt_cache,
-                    save_prompt_cache)
+                   NoRoomError, OutOfMemoryError, StateError, VeloxQuantError)
+from .cache import (CacheSet, KVCache, KVCacheBuilder, KVCacheConfig, MemoryPool,
+                    load_prompt_cache, save_prompt_cache)
 
 __all__ = ["KVCacheConfig", "KVCacheBuilder", "CacheSet", "KVCache", "save_prompt_cache",
            "load_prompt_cache", "library_version", "VeloxQuantError", "InvalidArgumentError",
-           "OutOfMemoryError", "CacheIOError", "FormatError", "StateError", "CallbackError"]
+           "OutOfMemoryError", "CacheIOError", "FormatError", "StateError", "CallbackError",
+           "MemoryPool", "NoRoomError"]
 
 
 def library_version():

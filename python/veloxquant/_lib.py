@@ -5,7 +5,7 @@ import os
 import sys
 
 # vq_status
-OK, EINVAL, ENOMEM, EIO, EFORMAT, ESTATE, ECALLBACK = range(7)
+OK, EINVAL, ENOMEM, EIO, EFORMAT, ESTATE, ECALLBACK, ENOROOM = range(8)
 # vq_storage, vq_layout, vq_dtype
 STORAGES = {"half": 0, "bfloat16": 1, "float": 2}
 HEAD_MAJOR = 0
@@ -54,8 +54,15 @@ class CallbackError(VeloxQuantError, RuntimeError):
     status = ECALLBACK
 
 
+class NoRoomError(VeloxQuantError, MemoryError):
+    """VQ_ENOROOM: a memory pool's floors do not fit beside its sets'; nothing changed (queue
+    the request)."""
+
+    status = ENOROOM
+
+
 _ERRORS = {c.status: c for c in (InvalidArgumentError, OutOfMemoryError, CacheIOError,
-                                 FormatError, StateError, CallbackError)}
+                                 FormatError, StateError, CallbackError, NoRoomError)}
 
 
 class Tensor(ctypes.Structure):
@@ -114,10 +121,20 @@ _PROTOTYPES = {  # name: (restype, argtypes)
     "vq_metadata_at": (_st, [_p, _i, _SP, _SP]),
     "vq_save": (_st, [_p, _s]),
     "vq_load": (_st, [_s, _PP]),
+    "vq_pool_new": (_st, [ctypes.c_size_t, _PP]),
+    "vq_pool_free": (None, [_p]),
+    "vq_pool_max_bytes": (ctypes.c_size_t, [_p]),
+    "vq_pool_used_bytes": (ctypes.c_size_t, [_p]),
+    "vq_pool_floor_bytes": (ctypes.c_size_t, [_p]),
+    "vq_pool_sequences": (_i, [_p]),
+    "vq_caches_new_pooled": (_st, [_p, _i, _i, _p, _PP]),
+    "vq_fork_pooled": (_st, [_p, _p, _PP]),
+    "vq_load_pooled": (_st, [_s, _p, _PP]),
+    "vq_pool_release": (_st, [_p]),
 }
 
-# The ABI this module needs: major 1, minor 3 or later (vq_observe and vq_compress).
-ABI_MAJOR, ABI_MINOR = 1, 3
+# The ABI this module needs: major 1, minor 4 or later (the memory pool).
+ABI_MAJOR, ABI_MINOR = 1, 4
 # The library's file name where an installed package carries it beside this module (pip install
 # of the repository: python/pip_backend/veloxquant_backend.py puts it there).
 BUNDLED = {"darwin": "libveloxquant_c.dylib", "win32": "veloxquant_c.dll"}.get(

@@ -365,10 +365,15 @@ class CacheSet:
         """Every layer back to empty, before an unrelated sequence."""
         lib().vq_reset(self._handle)
 
-    def fork(self):
-        """An independent copy that continues bit-identically (metadata copied)."""
+    def fork(self, pool=None):
+        """An independent copy that continues bit-identically (metadata copied). A copy of a set
+        in a MemoryPool joins that pool; given `pool`, the copy joins it (NoRoomError when its
+        floors do not fit)."""
         out = ctypes.c_void_p()
-        check(lib().vq_fork(self._handle, ctypes.byref(out)))
+        if pool is None:
+            check(lib().vq_fork(self._handle, ctypes.byref(out)))
+        else:
+            check(lib().vq_fork_pooled(self._handle, _pool_handle(pool), ctypes.byref(out)))
         return CacheSet(out.value)
 
     __copy__ = fork
@@ -419,28 +424,97 @@ class CacheSet:
             check(lib().vq_metadata_set(self._handle, key, value))
 
     @classmethod
-    def load(cls, path):
-        """A new set from a file save() wrote, continuing exactly where the saved one stood."""
+    def load(cls, path, pool=None):
+        """A new set from a file save() wrote, continuing exactly where the saved one stood;
+        given `pool` (a MemoryPool), attached to it (NoRoomError when its floors do not fit)."""
         out = ctypes.c_void_p()
-        check(lib().vq_load(_lib.text(path, "path"), ctypes.byref(out)))
+        if pool is None:
+            check(lib().vq_load(_lib.text(path, "path"), ctypes.byref(out)))
+        else:
+            check(lib().vq_load_pooled(_lib.text(path, "path"), _pool_handle(pool),
+                                       ctypes.byref(out)))
         return cls(out.value)
 
     def __repr__(self):
         return f"<veloxquant.CacheSet {len(self)} layers, {self.storage}>"
 
 
+class MemoryPool:
+    """One byte cap over many sequences' sets (C++ MemoryPool, docs/design.md 10.5): sets attach
+    at creation (KVCacheBuilder.for_model(..., pool=), CacheSet.fork(pool=), CacheSet.load(...,
+    pool=)) and leave when freed or by release(). After every call on an attached set the pool
+    holds at most max_bytes, taking rows from its sets (fair shares), never below a head's floor
+    (the config's pool_floor_rows plus its sinks)."""
+
+    def __init__(self, max_bytes):
+        if not isinstance(max_bytes, numbers.Integral) or max_bytes < 0:
+            raise _lib.InvalidArgumentError(f"max_bytes ({max_bytes!r}) must be an int >= 0")
+        out = ctypes.c_void_p()
+        check(lib().vq_pool_new(int(max_bytes), ctypes.byref(out)))
+        self._handle = out.value
+
+    def __del__(self):
+        if getattr(self, "_handle", None) and _lib._lib is not None:
+            _lib._lib.vq_pool_free(self._handle)
+            self._handle = None
+
+    @property
+    def max_bytes(self):
+        return lib().vq_pool_max_bytes(self._handle)
+
+    @property
+    def used_bytes(self):
+        """The attached sets' kept bytes (as counted at the end of each layer's last call)."""
+        return lib().vq_pool_used_bytes(self._handle)
+
+    @property
+    def floor_bytes(self):
+        """What the attached sets' floors claim."""
+        return lib().vq_pool_floor_bytes(self._handle)
+
+    @property
+    def sequences(self):
+        """Attached sets."""
+        return lib().vq_pool_sequences(self._handle)
+
+    def release(self, caches):
+        """Detaches `caches` (a CacheSet): its bytes and floors return to the pool; it works on,
+        limited by its policy alone."""
+        check(lib().vq_pool_release(caches._handle))
+
+    def __repr__(self):
+        return (f"<veloxquant.MemoryPool {self.used_bytes}/{self.max_bytes} bytes, "
+                f"{self.sequences} sequences>")
+
+
+def _pool_handle(pool):
+    if not isinstance(pool, MemoryPool):
+        raise _lib.InvalidArgumentError(f"pool must be a MemoryPool, not {type(pool).__name__}")
+    return pool._handle
+
+
 class KVCacheBuilder:
     """Builds a model's caches (C++ KVCacheBuilder) and runs the set-wide operations."""
 
     @staticmethod
-    def for_model(n_layers, config, storage="half"):
+    def for_model(n_layers, config, storage="half", pool=None):
         """A CacheSet from config (validated), rows stored as storage ("half", "bfloat16" or
         "float"): n_layers caches, or, given a list of head dims, one cache per entry (None or 0:
-        a layer without attention, which gets a standard cache), as C++ for_model does."""
+        a layer without attention, which gets a standard cache), as C++ for_model does. Given
+        `pool` (a MemoryPool; n_layers only), the set is attached to it: each layer's first call
+        claims its heads' floors (NoRoomError, nothing changed, when they do not fit)."""
         if storage not in _lib.STORAGES:
             raise _lib.InvalidArgumentError(f"storage {storage!r} is not one of "
                                             f"{', '.join(_lib.STORAGES)}")
         out = ctypes.c_void_p()
+        if pool is not None:
+            if not isinstance(n_layers, numbers.Integral) or not 0 < n_layers <= _INT_MAX:
+                raise _lib.InvalidArgumentError(
+                    f"n_layers ({n_layers!r}) must be an int >= 1 with a pool")
+            check(lib().vq_caches_new_pooled(config._handle, int(n_layers),
+                                             _lib.STORAGES[storage], _pool_handle(pool),
+                                             ctypes.byref(out)))
+            return CacheSet(out.value)
         if not isinstance(n_layers, numbers.Integral):
             dims = [0 if d is None else d for d in n_layers]
             if not dims or not all(isinstance(d, numbers.Integral) and 0 <= d <= _INT_MAX
@@ -462,8 +536,8 @@ class KVCacheBuilder:
         caches.reset()
 
     @staticmethod
-    def fork(caches):
-        return caches.fork()
+    def fork(caches, pool=None):
+        return caches.fork(pool)
 
     @staticmethod
     def compress(caches, keep):
@@ -483,6 +557,6 @@ def save_prompt_cache(path, caches, metadata=None):
     caches.save(path, metadata)
 
 
-def load_prompt_cache(path):
-    """CacheSet.load(path)."""
-    return CacheSet.load(path)
+def load_prompt_cache(path, pool=None):
+    """CacheSet.load(path, pool)."""
+    return CacheSet.load(path, pool)

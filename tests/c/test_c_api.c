@@ -571,6 +571,7 @@ static void test_abi_and_errors(void) {
   CHECK(strcmp(vq_status_name(VQ_EFORMAT), "VQ_EFORMAT") == 0);
   CHECK(strcmp(vq_status_name(VQ_ESTATE), "VQ_ESTATE") == 0);
   CHECK(strcmp(vq_status_name(VQ_ECALLBACK), "VQ_ECALLBACK") == 0);
+  CHECK(strcmp(vq_status_name(VQ_ENOROOM), "VQ_ENOROOM") == 0);
   CHECK(strcmp(vq_status_name((vq_status)99), "unknown") == 0);
   CHECK(strcmp(vq_status_name((vq_status)-1), "unknown") == 0);
   CHECK(strcmp(vq_status_name((vq_status)INT_MIN), "unknown") == 0);
@@ -2563,6 +2564,81 @@ static void test_fork(void) {
   vq_caches_free(a);
 }
 
+/* One memory cap over many sequences (SPEC 19): sets attached at creation, by a fork and by a load
+ * stay under the cap after every call; floors that do not fit are VQ_ENOROOM and change nothing;
+ * the standard method cannot join; release and free return the bytes. Rows: 2 KV heads of dim 8
+ * in half, 32 bytes a row. */
+static void test_memory_pool(void) {
+  const size_t row = 2 * 8 * 2, floor = 2 /* layers */ * 2 /* heads */ * 20 * row;
+  vq_pool* p = NULL;
+  vq_config* c = config_of("h2o", 64);
+  vq_config* std_c = config_of("standard", 64);
+  vq_caches *a = NULL, *b = NULL, *f = NULL, *l = NULL, *none = SENTINEL_CACHES;
+  char path[512];
+  int i;
+  CHECK_FAIL(vq_pool_new(1000, NULL), VQ_EINVAL, "out");
+  CHECK_OK(vq_pool_new(2 * floor + floor / 2, &p));
+  CHECK(vq_pool_max_bytes(p) == 2 * floor + floor / 2 && vq_pool_sequences(p) == 0);
+  CHECK(vq_pool_max_bytes(NULL) == 0 && vq_pool_used_bytes(NULL) == 0 &&
+        vq_pool_sequences(NULL) == -1);
+  CHECK_FAIL(vq_caches_new_pooled(std_c, 2, VQ_HALF, p, &none), VQ_EINVAL, "standard");
+  CHECK(none == NULL);
+  CHECK_FAIL(vq_caches_new_pooled(c, 2, VQ_HALF, NULL, &none), VQ_EINVAL, "pool");
+  CHECK_OK(vq_caches_new_pooled(c, 2, VQ_HALF, p, &a));
+  CHECK_OK(vq_caches_new_pooled(c, 2, VQ_HALF, p, &b));
+  CHECK(vq_pool_sequences(p) == 2);
+  for (i = 0; i < 30; ++i) {
+    int layer;
+    for (layer = 0; layer < 2; ++layer) {
+      call_t ca = call_new(shape_std(i == 0 ? 40 : 1), 4000u + (uint32_t)(i * 2 + layer));
+      call_t cb = call_new(shape_std(i == 0 ? 40 : 1), 5000u + (uint32_t)(i * 2 + layer));
+      CHECK_OK(attend_hm(a, layer, &ca, ca.out));
+      CHECK(vq_pool_used_bytes(p) <= vq_pool_max_bytes(p));
+      CHECK_OK(attend_hm(b, layer, &cb, cb.out));
+      CHECK(vq_pool_used_bytes(p) <= vq_pool_max_bytes(p));
+      call_free(&ca);
+      call_free(&cb);
+    }
+  }
+  CHECK(vq_pool_used_bytes(p) == vq_kept_bytes(a) + vq_kept_bytes(b));
+  CHECK(vq_pool_floor_bytes(p) == 2 * floor);
+  CHECK(vq_head_rows(a, 0, 0, 0) >= 20 && vq_head_rows(b, 1, 0, 1) >= 20);
+  /* A fork would claim a third floor: VQ_ENOROOM, nothing made; also through vq_fork, which
+   * joins the source's pool. */
+  CHECK_FAIL(vq_fork_pooled(a, p, &f), VQ_ENOROOM, "floors");
+  CHECK(f == NULL);
+  CHECK_FAIL(vq_fork(a, &f), VQ_ENOROOM, "floors");
+  CHECK(vq_pool_sequences(p) == 2);
+  snprintf(path, sizeof path, "%s/pool.vqkv", g_dir);
+  CHECK_OK(vq_save(a, path));
+  CHECK_FAIL(vq_load_pooled(path, p, &l), VQ_ENOROOM, "floors");
+  CHECK(l == NULL);
+  /* A fresh set's first call claims its floors: VQ_ENOROOM, the set unchanged. */
+  {
+    vq_caches* d = NULL;
+    call_t cd = call_new(shape_std(4), 6000u);
+    CHECK_OK(vq_caches_new_pooled(c, 2, VQ_HALF, p, &d));
+    CHECK_FAIL(attend_hm(d, 0, &cd, cd.out), VQ_ENOROOM, "floors");
+    CHECK(vq_offset(d, 0) == 0 && vq_kept_bytes(d) == 0);
+    vq_caches_free(d);
+    call_free(&cd);
+  }
+  /* Released, b works on unlimited; its bytes left the pool, so a load fits now. */
+  CHECK_OK(vq_pool_release(b));
+  CHECK(vq_pool_sequences(p) == 1 && vq_pool_used_bytes(p) == vq_kept_bytes(a));
+  CHECK_OK(vq_load_pooled(path, p, &l));
+  CHECK(vq_pool_sequences(p) == 2 && vq_pool_used_bytes(p) <= vq_pool_max_bytes(p));
+  /* The handle may go first: the sets stay capped. */
+  vq_pool_free(p);
+  feed(l, 2, 3, 7000u);
+  vq_caches_free(l);
+  vq_caches_free(b);
+  vq_caches_free(a);
+  remove(path);
+  vq_config_free(c);
+  vq_config_free(std_c);
+}
+
 /* ---- 19. vq_checkpoint / vq_rollback
  * -------------------------------------------------------------- */
 
@@ -3349,6 +3425,7 @@ int main(void) {
       {"reset", test_reset},
       {"fork", test_fork},
       {"kvzip", test_kvzip},
+      {"memory_pool", test_memory_pool},
       {"checkpoint_rollback", test_checkpoint_rollback},
       {"parallel_for", test_parallel_for},
       {"metadata", test_metadata},

@@ -601,6 +601,48 @@ class DiagnosticsTest(unittest.TestCase):
         self.assertEqual([c.is_trimmable() for c in dims], [False, True])
 
 
+class MemoryPoolTest(unittest.TestCase):
+    """One byte cap over many sets (SPEC 19): attached at creation, by a fork and by a load; the
+    cap after every call; NoRoomError for floors that do not fit; release."""
+
+    def test_pool(self):
+        row = 2 * 8 * 2  # 2 KV heads of dim 8, half
+        floor = 2 * 2 * 20 * row  # 2 layers, (16 + 4 sinks) rows a head
+        pool = vq.MemoryPool(2 * floor + floor // 2)
+        config = vq.KVCacheConfig(method="h2o")
+        config.set_budget(64)
+        a = vq.KVCacheBuilder.for_model(2, config, pool=pool)
+        b = vq.KVCacheBuilder.for_model(2, config, pool=pool)
+        rng = np.random.default_rng(3)
+        for i in range(20):
+            step(a, rng, 40 if i == 0 else 1)
+            self.assertLessEqual(pool.used_bytes, pool.max_bytes)
+            step(b, rng, 40 if i == 0 else 1)
+            self.assertLessEqual(pool.used_bytes, pool.max_bytes)
+        self.assertEqual(pool.sequences, 2)
+        self.assertEqual(pool.used_bytes, a.kept_bytes + b.kept_bytes)
+        self.assertEqual(pool.floor_bytes, 2 * floor)
+        with self.assertRaises(vq.NoRoomError):
+            a.fork()  # joins a's pool, where a third floor does not fit
+        self.assertTrue(issubclass(vq.NoRoomError, MemoryError))
+        with self.assertRaisesRegex(ValueError, "standard"):
+            vq.KVCacheBuilder.for_model(2, vq.KVCacheConfig(method="standard"), pool=pool)
+        pool.release(b)
+        self.assertEqual(pool.sequences, 1)
+        self.assertEqual(pool.used_bytes, a.kept_bytes)
+        c = a.fork(pool)
+        self.assertEqual(pool.sequences, 2)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "a.vqkv")
+            a.save(path)
+            del c
+            gc.collect()
+            loaded = vq.CacheSet.load(path, pool=pool)
+            self.assertEqual(pool.sequences, 2)
+            step(loaded, rng, 1)
+            self.assertLessEqual(pool.used_bytes, pool.max_bytes)
+
+
 class ErrorTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()
@@ -609,7 +651,8 @@ class ErrorTest(unittest.TestCase):
     def test_hierarchy(self):
         for cls, base in ((vq.InvalidArgumentError, ValueError), (vq.FormatError, ValueError),
                           (vq.OutOfMemoryError, MemoryError), (vq.CacheIOError, OSError),
-                          (vq.StateError, RuntimeError), (vq.CallbackError, RuntimeError)):
+                          (vq.StateError, RuntimeError), (vq.CallbackError, RuntimeError),
+                          (vq.NoRoomError, MemoryError)):
             self.assertTrue(issubclass(cls, base) and issubclass(cls, vq.VeloxQuantError), cls)
 
     def test_wrong_shape(self):
