@@ -288,20 +288,30 @@ class PoolCore {
     }
     if (fixed >= max_) return;  // only the busy seats' own ends can help
     const std::size_t room = max_ - fixed;
+    const auto fits = [&](Index L) {
+      std::size_t sum = 0;
+      for (const PoolRows& r : rows_) sum += estimate(r, L);
+      return sum <= room;
+    };
     for (int round = 0; round < 64 && used_ > max_ && hi > 0; ++round) {
-      // The largest L in [0, hi) whose estimate fits (0 if none: every head to its floor).
-      Index a = 0, b = hi - 1, L = 0;
-      while (a <= b) {
-        const Index mid = a + (b - a) / 2;
-        std::size_t sum = 0;
-        for (const PoolRows& r : rows_) sum += estimate(r, mid);
-        if (sum <= room) {
-          L = mid;
-          a = mid + 1;
-        } else {
-          b = mid - 1;
+      // The largest L in [0, hi) whose estimate fits (0 if none: every head to its floor). In
+      // steady decoding it is the last one (a call's new row went over it): two passes decide.
+      Index L = 0;
+      if (limit_ < hi && fits(limit_) && (limit_ + 1 >= hi || !fits(limit_ + 1))) {
+        L = limit_;
+      } else {
+        Index a = 0, b = hi - 1;
+        while (a <= b) {
+          const Index mid = a + (b - a) / 2;
+          if (fits(mid)) {
+            L = mid;
+            a = mid + 1;
+          } else {
+            b = mid - 1;
+          }
         }
       }
+      limit_ = L;
       std::size_t k = 0;
       for (Seat& s : seats_) {
         if (s.busy > 0 && s.client != caller) continue;
@@ -361,6 +371,7 @@ class PoolCore {
 
   mutable std::mutex m_;
   const std::size_t max_;
+  Index limit_ = 0;  ///< the fair share's last limit (where the next search starts)
   const PoolRule rule_;
   std::vector<PoolRow> candidates_;
   std::size_t used_ = 0, floors_ = 0;
