@@ -507,6 +507,59 @@ void BM_CausalGQAScores(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * S);
 }
 
+// ---- one memory cap over many sequences (SPEC 19, docs/design.md 10.5) ----
+// 8 sequences of range(2) Llama-3-8B layers each (8 KV heads, G = 4, D = 128), H2O, decoding with
+// the fused attend, one sequence after another. range(1) 0: each cache's own budget of range(0)
+// rows is the limit (the policy evicts a row per call); 1: the caches' budget is one row more and
+// one MemoryPool of 8 x range(0) rows a head over every layer binds instead (its arbitration and
+// trim take the row; a budget just above keeps the heads' storage the same size); 2: the caches
+// are attached to a pool 4x that size, which never binds (the turns alone). The difference per
+// call is the pool's cost.
+constexpr int kPoolSequences = 8;
+void BM_PoolDecode(benchmark::State& state) {
+  using T = Eigen::half;
+  const int rows = static_cast<int>(state.range(0));
+  const bool pooled = state.range(1) != 0;
+  const bool loose = state.range(1) == 2;  // attached to a pool that never binds
+  const auto layers = static_cast<int>(state.range(2));
+  const std::size_t row_bytes = 2 * kHeadDim * sizeof(T) * kKvHeads;
+  vc::MemoryPool pool(static_cast<std::size_t>(kPoolSequences) * static_cast<std::size_t>(rows) *
+                      static_cast<std::size_t>(layers) * row_bytes * (loose ? 4 : 1));
+  std::vector<std::vector<std::unique_ptr<vc::KVCache<T>>>> sets;
+  const vc::KVCacheConfig config = h2o_config(pooled && !loose ? rows + 1 : rows);
+  const Index groups = 4;
+  std::vector<float> out(static_cast<std::size_t>(kKvHeads * groups * kHeadDim));
+  {
+    const auto prompt = random_tokens<T>(kKvHeads, rows, 10u);
+    const auto q = random_tokens<float>(kKvHeads * groups, rows, 20u);
+    std::vector<float> prefill_out(static_cast<std::size_t>(kKvHeads * groups * rows * kHeadDim));
+    for (int s = 0; s < kPoolSequences; ++s) {
+      sets.push_back(pooled ? vc::KVCacheBuilder::for_model<T>(layers, config, pool)
+                            : vc::KVCacheBuilder::for_model<T>(layers, config));
+      for (auto& c : sets.back()) c->attend(q, prompt, prompt, prefill_out.data());
+    }
+  }
+  const auto tokens = token_pool<T>(kKvHeads, 64);
+  std::vector<vc::Tensor4<float>> queries;
+  for (int i = 0; i < 64; ++i) {
+    queries.push_back(random_tokens<float>(kKvHeads * groups, 1, 3000u + static_cast<unsigned>(i)));
+  }
+  std::size_t i = 0;
+  for (auto _ : state) {
+    for (auto& set : sets) {
+      for (auto& c : set) {
+        const std::size_t j = i++ % tokens.size();
+        c->attend(queries[j], tokens[j], tokens[j], out.data());
+        benchmark::DoNotOptimize(out.data());
+      }
+    }
+  }
+  if (pooled && pool.used_bytes() > pool.max_bytes()) state.SkipWithError("above the cap");
+  state.SetItemsProcessed(state.iterations() * kPoolSequences * layers);
+}
+BENCHMARK(BM_PoolDecode)->ArgsProduct({{512, 2048}, {0, 1, 2}, {1}});
+BENCHMARK(BM_PoolDecode)->ArgsProduct({{512}, {0, 1, 2}, {32}})->Unit(benchmark::kMillisecond);
+
 BENCHMARK_TEMPLATE(BM_QueryDecode, Eigen::half)->ArgsProduct({{512, 2048}, {0, 1, 4}});
 BENCHMARK_TEMPLATE(BM_QueryDecode, float)->ArgsProduct({{512, 2048}, {0, 4}});
 BENCHMARK_TEMPLATE(BM_DenseGQAAttention, Eigen::half)->ArgsProduct({{512, 2048}, {4}});
