@@ -10,7 +10,9 @@
 /// Every step, each running request takes one token (its prompt in one call on admission). For
 /// each way it prints the peak bytes held, every request's KL(full || served) of the next-token
 /// distribution over its continuation (against the same request with a full cache, alone), the
-/// preemptions, the tokens recomputed, and the time to finish every request. --csv writes the bytes
+/// preemptions, the tokens recomputed, the steps requests waited for the pool's floors (a request
+/// whose floors do not fit beside the others' is queued, SPEC 19), and the time to finish every
+/// request. --csv writes the bytes
 /// each request holds after every step under the pool (scripts/serve_plot.py draws them).
 ///
 ///   llama2c_serve [--fixtures DIR] [--requests N] [--prompt P] [--length L] [--gap G]
@@ -28,6 +30,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <stdexcept>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -119,6 +122,7 @@ struct Outcome {
   std::size_t peak = 0;
   std::vector<double> kl;  ///< per request: mean KL over its continuation
   int preemptions = 0;
+  int waits = 0;  ///< steps a request waited because the pool's floors were full
   long recomputed = 0;
   double seconds = 0;
   int steps = 0;
@@ -160,10 +164,17 @@ class Server {
         if (eng[u] || finished[u] || t < i * o_.gap) continue;
         const int n = std::max(done[u], o_.prompt);  // its prompt, or all it had absorbed
         if (cap > 0 && held() + full_bytes(n + 1) > cap) break;  // waits, and the later ones too
-        Caches c = make(i);
-        eng[u] = std::make_unique<ll::Engine<T>>(model_, std::move(c), o_.queries);
         const std::vector<int> toks(reqs_[u].begin(), reqs_[u].begin() + n);
-        const Eigen::MatrixXf lg = eng[u]->forward(toks);
+        Eigen::MatrixXf lg;
+        try {
+          eng[u] = std::make_unique<ll::Engine<T>>(model_, make(i), o_.queries);
+          lg = eng[u]->forward(toks);
+        } catch (const std::length_error&) {
+          // The pool's floors are full (SPEC 19): the request waits, and the later ones too.
+          eng[u].reset();
+          ++out.waits;
+          break;
+        }
         if (done[u] > 0) out.recomputed += n;
         if (done[u] == 0) score(u, o_.prompt - 1, lg.row(lg.rows() - 1), kl_sum);
         done[u] = n;
@@ -305,8 +316,8 @@ int serve(const Options& o) {
     outcomes.push_back(server.run(
         "preempt", [&](int) { return vc::KVCacheBuilder::for_model<T>(n_layers, cfg); }, cap));
   }
-  std::printf("%-13s %12s %9s %9s %9s %8s %10s %8s %9s\n", "way", "peak bytes", "peak/cap",
-              "mean KL", "max KL", "preempt", "recomputed", "steps", "seconds");
+  std::printf("%-13s %12s %9s %9s %9s %8s %10s %6s %8s %9s\n", "way", "peak bytes", "peak/cap",
+              "mean KL", "max KL", "preempt", "recomputed", "waits", "steps", "seconds");
   for (const Outcome& r : outcomes) {
     double mean = 0, mx = 0;
     for (double k : r.kl) {
@@ -314,9 +325,9 @@ int serve(const Options& o) {
       mx = std::max(mx, k);
     }
     mean /= static_cast<double>(r.kl.size());
-    std::printf("%-13s %12zu %9.3f %9.5f %9.5f %8d %10ld %8d %9.3f\n", r.name.c_str(), r.peak,
+    std::printf("%-13s %12zu %9.3f %9.5f %9.5f %8d %10ld %6d %8d %9.3f\n", r.name.c_str(), r.peak,
                 static_cast<double>(r.peak) / static_cast<double>(cap), mean, mx, r.preemptions,
-                r.recomputed, r.steps, r.seconds);
+                r.recomputed, r.waits, r.steps, r.seconds);
   }
   std::printf("\nKL per request (pool / static split):");
   for (std::size_t i = 0; i < outcomes[0].kl.size(); ++i) {
