@@ -55,21 +55,28 @@ std::size_t kept(const std::vector<Caches>& sets) {
 /// Bytes one row of one head takes (half keys and values).
 constexpr std::size_t kRowBytes = 2 * kD * sizeof(T);
 
+/// Bytes `rows` rows per head take over one set's layers and heads.
+constexpr std::size_t layer_rows(std::size_t rows) { return kLayers * kB * kH * rows * kRowBytes; }
+
+/// A configuration of `method` at budget `budget`.
+vc::KVCacheConfig config_of(const std::string& method, int budget) {
+  vc::KVCacheConfig c;
+  c.method = method;
+  c.set_budget(budget);
+  return c;
+}
+
 /// The configurations the sweep runs: every evicting method at budget 48, then 8-bit token rows,
 /// 4-bit channel keys and adaptive heads.
 std::vector<std::pair<std::string, vc::KVCacheConfig>> configs() {
   std::vector<std::pair<std::string, vc::KVCacheConfig>> out;
   for (const Method m : kMethods) {
     if (m == Method::standard) continue;
-    vc::KVCacheConfig c;
-    c.method = method_name(m);
-    c.set_budget(48);
+    vc::KVCacheConfig c = config_of(method_name(m), 48);
     c.snap_obs_window = 4;
     out.emplace_back(c.method, c);
   }
-  vc::KVCacheConfig q8;
-  q8.method = "h2o";
-  q8.set_budget(48);
+  vc::KVCacheConfig q8 = config_of("h2o", 48);
   q8.key_bits = q8.value_bits = 8;
   q8.quant_group = 16;
   out.emplace_back("h2o+int8", q8);
@@ -81,9 +88,7 @@ std::vector<std::pair<std::string, vc::KVCacheConfig>> configs() {
   ch.quant_block = 8;
   ch.pool_floor_rows = 8;  // channel blocks claim a pending block and a table per row at most
   out.emplace_back("squeeze+k4channel", ch);
-  vc::KVCacheConfig ad;
-  ad.method = "h2o";
-  ad.set_budget(48);
+  vc::KVCacheConfig ad = config_of("h2o", 48);
   ad.head_budgets = "adaptive";
   ad.head_budget_floor = 0.25;
   out.emplace_back("h2o+adaptive", ad);
@@ -97,7 +102,7 @@ std::vector<std::pair<std::string, vc::KVCacheConfig>> configs() {
 TEST(MemoryPoolTest, EverySequenceStaysUnderTheCapWithEveryEvictingMethod) {
   for (const auto& [name, config] : configs()) {
     SCOPED_TRACE(name);
-    const std::size_t cap = 3 * kLayers * kB * kH * 40 * kRowBytes;
+    const std::size_t cap = 3 * layer_rows(40);
     vc::MemoryPool pool(cap);
     std::vector<Caches> sets;
     std::mt19937 rng(7);
@@ -139,10 +144,8 @@ TEST(MemoryPoolTest, EverySequenceStaysUnderTheCapWithEveryEvictingMethod) {
 /// Fair shares: sequences of one model and method, stepped in turn, end every round with their
 /// heads within one row of each other (the water-fill's one limit), whatever their ages.
 TEST(MemoryPoolTest, FairSharesGiveEveryHeadTheSameRows) {
-  vc::KVCacheConfig config;
-  config.method = "h2o";
-  config.set_budget(200);
-  const std::size_t cap = 4 * kLayers * kB * kH * 50 * kRowBytes;
+  vc::KVCacheConfig config = config_of("h2o", 200);
+  const std::size_t cap = 4 * layer_rows(50);
   vc::MemoryPool pool(cap);
   std::vector<Caches> sets;
   std::mt19937 rng(3);
@@ -172,10 +175,8 @@ TEST(MemoryPoolTest, FairSharesGiveEveryHeadTheSameRows) {
 /// a load that do not fit attach nothing; for_model alone throws when not even its lower bound
 /// fits.
 TEST(MemoryPoolTest, FloorsThatDoNotFitThrowLengthErrorAndChangeNothing) {
-  vc::KVCacheConfig config;
-  config.method = "tova";
-  config.set_budget(64);
-  const std::size_t floor = kLayers * kB * kH * 20 * kRowBytes;  // (16 + 4 sinks) rows a head
+  vc::KVCacheConfig config = config_of("tova", 64);
+  const std::size_t floor = layer_rows(20);  // (16 + 4 sinks) rows a head
   vc::MemoryPool pool(floor + floor / 2);
   std::mt19937 rng(5);
   Caches a = vc::KVCacheBuilder::for_model<T>(kLayers, config, pool);
@@ -263,11 +264,9 @@ TEST(MemoryPoolTest, StandardCachesCannotJoin) {
 /// release() and destruction return a set's bytes and floors; a released set works on,
 /// unlimited; a pool destroyed before its caches leaves them working.
 TEST(MemoryPoolTest, ReleaseAndDestructionReturnTheBytes) {
-  vc::KVCacheConfig config;
-  config.method = "h2o";
-  config.set_budget(64);
+  vc::KVCacheConfig config = config_of("h2o", 64);
   std::mt19937 rng(9);
-  auto pool = std::make_unique<vc::MemoryPool>(2 * kLayers * kH * 30 * kRowBytes);
+  auto pool = std::make_unique<vc::MemoryPool>(2 * layer_rows(30));
   Caches a = vc::KVCacheBuilder::for_model<T>(kLayers, config, *pool);
   Caches b = vc::KVCacheBuilder::for_model<T>(kLayers, config, *pool);
   step(a, rng, 40);
@@ -294,10 +293,8 @@ TEST(MemoryPoolTest, ReleaseAndDestructionReturnTheBytes) {
 
 /// A fork's children share their source's pool, and the cap holds as they diverge.
 TEST(MemoryPoolTest, ForkChildrenShareThePool) {
-  vc::KVCacheConfig config;
-  config.method = "squeeze";
-  config.set_budget(64);
-  const std::size_t cap = 2 * kLayers * kH * 50 * kRowBytes;
+  vc::KVCacheConfig config = config_of("squeeze", 64);
+  const std::size_t cap = 2 * layer_rows(50);
   vc::MemoryPool pool(cap);
   std::mt19937 rng(11);
   Caches root = vc::KVCacheBuilder::for_model<T>(kLayers, config, pool);
@@ -318,10 +315,8 @@ TEST(MemoryPoolTest, ForkChildrenShareThePool) {
 /// Rollback in a pool: a checkpointed set the pool takes rows from still returns to its
 /// checkpoint when there is room, and the cap holds after a rollback when there is not.
 TEST(MemoryPoolTest, RollbackReturnsToTheCheckpointAndKeepsTheCap) {
-  vc::KVCacheConfig config;
-  config.method = "h2o";
-  config.set_budget(64);
-  const std::size_t cap = 2 * kLayers * kH * 40 * kRowBytes;
+  vc::KVCacheConfig config = config_of("h2o", 64);
+  const std::size_t cap = 2 * layer_rows(40);
   vc::MemoryPool pool(cap);
   std::mt19937 rng(13);
   Caches a = vc::KVCacheBuilder::for_model<T>(kLayers, config, pool);
@@ -356,22 +351,20 @@ TEST(MemoryPoolTest, RollbackReturnsToTheCheckpointAndKeepsTheCap) {
 /// A prompt cache loads into a pool: its floors are claimed at once (its shape is known) and its
 /// rows counted; under a binding cap the loaded set gives rows up as any other.
 TEST(MemoryPoolTest, PromptCachesLoadIntoThePool) {
-  vc::KVCacheConfig config;
-  config.method = "snapkv";
-  config.set_budget(48);
+  vc::KVCacheConfig config = config_of("snapkv", 48);
   config.snap_obs_window = 4;
   std::mt19937 rng(17);
   Caches src = vc::KVCacheBuilder::for_model<T>(kLayers, config);
   step(src, rng, 80);
   std::stringstream file;
   vc::save_prompt_cache(file, src);
-  const std::size_t cap = kLayers * kH * 70 * kRowBytes;
+  const std::size_t cap = layer_rows(70);
   vc::MemoryPool pool(cap);
   Caches other = vc::KVCacheBuilder::for_model<T>(kLayers, config, pool);
   step(other, rng, 40);
   vc::PromptCache<T> loaded = vc::load_prompt_cache<T>(file, pool);
   EXPECT_EQ(pool.sequences(), 2U);
-  EXPECT_EQ(pool.floor_bytes(), 2 * kLayers * kH * 20 * kRowBytes);
+  EXPECT_EQ(pool.floor_bytes(), 2 * layer_rows(20));
   EXPECT_LE(pool.used_bytes(), cap);
   EXPECT_EQ(pool.used_bytes(), other[0]->kept_bytes() + other[1]->kept_bytes() +
                                    loaded.caches[0]->kept_bytes() +
@@ -385,11 +378,9 @@ TEST(MemoryPoolTest, PromptCachesLoadIntoThePool) {
 TEST(MemoryPoolTest, SetsThePoolCutSaveAndLoad) {
   for (const char* method : {"snapkv", "kvzip", "h2o"}) {
     SCOPED_TRACE(method);
-    vc::KVCacheConfig config;
-    config.method = method;
-    config.set_budget(500);
+    vc::KVCacheConfig config = config_of(method, 500);
     config.proxy_scoring = "keydiff";
-    const std::size_t cap = 2 * kLayers * kH * 30 * kRowBytes;
+    const std::size_t cap = 2 * layer_rows(30);
     vc::MemoryPool pool(cap);
     std::mt19937 rng(23);
     Caches a = vc::KVCacheBuilder::for_model<T>(kLayers, config, pool);
@@ -408,7 +399,7 @@ TEST(MemoryPoolTest, SetsThePoolCutSaveAndLoad) {
     std::istringstream in(bytes);
     const vc::PromptCache<T> plain = vc::load_prompt_cache<T>(in);
     EXPECT_EQ(plain.caches[0]->max_head_rows(), a[0]->max_head_rows());
-    vc::MemoryPool tight(kLayers * kH * 24 * kRowBytes);
+    vc::MemoryPool tight(layer_rows(24));
     std::istringstream again(bytes);
     vc::PromptCache<T> cut = vc::load_prompt_cache<T>(again, tight);
     EXPECT_LE(tight.used_bytes(), tight.max_bytes());
@@ -425,11 +416,9 @@ TEST(MemoryPoolTest, PoolFloorRowsIsWhatHeadsKeep) {
   bad.method = "h2o";
   bad.pool_floor_rows = -1;
   EXPECT_THROW(bad.validate(), std::invalid_argument);
-  vc::KVCacheConfig config;
-  config.method = "streaming_llm";
-  config.set_budget(64);
+  vc::KVCacheConfig config = config_of("streaming_llm", 64);
   config.pool_floor_rows = 30;
-  const std::size_t cap = 2 * kLayers * kH * 36 * kRowBytes;
+  const std::size_t cap = 2 * layer_rows(36);
   vc::MemoryPool pool(cap);
   std::mt19937 rng(19);
   Caches a = vc::KVCacheBuilder::for_model<T>(kLayers, config, pool);

@@ -321,6 +321,19 @@ void rebudget_head(const Rule& rule, HeadStore<T>& head, bool with_queries, Scra
 /// recent rows of its own. `sc`: the pool's scratch, sized for the heads' slots and dims.
 template <class T>
 void pool_trimmed(Layer<T>& L) noexcept;
+
+/// KVzip's ranking of a head's slots under a pool, in `sc.logits`: a row not yet observed
+/// (score < 0) ranks above every observed one, which ranks by its score.
+template <class T>
+const float* observed_pool_rank(const HeadStore<T>& head, Scratch& sc) noexcept {
+  float* rank = sc.logits.data();
+  const float* score = head.scores_data_const();
+  for (Index s = 0; s < head.physical(); ++s) {
+    rank[s] = score[s] < 0.0f ? std::numeric_limits<float>::max() : score[s];
+  }
+  return rank;
+}
+
 template <class T>
 void pool_trim_layer(Layer<T>& L, Index rows, Index floor, Scratch& sc) noexcept {
   if (L.heads.empty()) return;
@@ -349,12 +362,7 @@ void pool_trim_layer(Layer<T>& L, Index rows, Index floor, Scratch& sc) noexcept
         rebudget_head(r, head, with_queries, sc);
         continue;
       }
-      float* rank = sc.logits.data();
-      const float* score = head.scores_data_const();
-      for (Index s = 0; s < head.physical(); ++s) {
-        rank[s] = score[s] < 0.0f ? std::numeric_limits<float>::max() : score[s];
-      }
-      rebudget(head, *r.budget, r.n_sink, 0, sc, rank);
+      rebudget(head, *r.budget, r.n_sink, 0, sc, observed_pool_rank(head, sc));
     }
   }
   pool_trimmed(L);
@@ -375,17 +383,30 @@ inline Index pool_protected(const Rule& r, Index live) {
   return at.protected_recent();
 }
 
+/// A head's candidates under the scores rule: the rows at [sinks, hi) of its order, of which at
+/// most `quota` may go (0 when the head holds its floor or less).
+struct PoolQuota {
+  Index sinks = 0, hi = 0, quota = 0;
+};
+template <class T>
+PoolQuota pool_quota(const HeadStore<T>& head, const Rule& r, Index floor) noexcept {
+  const Index live = head.live();
+  if (live <= floor) return {};
+  PoolQuota q;
+  q.sinks = head.leading_sinks(r.n_sink);
+  q.hi = std::max(q.sinks, live - pool_protected(r, live));
+  q.quota = std::max<Index>(0, std::min(q.hi - q.sinks, live - floor));
+  return q;
+}
+
 /// Appends `head`'s candidates (see above) to `out`, sorted by rank when `sorted`, else its
 /// lowest-ranked `quota` in any order. Returns how many.
 template <class T>
 Index pool_head_candidates(const HeadStore<T>& head, const Rule& r, Index floor,
                            std::uint32_t seat, std::int32_t index, bool sorted,
                            std::vector<PoolRow>& out) noexcept {
-  const Index live = head.live();
-  if (live <= floor) return 0;
-  const Index sinks = head.leading_sinks(r.n_sink);
-  const Index hi = std::max(sinks, live - pool_protected(r, live));
-  const Index quota = std::min(hi - sinks, live - floor);
+  const PoolQuota q = pool_quota(head, r, floor);
+  const Index sinks = q.sinks, hi = q.hi, quota = q.quota;
   if (quota <= 0) return 0;
   const Slot* ord = head.order().data();
   double sum = 0.0;
@@ -437,26 +458,20 @@ void pool_candidates_layer(const Layer<T>& L, Index floor, std::uint32_t seat,
     out.resize(start);
     return;
   }
-  // Head i's sorted list follows head i - 1's, as long as that head's quota; row k of the layer
-  // overwrites out[start + k], which head 0's list no longer needs.
-  std::size_t at = start;
-  for (Index k = 0; k < quota; ++k) {
-    double sum = 0.0;
-    std::size_t base = start;
-    for (std::size_t i = 0; i < heads; ++i) {
-      const HeadStore<T>& head = L.heads[i];
-      const Index live = head.live();
-      const Index sinks = head.leading_sinks(r.n_sink);
-      const Index hi = std::max(sinks, live - pool_protected(r, live));
-      const Index q = std::min(hi - sinks, live - floor);
-      sum += static_cast<double>(out[base + static_cast<std::size_t>(k)].rank);
-      base += static_cast<std::size_t>(q);
-    }
-    const PoolRow first_head = out[start + static_cast<std::size_t>(k)];
-    out[at++] = PoolRow{static_cast<float>(sum / static_cast<double>(heads)), seat, -1,
-                        static_cast<std::int32_t>(k), first_head.pos};
+  // Head i's sorted list follows head i - 1's, as long as that head's quota. The layer's row k
+  // is head 0's entry k, its rank summed over the heads' k-th ranks, then averaged.
+  const auto layer_quota = static_cast<std::size_t>(quota);
+  std::size_t base = start + static_cast<std::size_t>(pool_quota(L.heads[0], r, floor).quota);
+  for (std::size_t i = 1; i < heads; ++i) {
+    for (std::size_t k = 0; k < layer_quota; ++k) out[start + k].rank += out[base + k].rank;
+    base += static_cast<std::size_t>(pool_quota(L.heads[i], r, floor).quota);
   }
-  out.resize(at);
+  for (std::size_t k = 0; k < layer_quota; ++k) {
+    PoolRow& row = out[start + k];
+    row = PoolRow{row.rank / static_cast<float>(heads), seat, -1, static_cast<std::int32_t>(k),
+                  row.pos};
+  }
+  out.resize(start + layer_quota);
 }
 
 /// After a memory pool took rows of `L` outside a call: channel blocks left without a live row
@@ -484,15 +499,7 @@ void pool_drop_layer(Layer<T>& L, const PoolRow* rows, std::size_t n, Scratch& s
   if (n > 0 && rows[0].head < 0) {
     for (auto& head : L.heads) {
       const Index live = head.live();
-      const float* rank = nullptr;
-      if (r.kind == RuleKind::observed) {
-        float* buf = sc.logits.data();
-        const float* score = head.scores_data_const();
-        for (Index s = 0; s < head.physical(); ++s) {
-          buf[s] = score[s] < 0.0f ? std::numeric_limits<float>::max() : score[s];
-        }
-        rank = buf;
-      }
+      const float* rank = r.kind == RuleKind::observed ? observed_pool_rank(head, sc) : nullptr;
       rebudget(head, static_cast<int>(live - static_cast<Index>(n)), r.n_sink,
                static_cast<int>(pool_protected(r, live)), sc, rank);
     }
