@@ -160,6 +160,32 @@ TEST(ForkTest, ACopyHoldsItsKeptBytesAndLittleMore) {
   }
 }
 
+/// A fork of quantized rows holds exactly its rows; a trim then frees slots, and the next call
+/// refills one without growing: it needs the row it quantizes through, which the fork must have
+/// allocated (it did not: a null write, found by the fuzz target `pool`, whose pool cuts free
+/// slots the same way). The copy then goes on as its source does.
+TEST(ForkTest, AQuantizedCopyRefillsASlotFreedBeforeItGrows) {
+  using T = Eigen::half;
+  vc::KVCacheConfig c;
+  c.method = "standard";
+  c.key_bits = c.value_bits = 8;
+  c.quant_group = 8;
+  Caches<T> source = vc::KVCacheBuilder::for_model<T>(1, c);
+  std::mt19937 rng(6u);
+  (void)source[0]->update_and_view(random_tensor<T>(rng, 1, 3, 11, 8),
+                                   random_tensor<T>(rng, 1, 3, 11, 8));
+  Caches<T> copy = vc::KVCacheBuilder::fork(source);
+  const vc::Tensor4<T> k = random_tensor<T>(rng, 1, 3, 1, 8);
+  const vc::Tensor4<T> v = random_tensor<T>(rng, 1, 3, 1, 8);
+  for (Caches<T>* set : {&source, &copy}) {
+    EXPECT_EQ((*set)[0]->trim(3), 3);
+    (void)(*set)[0]->update_and_view(k, v);
+  }
+  EXPECT_EQ(bytes_of(copy[0]->state().first), bytes_of(source[0]->state().first));
+  EXPECT_EQ(bytes_of(copy[0]->state().second), bytes_of(source[0]->state().second));
+  EXPECT_EQ(copy[0]->positions(0, 2), source[0]->positions(0, 2));
+}
+
 /// Speculative decoding on a model's set: a checkpoint mid-calibration, a draft of 6 tokens that
 /// completes it (the coordinator finalizes, the layers adopt and evict), a rollback, and the 2
 /// accepted tokens in one call: bitwise what a set that only made that call gives, coordinator

@@ -142,11 +142,15 @@ class RowBuffer {
   }
   /// A buffer whose slot i holds this one's slot src[i], i < n, at a capacity of exactly n (what
   /// a fork copies, docs/design.md 10.1). Rows are copied in runs of consecutive source slots;
-  /// no zero fill first (the rows are most of the bytes). A quantized buffer's float row comes
-  /// with its next growth (resized). Allocates only.
+  /// no zero fill first (the rows are most of the bytes). A quantized buffer that holds a row
+  /// gets its float row now: a slot freed before its next growth (a trim, a memory pool's cut)
+  /// is refilled without one. Allocates only.
   RowBuffer gathered(const Slot* src, Index n) const {
     RowBuffer b(kf_, vf_);
     b.ch_ = copied(ch_);  // the caller remaps its lanes (ChannelBlocks::remap)
+    if (quantized() && n > 0) {
+      b.row_buf_.resize(static_cast<std::size_t>(padded_dim(std::max(dk_, dv_))));
+    }
     const auto ks = static_cast<std::size_t>(ks_), vs = static_cast<std::size_t>(vs_);
     b.k_.reserve(static_cast<std::size_t>(n) * ks);
     b.v_.reserve(static_cast<std::size_t>(n) * vs);
