@@ -98,46 +98,77 @@ std::vector<std::pair<std::string, vc::KVCacheConfig>> configs() {
 /// Sequences arrive one every 12 steps (a 24-token prompt, then one token per step) under a cap
 /// of three sequences' worth of 40 rows per head: after every call the pool holds at most its cap
 /// and exactly what its caches keep; every head keeps its floor (or what it holds); no sequence
-/// is dropped, and the older ones give rows up to the newer.
+/// is dropped, and the older ones give rows up to the newer. Under both rules.
 TEST(MemoryPoolTest, EverySequenceStaysUnderTheCapWithEveryEvictingMethod) {
-  for (const auto& [name, config] : configs()) {
-    SCOPED_TRACE(name);
-    const std::size_t cap = 3 * layer_rows(40);
-    vc::MemoryPool pool(cap);
-    std::vector<Caches> sets;
-    std::mt19937 rng(7);
-    std::size_t first_before_fifth = 0;
-    for (int t = 0; t < 60; ++t) {
-      if (t % 12 == 0) {
-        sets.push_back(vc::KVCacheBuilder::for_model<T>(kLayers, config, pool));
-        step(sets.back(), rng, 24);
-        ASSERT_LE(pool.used_bytes(), cap);
+  for (const auto rule : {vc::MemoryPool::Rule::fair_share, vc::MemoryPool::Rule::scores}) {
+    for (const auto& [name, config] : configs()) {
+      SCOPED_TRACE(name + (rule == vc::MemoryPool::Rule::scores ? ", scores" : ", fair shares"));
+      const std::size_t cap = 3 * layer_rows(40);
+      vc::MemoryPool pool(cap, rule);
+      std::vector<Caches> sets;
+      std::mt19937 rng(7);
+      std::size_t first_before_fifth = 0;
+      for (int t = 0; t < 60; ++t) {
+        if (t % 12 == 0) {
+          sets.push_back(vc::KVCacheBuilder::for_model<T>(kLayers, config, pool));
+          step(sets.back(), rng, 24);
+          ASSERT_LE(pool.used_bytes(), cap);
+        }
+        const std::size_t waiting = sets.size() - (t % 12 == 0 ? 1 : 0);  // not the newcomer
+        for (std::size_t s = 0; s < waiting; ++s) {
+          step(sets[s], rng, 1);
+          ASSERT_LE(pool.used_bytes(), cap) << "step " << t << ", sequence " << s;
+          ASSERT_EQ(pool.used_bytes(), kept(sets));
+        }
+        if (t == 47) {
+          for (const auto& c : sets[0]) first_before_fifth += c->kept_bytes();
+        }
       }
-      const std::size_t waiting = sets.size() - (t % 12 == 0 ? 1 : 0);  // not the newcomer
-      for (std::size_t s = 0; s < waiting; ++s) {
-        step(sets[s], rng, 1);
-        ASSERT_LE(pool.used_bytes(), cap) << "step " << t << ", sequence " << s;
-        ASSERT_EQ(pool.used_bytes(), kept(sets));
+      EXPECT_EQ(pool.sequences(), 5U);
+      // Every head keeps its floor, or what its own policy's budget keeps when that is less (a
+      // PyramidKV layer's).
+      const Index floor = config.pool_floor_rows + 4;  // every method's sinks default to 4
+      for (const Caches& s : sets) {
+        for (const auto& c : s) {
+          const Index least =
+              c->layer_budget() > 0 ? std::min<Index>(floor, c->layer_budget()) : floor;
+          for (Index h = 0; h < kH; ++h) EXPECT_GE(c->head_rows(0, h), least);
+        }
       }
-      if (t == 47) {
-        for (const auto& c : sets[0]) first_before_fifth += c->kept_bytes();
+      // The fifth sequence took rows from the first.
+      std::size_t first_now = 0;
+      for (const auto& c : sets[0]) first_now += c->kept_bytes();
+      EXPECT_LT(first_now, first_before_fifth);
+    }
+  }
+}
+
+/// The scores rule under prompts that outgrow the cap at once: its ranks may run out (the heads'
+/// newest rows are protected; a channel block's table outlives its rows) before the pool is back
+/// under its cap, and then fair shares take the rest. (Found by the fuzz target `pool`.)
+TEST(MemoryPoolTest, TheScoresRuleKeepsTheCapWhenItsRanksRunOut) {
+  for (const char* kind : {"h2o+k4channel", "squeeze+adaptive"}) {
+    for (int budget = 8; budget <= 32; budget += 8) {
+      SCOPED_TRACE(std::string(kind) + ", budget " + std::to_string(budget));
+      vc::KVCacheConfig config = config_of(kind[0] == 'h' ? "h2o" : "squeeze", budget);
+      config.pool_floor_rows = 2;
+      if (kind[0] == 'h') {
+        config.key_bits = 4;
+        config.key_axis = "channel";
+        config.quant_block = 8;
+      } else {
+        config.head_budgets = "adaptive";
+        config.head_budget_floor = 0.25;
+      }
+      const std::size_t cap = layer_rows(16);
+      vc::MemoryPool pool(cap, vc::MemoryPool::Rule::scores);
+      std::mt19937 rng(29);
+      Caches a = vc::KVCacheBuilder::for_model<T>(kLayers, config, pool);
+      for (const Index S : {11, 10, 12, 9, 1, 1}) {
+        step(a, rng, S);
+        ASSERT_LE(pool.used_bytes(), cap) << "after " << S << " tokens";
       }
     }
-    EXPECT_EQ(pool.sequences(), 5U);
-    // Every head keeps its floor, or what its own policy's budget keeps when that is less (a
-    // PyramidKV layer's).
-    const Index floor = config.pool_floor_rows + 4;  // every method's sinks default to 4
-    for (const Caches& s : sets) {
-      for (const auto& c : s) {
-        const Index least = c->layer_budget() > 0 ? std::min<Index>(floor, c->layer_budget())
-                                                  : floor;
-        for (Index h = 0; h < kH; ++h) EXPECT_GE(c->head_rows(0, h), least);
-      }
-    }
-    // The fifth sequence took rows from the first.
-    std::size_t first_now = 0;
-    for (const auto& c : sets[0]) first_now += c->kept_bytes();
-    EXPECT_LT(first_now, first_before_fifth);
   }
 }
 
@@ -251,9 +282,8 @@ TEST(MemoryPoolTest, StandardCachesCannotJoin) {
   EXPECT_EQ(pool.sequences(), 0U);
   vc::KVCacheConfig h2o;
   h2o.method = "h2o";
-  Caches set =
-      vc::KVCacheBuilder::for_model<T>(std::vector<std::optional<int>>{16, std::nullopt, 16}, h2o,
-                                       pool);
+  Caches set = vc::KVCacheBuilder::for_model<T>(
+      std::vector<std::optional<int>>{16, std::nullopt, 16}, h2o, pool);
   EXPECT_TRUE(set[0]->in_pool());
   EXPECT_FALSE(set[1]->in_pool());
   EXPECT_TRUE(set[2]->in_pool());
@@ -272,8 +302,8 @@ TEST(MemoryPoolTest, ReleaseAndDestructionReturnTheBytes) {
   step(a, rng, 40);
   step(b, rng, 40);
   const std::size_t both = pool->used_bytes();
-  EXPECT_EQ(both, a[0]->kept_bytes() + a[1]->kept_bytes() + b[0]->kept_bytes() +
-                      b[1]->kept_bytes());
+  EXPECT_EQ(both,
+            a[0]->kept_bytes() + a[1]->kept_bytes() + b[0]->kept_bytes() + b[1]->kept_bytes());
   pool->release(a);
   EXPECT_FALSE(a[0]->in_pool());
   EXPECT_EQ(pool->sequences(), 1U);
@@ -367,8 +397,7 @@ TEST(MemoryPoolTest, PromptCachesLoadIntoThePool) {
   EXPECT_EQ(pool.floor_bytes(), 2 * layer_rows(20));
   EXPECT_LE(pool.used_bytes(), cap);
   EXPECT_EQ(pool.used_bytes(), other[0]->kept_bytes() + other[1]->kept_bytes() +
-                                   loaded.caches[0]->kept_bytes() +
-                                   loaded.caches[1]->kept_bytes());
+                                   loaded.caches[0]->kept_bytes() + loaded.caches[1]->kept_bytes());
   EXPECT_LT(loaded.caches[0]->max_head_rows(), src[0]->max_head_rows());
 }
 

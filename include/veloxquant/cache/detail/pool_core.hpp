@@ -269,11 +269,16 @@ class PoolCore {
   /// Fair shares (the file's head): while the pool is above its cap, the largest limit L under
   /// which the seats no call runs on (and the caller) fit beside the busy ones, then a trim of
   /// every one above it; repeated with a lower L while the trims freed less than estimated.
+  /// The scores rule goes first under that rule, in rounds while its candidates free bytes;
+  /// what they cannot free (its rounds ran out of candidates: what is left is the heads' newest
+  /// protected rows, or bytes a channel block's table holds beyond its rows) goes by fair shares.
   void arbitrate(const PoolClient* caller) noexcept {
     if (used_ <= max_) return;
     if (rule_ == PoolRule::scores) {
-      arbitrate_scores(caller);
-      return;
+      for (int round = 0; round < 64 && used_ > max_; ++round) {
+        if (!scores_round(caller)) break;
+      }
+      if (max_ >= used_) return;  // the ranks sufficed
     }
     rows_.clear();
     std::size_t fixed = 0;
@@ -326,10 +331,11 @@ class PoolCore {
     }
   }
 
-  /// The scores rule: the lowest-ranked candidates of every seat no call runs on (and the
-  /// caller's) go, fewest first... until the pool is back under its cap with a margin of a 64th
-  /// of it (each arbitration reads every candidate, so it frees enough for many calls).
-  void arbitrate_scores(const PoolClient* caller) noexcept {
+  /// A round of the scores rule: the lowest-ranked candidates of every seat no call runs on (and
+  /// the caller's) go, fewest first, until by their rows' bytes the pool is back under its cap
+  /// with a margin of a 64th of it (each round reads every candidate, so it frees enough for
+  /// many calls). Returns whether any row went.
+  bool scores_round(const PoolClient* caller) noexcept {
     candidates_.clear();
     rows_.clear();
     for (std::size_t i = 0; i < seats_.size(); ++i) {
@@ -367,6 +373,7 @@ class PoolCore {
       recount(s);
       i = j;
     }
+    return n > 0;
   }
 
   mutable std::mutex m_;
