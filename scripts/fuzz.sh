@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer binary fuzz/fuzz_cache.cpp (clang, AddressSanitizer + UndefinedBehaviorSanitizer)
-# into build-fuzz/ and runs its two targets side by side for SECONDS each (default 60):
+# into build-fuzz/ and runs its three targets side by side for SECONDS each (default 60):
 #   ops   operation sequences on every policy against the oracles (save-and-reload included),
 #         from the seed corpus fuzz/corpus/ and the saved regressions fuzz/regressions/;
 #   load  prompt-cache files through the loader, from fuzz/corpus_load/ (real saved files) and
-#         fuzz/regressions_load/.
+#         fuzz/regressions_load/;
+#   pool  several sets of caches sharing one MemoryPool (fuzz/fuzz_pool.hpp: the cap, the
+#         accounting, the floors, the refusals), from fuzz/corpus_pool/ and fuzz/regressions_pool/.
 # The checked-in corpora are never written: each target works on a copy in a temporary
 # directory, and its artifacts go to another one.
 #
-#   bash scripts/fuzz.sh [SECONDS] [ops|load]   (default: both; or --setup: install what it needs;
-#                                                --build: and build it)
+#   bash scripts/fuzz.sh [SECONDS] [TARGETS]   (TARGETS: "ops load pool", the default, or any of
+#                                               them; or --setup: install what it needs; --build:
+#                                               and build it)
 #
 # Exits nonzero on any crash, sanitizer report, oracle/invariant violation, timeout or OOM, and
 # prints the path of the crashing input, its base64 (so a CI log is enough to reproduce it) and the
 # replay command. Environment: FUZZ_KEEP=1 keeps the temporary directories; FUZZ_MAX_LEN overrides
-# libFuzzer's -max_len (default 1024 for ops, 16384 for load); FUZZ_OPT the optimisation level
+# libFuzzer's -max_len (default 1024 for ops, 16384 for load, 512 for pool); FUZZ_OPT the optimisation level
 # (default -O1; the binary is build-fuzz/fuzz_cache-O1). The CI builds at -O0: 32 CPU-seconds
 # instead of 118, for about a quarter of the executions per second (ops alone: 9 against 38 on the
 # 2-core machine, 2026-12-06; in the CI, beside the other lanes, 92 ops runs in its 20 seconds
@@ -33,9 +36,9 @@ elif [ "${1:-}" = "--build" ]; then  # install and build, and stop
   set -- 0
 fi
 SECS=${1:-60}
-TARGETS=${2:-"ops load"}
-if ! [[ "$SECS" =~ ^[0-9]+$ ]] || ! [[ "$TARGETS" =~ ^(ops|load|ops\ load)$ ]]; then
-  echo "usage: bash scripts/fuzz.sh [SECONDS] [ops|load]" >&2
+TARGETS=${2:-"ops load pool"}
+if ! [[ "$SECS" =~ ^[0-9]+$ ]] || ! [[ "$TARGETS" =~ ^(ops|load|pool)(\ (ops|load|pool))*$ ]]; then
+  echo "usage: bash scripts/fuzz.sh [SECONDS] [\"ops load pool\" or a part of it]" >&2
   exit 2
 fi
 
@@ -83,7 +86,7 @@ if [ "$BUILD_ONLY" = 1 ]; then
   exit 0
 fi
 
-# --- run: each target on a copy of its corpus, the two side by side ------------------------------
+# --- run: each target on a copy of its corpus, side by side ---------------------------------------
 export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:detect_stack_use_after_return=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 KEEP=()
@@ -130,13 +133,11 @@ run() {
 
 pids=()
 for t in $TARGETS; do
-  if [ "$t" = ops ]; then
-    prepare ops fuzz/corpus fuzz/regressions
-    run ops 1024 &
-  else
-    prepare load fuzz/corpus_load fuzz/regressions_load
-    run load 16384 &
-  fi
+  case $t in
+    ops) prepare ops fuzz/corpus fuzz/regressions; run ops 1024 & ;;
+    load) prepare load fuzz/corpus_load fuzz/regressions_load; run load 16384 & ;;
+    pool) prepare pool fuzz/corpus_pool fuzz/regressions_pool; run pool 512 & ;;
+  esac
   pids+=($!)
 done
 wait "${pids[@]}"
@@ -156,7 +157,7 @@ for t in $TARGETS; do
       echo "[fuzz]   base64: $(base64 -w0 "$f")" >&2
       echo "[fuzz]   replay: VELOXQUANT_FUZZ_TARGET=$t VELOXQUANT_FUZZ_TRACE=1 $BIN $f" >&2
     done
-    echo "[fuzz]   to keep it as a regression: cp <input> fuzz/regressions$([ "$t" = load ] && echo _load)/ (replayed by test_fuzz_regressions)" >&2
+    echo "[fuzz]   to keep it as a regression: cp <input> fuzz/regressions$([ "$t" != ops ] && echo "_$t")/ (replayed by test_fuzz_regressions)" >&2
     status=1
   else
     rm -f "$art/fuzz.log.txt"

@@ -25,6 +25,7 @@
 
 #include "../fuzz/fuzz_load.hpp"
 #include "../fuzz/fuzz_ops.hpp"
+#include "../fuzz/fuzz_pool.hpp"
 
 namespace {
 
@@ -101,10 +102,10 @@ TEST(FuzzRegressions, SeedCorpusReplaysCleanAndReachesEveryPolicy) {
 // from every policy, storage type and width (fuzz/fuzz_load.hpp), and the files of the same sets
 // in the older versions (v1-seed-*, written before proxy_scoring; v2-seed-*, before
 // value_norm_power; v3-seed-*, before head_budgets; v4-seed-*, before key_axis, value_axis and
-// quant_block; v5-seed-*, before kvzip_n_sink; v6-seed-*, before pool_floor_rows). Each one loads (with its checksums verified),
-// saves back to its own bytes and goes on with valid calls; an older file loads the fields it
-// predates at their defaults; and this build still writes exactly the current files' bytes, so the
-// format cannot drift without a new version (docs/design.md G).
+// quant_block; v5-seed-*, before kvzip_n_sink; v6-seed-*, before pool_floor_rows). Each one loads
+// (with its checksums verified), saves back to its own bytes and goes on with valid calls; an older
+// file loads the fields it predates at their defaults; and this build still writes exactly the
+// current files' bytes, so the format cannot drift without a new version (docs/design.md G).
 TEST(FuzzRegressions, LoadCorpusLoadsGoesOnAndIsWhatThisBuildWrites) {
   const fs::path dir = fuzz_dir() / "corpus_load";
   const std::vector<fs::path> files = inputs_in(dir);
@@ -197,6 +198,41 @@ TEST(FuzzRegressions, SavedRegressionsReplayClean) {
     const std::vector<std::uint8_t> data = read_bytes(p);
     EXPECT_EQ(veloxquant::fuzz::run_load(data.data(), data.size()), "") << p.string();
   }
+}
+
+// Target `pool` (fuzz/fuzz_pool.hpp): its seed corpus (fuzz/corpus_pool/) and saved regressions
+// (fuzz/regressions_pool/) replay clean, and the corpus reaches what the target is for: every
+// evicting method under both rules, every storage type, rows taken from idle sets under both
+// rules, refused calls, floors refused, and every set operation.
+TEST(FuzzRegressions, PoolCorpusReplaysCleanAndReachesEveryRuleAndOperation) {
+  fz::PoolStats stats;
+  std::size_t n = 0;
+  for (const char* sub : {"corpus_pool", "regressions_pool"}) {
+    const fs::path dir = fuzz_dir() / sub;
+    ASSERT_TRUE(fs::is_directory(dir)) << "no directory at " << dir.string();
+    for (const fs::path& p : inputs_in(dir)) {
+      const std::vector<std::uint8_t> data = read_bytes(p);
+      EXPECT_EQ(fz::run_pool(data.data(), data.size(), &stats), "") << p.string();
+      ++n;
+    }
+  }
+  EXPECT_EQ(stats.runs, n);
+  const auto reached = [&](const std::string& prefix) {
+    const auto it = stats.reached.lower_bound(prefix);
+    return it != stats.reached.end() && it->compare(0, prefix.size(), prefix) == 0;
+  };
+  for (const char* method : fz::pool_detail::kPoolMethods) {
+    for (const char* rule : {" fair", " scores"}) {
+      EXPECT_TRUE(reached(std::string(method) + rule)) << method << rule << " not reached";
+    }
+  }
+  for (const char* kind :
+       {"float", "half", "bfloat16", "take fair", "take scores", "refused call", "refused new set",
+        "refused first call", "refused fork", "fork", "release", "rollback", "reset", "load"}) {
+    EXPECT_TRUE(reached(kind)) << kind << " not reached";
+  }
+  EXPECT_GT(stats.calls, 100u);
+  EXPECT_GT(stats.takes, 10u);
 }
 
 TEST(FuzzRegressions, RunsAreDeterministic) {
