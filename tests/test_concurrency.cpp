@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -717,6 +718,64 @@ TEST(ConcurrencyMemoryPoolTest, SetsOnThreadsShareOnePool) {
   EXPECT_EQ(pool.sequences(), static_cast<std::size_t>(kThreads));
   EXPECT_EQ(pool.used_bytes(), kept);
   EXPECT_LE(pool.used_bytes(), pool.max_bytes());
+}
+
+/// MemoryPool::hold: a reader holding the pool sees its idle set stand still while another
+/// thread's calls would trim it (they wait), and may call its own set meanwhile. Outside the
+/// holds the other thread's calls do take the set's rows (checked at the end).
+TEST(ConcurrencyMemoryPoolTest, AHoldKeepsIdleCachesStillWhileAnotherThreadCalls) {
+  using T = Eigen::half;
+  using Caches = std::vector<std::unique_ptr<vc::KVCache<T>>>;
+  vc::KVCacheConfig config;
+  config.method = "h2o";
+  config.h2o_budget = 200;
+  constexpr int kLayers = 2, kHeads = 2, kD = 16;
+  const std::size_t row = 2 * kD * sizeof(T);
+  const std::size_t cap = kLayers * kHeads * 120 * row;
+  vc::MemoryPool pool(cap);
+  std::mt19937 rng(77u);
+  const auto call = [&](Caches& set, std::mt19937& r, Index S) {
+    for (auto& c : set) {
+      const auto k = veloxquant::test::random_tensor<T>(r, 1, kHeads, S, kD);
+      (void)c->update_and_view(k, k);
+    }
+  };
+  Caches mine = vc::KVCacheBuilder::for_model<T>(kLayers, config, pool);
+  call(mine, rng, 100);
+  const auto rows_of = [&] {
+    std::vector<std::vector<std::int64_t>> out;
+    for (const auto& c : mine) {
+      for (Index h = 0; h < kHeads; ++h) out.push_back(c->positions(0, h));
+    }
+    return out;
+  };
+  const std::int64_t before = mine[0]->head_rows(0, 0);
+  std::atomic<bool> done{false};
+  std::thread other([&] {
+    std::mt19937 r(78u);
+    Caches set = vc::KVCacheBuilder::for_model<T>(kLayers, config, pool);
+    for (int t = 0; t < 150; ++t) call(set, r, 1);
+    done = true;
+  });
+  int holds = 0;
+  while (!done) {
+    {
+      const vc::MemoryPool::Hold hold = pool.hold();
+      const auto first = rows_of();
+      std::this_thread::sleep_for(std::chrono::microseconds(500));
+      EXPECT_EQ(rows_of(), first) << "the set changed during hold " << holds;
+      ++holds;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  other.join();
+  EXPECT_GT(holds, 0);
+  EXPECT_LT(mine[0]->head_rows(0, 0), before) << "the other thread's calls never took a row";
+  {
+    const vc::MemoryPool::Hold hold = pool.hold();
+    call(mine, rng, 1);  // the holding thread's own calls go on
+    EXPECT_LE(pool.used_bytes(), cap);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

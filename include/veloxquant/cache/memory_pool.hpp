@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -48,6 +49,23 @@ class MemoryPool {
   std::size_t floor_bytes() const { return core_->floor_bytes(); }
   /// Attached sets (one per for_model, fork or load that attached).
   std::size_t sequences() const { return core_->sequences(); }
+
+  /// A hold on the pool (hold()): movable, released when destroyed.
+  class Hold {
+   public:
+    explicit Hold(std::shared_ptr<detail::PoolCore> core)
+        : core_(std::move(core)), lock_(core_->lock()) {}
+
+   private:
+    std::shared_ptr<detail::PoolCore> core_;  // declared first: outlives the lock
+    std::unique_lock<std::recursive_mutex> lock_;
+  };
+  /// Holds the pool until the returned Hold is destroyed: meanwhile no call on another thread
+  /// begins or ends on an attached cache (such calls wait), so the pool takes no rows and the
+  /// accessors of attached caches no call is running on may be read safely from this thread
+  /// (docs/design.md 10.5, threads). The holding thread may go on calling, forking, releasing and
+  /// destroying its own sets. Hold briefly: every other thread's calls on attached caches wait.
+  [[nodiscard]] Hold hold() const { return Hold(core_); }
 
   /// Detaches every cache of `caches` (their bytes and floors return to the pool; the caches keep
   /// their rows and work on, unlimited). Null entries and caches of no pool are skipped.

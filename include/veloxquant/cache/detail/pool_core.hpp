@@ -96,16 +96,16 @@ class PoolCore {
 
   std::size_t max_bytes() const { return max_; }
   std::size_t used_bytes() const {
-    std::lock_guard<std::mutex> lock(m_);
+    std::lock_guard<std::recursive_mutex> lock(m_);
     return used_;
   }
   std::size_t floor_bytes() const {
-    std::lock_guard<std::mutex> lock(m_);
+    std::lock_guard<std::recursive_mutex> lock(m_);
     return floors_;
   }
   /// Attached sets (sequences) with at least one seat.
   std::size_t sequences() const {
-    std::lock_guard<std::mutex> lock(m_);
+    std::lock_guard<std::recursive_mutex> lock(m_);
     std::size_t n = 0;
     for (std::size_t i = 0; i < seats_.size(); ++i) {
       bool first = true;
@@ -114,9 +114,12 @@ class PoolCore {
     }
     return n;
   }
+  /// The pool's lock: while it is held, no call on another thread begins or ends and no
+  /// arbitration runs (MemoryPool::hold).
+  std::unique_lock<std::recursive_mutex> lock() const { return std::unique_lock(m_); }
   /// A fresh set id (one per for_model, fork or load).
   std::uint64_t new_set() {
-    std::lock_guard<std::mutex> lock(m_);
+    std::lock_guard<std::recursive_mutex> lock(m_);
     return ++next_set_;
   }
 
@@ -133,7 +136,7 @@ class PoolCore {
   /// floors do not fit beside the floors already claimed; may throw std::bad_alloc. Then takes
   /// rows, if the set brought more than fits, from every seat no call runs on.
   void attach(std::uint64_t set, const std::vector<Join>& joins, const char* api) {
-    std::lock_guard<std::mutex> lock(m_);
+    std::lock_guard<std::recursive_mutex> lock(m_);
     std::size_t claim = 0;
     for (const Join& j : joins) claim += j.floor_bytes;
     check_floor_fits(claim, api);
@@ -154,7 +157,7 @@ class PoolCore {
   }
   /// Detaches a seat (its bytes and floor return to the pool); nothing if it is not attached.
   void detach(const PoolClient* c) noexcept {
-    std::lock_guard<std::mutex> lock(m_);
+    std::lock_guard<std::recursive_mutex> lock(m_);
     const auto it = find(c);
     if (it == seats_.end()) return;
     used_ -= it->rows.bytes;
@@ -167,7 +170,7 @@ class PoolCore {
   /// they do not fit, and std::bad_alloc; then the seat is as it was. `need`: what a trim of it
   /// may need when it ends (sizes the scratch).
   void begin(const PoolClient* c, std::size_t claim, const PoolNeed& need, const char* api) {
-    std::lock_guard<std::mutex> lock(m_);
+    std::lock_guard<std::recursive_mutex> lock(m_);
     const auto it = find(c);
     if (it == seats_.end()) return;
     if (claim > it->floor) check_floor_fits(claim - it->floor, api);
@@ -189,7 +192,7 @@ class PoolCore {
   /// failed): it claims the lower bound it attached with until its next first call. `failed`:
   /// the call threw, so it changed nothing of its cache and the arbitration takes no row of it.
   void end(const PoolClient* c, bool shape_unknown = false, bool failed = false) noexcept {
-    std::lock_guard<std::mutex> lock(m_);
+    std::lock_guard<std::recursive_mutex> lock(m_);
     const auto it = find(c);
     if (it == seats_.end()) return;
     if (shape_unknown) {
@@ -376,7 +379,9 @@ class PoolCore {
     return n > 0;
   }
 
-  mutable std::mutex m_;
+  // Recursive: a thread holding the pool (MemoryPool::hold) may still call its own caches, and
+  // destroy or release them.
+  mutable std::recursive_mutex m_;
   const std::size_t max_;
   Index limit_ = 0;  ///< the fair share's last limit (where the next search starts)
   const PoolRule rule_;
