@@ -145,7 +145,8 @@ TEST(MemoryPoolTest, EverySequenceStaysUnderTheCapWithEveryEvictingMethod) {
 
 /// The scores rule under prompts that outgrow the cap at once: its ranks may run out (the heads'
 /// newest rows are protected; a channel block's table outlives its rows) before the pool is back
-/// under its cap, and then fair shares take the rest. (Found by the fuzz target `pool`.)
+/// under its cap, or take more rounds than it runs, and then fair shares take the rest. (Found by
+/// the fuzz target `pool`.)
 TEST(MemoryPoolTest, TheScoresRuleKeepsTheCapWhenItsRanksRunOut) {
   for (const char* kind : {"h2o+k4channel", "squeeze+adaptive"}) {
     for (int budget = 8; budget <= 32; budget += 8) {
@@ -170,6 +171,19 @@ TEST(MemoryPoolTest, TheScoresRuleKeepsTheCapWhenItsRanksRunOut) {
       }
     }
   }
+  // Newest rows protected almost up to the head's size (grace 190): each round of the scores
+  // rule finds one candidate a head, so its 64 rounds cannot take the 130 rows that must go, and
+  // fair shares take them.
+  vc::KVCacheConfig config = config_of("h2o", 200);
+  config.h2o_grace = 190;
+  config.pool_floor_rows = 0;
+  const std::size_t cap = layer_rows(20);
+  vc::MemoryPool pool(cap, vc::MemoryPool::Rule::scores);
+  std::mt19937 rng(31);
+  Caches a = vc::KVCacheBuilder::for_model<T>(kLayers, config, pool);
+  step(a, rng, 150);
+  EXPECT_LE(pool.used_bytes(), cap);
+  for (const auto& c : a) EXPECT_GE(c->tokens_kept(), 4);  // the sinks: the floor
 }
 
 /// Fair shares: sequences of one model and method, stepped in turn, end every round with their
@@ -447,7 +461,7 @@ TEST(MemoryPoolTest, PoolFloorRowsIsWhatHeadsKeep) {
   EXPECT_THROW(bad.validate(), std::invalid_argument);
   vc::KVCacheConfig config = config_of("streaming_llm", 64);
   config.pool_floor_rows = 30;
-  const std::size_t cap = 2 * layer_rows(36);
+  const std::size_t cap = 2 * layer_rows(40);
   vc::MemoryPool pool(cap);
   std::mt19937 rng(19);
   Caches a = vc::KVCacheBuilder::for_model<T>(kLayers, config, pool);
@@ -455,8 +469,19 @@ TEST(MemoryPoolTest, PoolFloorRowsIsWhatHeadsKeep) {
   step(a, rng, 60);
   step(b, rng, 60);
   for (const Caches* s : {&a, &b}) {
-    for (const auto& c : *s) EXPECT_GE(c->tokens_kept(), 34);
+    for (const auto& c : *s) EXPECT_EQ(c->tokens_kept(), 40);  // the fair share
   }
+  // A set of a lower floor (4 rows) grows: the common limit falls to 12 rows, below the others'
+  // floors of 34, which they keep; the newcomer gets what is left.
+  vc::KVCacheConfig low = config;
+  low.pool_floor_rows = 0;
+  Caches c = vc::KVCacheBuilder::for_model<T>(kLayers, low, pool);
+  step(c, rng, 40);
+  EXPECT_LE(pool.used_bytes(), cap);
+  for (const Caches* s : {&a, &b}) {
+    for (const auto& layer : *s) EXPECT_EQ(layer->tokens_kept(), 34);
+  }
+  for (const auto& layer : c) EXPECT_EQ(layer->tokens_kept(), 12);
   std::stringstream file;
   vc::save_prompt_cache(file, a);
   vc::PromptCache<T> loaded = vc::load_prompt_cache<T>(file);
