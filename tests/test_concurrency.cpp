@@ -660,37 +660,48 @@ TEST(ConcurrencyPoolTest, APoolThatRacesItsOwnTasksIsCaughtWithoutARace) {
   }
 }
 
+// The memory pool's tests: sets of two layers of two heads of dim 16, half rows, H2O.
+namespace pooled {
+using T = Eigen::half;
+using Caches = std::vector<std::unique_ptr<vc::KVCache<T>>>;
+constexpr int kLayers = 2, kHeads = 2, kD = 16;
+constexpr std::size_t kRow = 2 * kD * sizeof(T);  // one row of one head
+vc::KVCacheConfig h2o(int budget) {
+  vc::KVCacheConfig c;
+  c.method = "h2o";
+  c.h2o_budget = budget;
+  return c;
+}
+/// One call of S random tokens on every layer of `set`.
+void call(Caches& set, std::mt19937& rng, Index S) {
+  for (auto& c : set) {
+    const auto k = veloxquant::test::random_tensor<T>(rng, 1, kHeads, S, kD);
+    const auto v = veloxquant::test::random_tensor<T>(rng, 1, kHeads, S, kD);
+    (void)c->update_and_view(k, v);
+  }
+}
+}  // namespace pooled
+
 /// Sequences on threads of their own under one memory pool (SPEC 19, docs/design.md 10.5): each
 /// thread builds its set in the pool, prefills, decodes (with a checkpoint and a rollback), forks
 /// and drops the fork, while the others' calls end and the pool takes their rows. Under
 /// ThreadSanitizer: no race; afterwards the pool holds at most its cap and exactly what the caches
 /// keep, and every head its floor.
 TEST(ConcurrencyMemoryPoolTest, SetsOnThreadsShareOnePool) {
-  using T = Eigen::half;
-  using Caches = std::vector<std::unique_ptr<vc::KVCache<T>>>;
-  vc::KVCacheConfig config;
-  config.method = "h2o";
-  config.h2o_budget = 64;
-  constexpr int kThreads = 4, kLayers = 2, kHeads = 2, kD = 16;
-  const std::size_t row = 2 * kD * sizeof(T);
-  vc::MemoryPool pool(kThreads * kLayers * kHeads * 36 * row);
+  using namespace pooled;  // NOLINT(google-build-using-namespace)
+  const vc::KVCacheConfig config = h2o(64);
+  constexpr int kThreads = 4;
+  vc::MemoryPool pool(kThreads * kLayers * kHeads * 36 * kRow);
   std::vector<Caches> sets(kThreads);
   std::atomic<int> failures{0};
   const auto lane = [&](int id) {
     try {
       std::mt19937 rng(500u + static_cast<unsigned>(id));
       Caches set = vc::KVCacheBuilder::for_model<T>(kLayers, config, pool);
-      const auto call = [&](Index S) {
-        for (auto& c : set) {
-          const auto k = veloxquant::test::random_tensor<T>(rng, 1, kHeads, S, kD);
-          const auto v = veloxquant::test::random_tensor<T>(rng, 1, kHeads, S, kD);
-          (void)c->update_and_view(k, v);
-        }
-      };
-      call(30 + 10 * id);
+      call(set, rng, 30 + 10 * id);
       for (int t = 0; t < 40; ++t) {
         if (t == 20) vc::KVCacheBuilder::checkpoint(set);
-        call(1);
+        call(set, rng, 1);
         if (t == 22) vc::KVCacheBuilder::rollback(set);
         if (t == 30) {
           // A fork joins the pool and leaves it when dropped. (Its accessors are not read: another
@@ -724,22 +735,11 @@ TEST(ConcurrencyMemoryPoolTest, SetsOnThreadsShareOnePool) {
 /// thread's calls would trim it (they wait), and may call its own set meanwhile. Outside the
 /// holds the other thread's calls do take the set's rows (checked at the end).
 TEST(ConcurrencyMemoryPoolTest, AHoldKeepsIdleCachesStillWhileAnotherThreadCalls) {
-  using T = Eigen::half;
-  using Caches = std::vector<std::unique_ptr<vc::KVCache<T>>>;
-  vc::KVCacheConfig config;
-  config.method = "h2o";
-  config.h2o_budget = 200;
-  constexpr int kLayers = 2, kHeads = 2, kD = 16;
-  const std::size_t row = 2 * kD * sizeof(T);
-  const std::size_t cap = kLayers * kHeads * 120 * row;
+  using namespace pooled;  // NOLINT(google-build-using-namespace)
+  const vc::KVCacheConfig config = h2o(200);
+  const std::size_t cap = kLayers * kHeads * 120 * kRow;
   vc::MemoryPool pool(cap);
   std::mt19937 rng(77u);
-  const auto call = [&](Caches& set, std::mt19937& r, Index S) {
-    for (auto& c : set) {
-      const auto k = veloxquant::test::random_tensor<T>(r, 1, kHeads, S, kD);
-      (void)c->update_and_view(k, k);
-    }
-  };
   Caches mine = vc::KVCacheBuilder::for_model<T>(kLayers, config, pool);
   call(mine, rng, 100);
   const auto rows_of = [&] {
