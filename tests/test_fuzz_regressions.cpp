@@ -153,7 +153,9 @@ TEST(FuzzRegressions, LoadCorpusLoadsGoesOnAndIsWhatThisBuildWrites) {
           EXPECT_EQ(c.value_axis, "token") << name;
           EXPECT_EQ(c.quant_block, 32) << name;
         }
-        if (!v6) EXPECT_EQ(c.kvzip_n_sink, 4) << name;  // versions 1 to 5 predate it
+        if (!v6) {
+          EXPECT_EQ(c.kvzip_n_sink, 4) << name;  // versions 1 to 5 predate it
+        }
         EXPECT_EQ(c.pool_floor_rows, 16) << name;       // every older version predates it
       }
       ++(v1 ? version1 : v2 ? version2 : v3 ? version3 : v4 ? version4 : v5 ? version5 : version6);

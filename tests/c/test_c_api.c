@@ -2574,7 +2574,7 @@ static void test_memory_pool(void) {
   vq_config* c = config_of("h2o", 64);
   vq_config* std_c = config_of("standard", 64);
   vq_caches *a = NULL, *b = NULL, *f = NULL, *l = NULL, *none = SENTINEL_CACHES;
-  char path[512];
+  char path[1200];
   int i;
   CHECK_FAIL(vq_pool_new(1000, NULL), VQ_EINVAL, "out");
   CHECK_OK(vq_pool_new(2 * floor + floor / 2, &p));
@@ -2609,7 +2609,7 @@ static void test_memory_pool(void) {
   CHECK(f == NULL);
   CHECK_FAIL(vq_fork(a, &f), VQ_ENOROOM, "floors");
   CHECK(vq_pool_sequences(p) == 2);
-  snprintf(path, sizeof path, "%s/pool.vqkv", g_dir);
+  path_in_dir(path, sizeof path, "pool.vqkv");
   CHECK_OK(vq_save(a, path));
   CHECK_FAIL(vq_load_pooled(path, p, &l), VQ_ENOROOM, "floors");
   CHECK(l == NULL);
