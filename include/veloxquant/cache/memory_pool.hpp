@@ -50,7 +50,8 @@ class MemoryPool {
   /// Attached sets (one per for_model, fork or load that attached).
   std::size_t sequences() const { return core_->sequences(); }
 
-  /// A hold on the pool (hold()): movable, released when destroyed.
+  /// A hold on the pool (hold()): movable, released when destroyed, which must happen on the
+  /// thread that took it (it holds the pool's mutex).
   class Hold {
    public:
     explicit Hold(std::shared_ptr<detail::PoolCore> core)
