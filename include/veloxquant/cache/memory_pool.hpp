@@ -51,13 +51,17 @@ class MemoryPool {
   std::size_t sequences() const { return core_->sequences(); }
 
   /// A hold on the pool (hold()): movable, released when destroyed, which must happen on the
-  /// thread that took it (it holds the pool's mutex).
+  /// thread that took it (it holds the pool's mutex). Not assignable: an assignment would release
+  /// the old core before its lock.
   class Hold {
    public:
-    explicit Hold(std::shared_ptr<detail::PoolCore> core)
-        : core_(std::move(core)), lock_(core_->lock()) {}
+    Hold(Hold&&) noexcept = default;
+    Hold& operator=(Hold&&) = delete;
 
    private:
+    friend class MemoryPool;
+    explicit Hold(std::shared_ptr<detail::PoolCore> core)
+        : core_(std::move(core)), lock_(core_->lock()) {}
     std::shared_ptr<detail::PoolCore> core_;  // declared first: outlives the lock
     std::unique_lock<std::recursive_mutex> lock_;
   };

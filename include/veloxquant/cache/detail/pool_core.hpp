@@ -337,8 +337,9 @@ class PoolCore {
   /// A round of the scores rule: the lowest-ranked candidates of every seat no call runs on (and
   /// the caller's) go, fewest first, until by their rows' bytes the pool is back under its cap
   /// with a margin of a 64th of it (each round reads every candidate, so it frees enough for
-  /// many calls). Returns whether any row went.
+  /// many calls). Returns whether it freed bytes (a row of a channel block may free none).
   bool scores_round(const PoolClient* caller) noexcept {
+    const std::size_t was = used_;
     candidates_.clear();
     rows_.clear();
     for (std::size_t i = 0; i < seats_.size(); ++i) {
@@ -376,7 +377,7 @@ class PoolCore {
       recount(s);
       i = j;
     }
-    return n > 0;
+    return used_ < was;
   }
 
   // Recursive: a thread holding the pool (MemoryPool::hold) may still call its own caches, and
