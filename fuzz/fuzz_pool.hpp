@@ -30,6 +30,10 @@
 //   * every other operation succeeds: once attached, no call fails for room.
 #pragma once
 
+// clang-format off
+#include "support/checked_asserts.hpp"  // must precede every veloxquant header
+// clang-format on
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -47,6 +51,8 @@
 #include <vector>
 #include <veloxquant/cache.hpp>
 #include <veloxquant/cache/memory_pool.hpp>
+
+#include "ops_input.hpp"  // its byte reader
 
 namespace veloxquant::fuzz {
 
@@ -76,20 +82,8 @@ struct PoolViolation {
   std::string what;
 };
 
-/// The input bytes; a missing byte reads as 0.
-class PoolBytes {
- public:
-  PoolBytes(const std::uint8_t* data, std::size_t size) : data_(data), size_(size) {}
-  std::uint8_t u8() { return pos_ < size_ ? data_[pos_++] : std::uint8_t{0}; }
-  int pick(int n) { return static_cast<int>(u8()) % n; }
-  int range(int lo, int hi) { return lo + pick(hi - lo + 1); }
-  bool exhausted() const { return pos_ >= size_; }
-
- private:
-  const std::uint8_t* data_;
-  std::size_t size_;
-  std::size_t pos_ = 0;
-};
+/// The input bytes (the ops target's reader: a missing byte reads as 0).
+using PoolBytes = veloxquant::fuzz::detail::Bytes;
 
 /// What one cache shows of its rows: every head's positions and scores, and its counters.
 struct Look {
